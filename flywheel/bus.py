@@ -1,0 +1,184 @@
+"""One small Kafka interface with both clients behind it.
+
+kafka-python is the default (the user's choice); confluent-kafka (librdkafka) is
+chosen with `FLYWHEEL_KAFKA_CLIENT=confluent`. Components only ever see
+`Producer`, `Consumer` and `Record`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from flywheel.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class BrokerUnavailable(RuntimeError):
+    """Kafka did not acknowledge in time: the caller must not report success."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    topic: str
+    value: bytes
+    key: bytes | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+class Producer(Protocol):
+    def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
+        """Send and wait until the broker acknowledged every message; raise `BrokerUnavailable` if not."""
+
+    def close(self) -> None: ...
+
+
+class Consumer(Protocol):
+    def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]: ...
+
+    def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
+        """Commit, per (topic, partition), the offset of the next record to read."""
+
+    def assignment(self) -> set[tuple[str, int]]: ...
+
+    def seek(self, topic: str, partition: int, offset: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def next_offsets(records: Iterable[Record]) -> dict[tuple[str, int], int]:
+    """The offsets to commit after processing `records` (last offset + 1 per partition)."""
+    out: dict[tuple[str, int], int] = {}
+    for r in records:
+        key = (r.topic, r.partition)
+        out[key] = max(out.get(key, 0), r.offset + 1)
+    return out
+
+
+# ---------------------------------------------------------------- kafka-python
+
+
+class KafkaPythonProducer:
+    def __init__(self, bootstrap: str, **config: object) -> None:
+        from kafka import KafkaProducer
+
+        self._p = KafkaProducer(
+            bootstrap_servers=bootstrap.split(","),
+            acks="all",
+            linger_ms=5,
+            retries=5,
+            max_block_ms=config.pop("max_block_ms", 10_000),
+            **config,
+        )
+
+    def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
+        from kafka.errors import KafkaError
+
+        try:
+            futures = [
+                self._p.send(m.topic, value=m.value, key=m.key, headers=list(m.headers) or None) for m in messages
+            ]
+            self._p.flush(timeout=timeout_s)
+            for f in futures:
+                f.get(timeout=timeout_s)
+        except KafkaError as exc:
+            raise BrokerUnavailable(f"Kafka did not acknowledge: {exc}") from exc
+
+    def close(self) -> None:
+        self._p.close(timeout=5)
+
+
+class KafkaPythonConsumer:
+    def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, **config: object) -> None:
+        from kafka import KafkaConsumer
+
+        self._c = KafkaConsumer(
+            *topics,
+            bootstrap_servers=bootstrap.split(","),
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            # The embedded broker takes about half the session timeout to complete a join.
+            session_timeout_ms=config.pop("session_timeout_ms", 6000),
+            heartbeat_interval_ms=config.pop("heartbeat_interval_ms", 1000),
+            max_poll_records=config.pop("max_poll_records", 2000),
+            **config,
+        )
+
+    def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out: list[Record] = []
+        for msgs in polled.values():
+            for m in msgs:
+                out.append(Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp))
+        return out
+
+    def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
+        from kafka.structs import OffsetAndMetadata, TopicPartition
+
+        if next_offsets:
+            self._c.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in next_offsets.items()})
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(tp.topic, tp.partition) for tp in self._c.assignment()}
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        from kafka.structs import TopicPartition
+
+        self._c.seek(TopicPartition(topic, partition), offset)
+
+    def close(self) -> None:
+        self._c.close(autocommit=False)
+
+
+# ---------------------------------------------------------------- factories
+
+
+def make_producer(settings: Settings, **config: object) -> Producer:
+    if settings.kafka_client == "confluent":
+        from flywheel.bus_confluent import ConfluentProducer
+
+        return ConfluentProducer(settings.kafka_bootstrap_servers, **config)
+    return KafkaPythonProducer(settings.kafka_bootstrap_servers, **config)
+
+
+def make_consumer(settings: Settings, topics: Sequence[str], group_id: str, **config: object) -> Consumer:
+    if settings.kafka_client == "confluent":
+        from flywheel.bus_confluent import ConfluentConsumer
+
+        return ConfluentConsumer(settings.kafka_bootstrap_servers, topics, group_id, **config)
+    return KafkaPythonConsumer(settings.kafka_bootstrap_servers, topics, group_id, **config)
+
+
+def ensure_topics(settings: Settings, names: Sequence[str] | None = None) -> None:
+    """Create the loop's topics (idempotent) with the configured partition count."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    names = list(names or (settings.events_topic, settings.rewards_topic, settings.dead_letter_topic))
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers.split(","))
+    try:
+        existing = set(admin.list_topics())
+        missing = [n for n in names if n not in existing]
+        if missing:
+            try:
+                admin.create_topics([NewTopic(n, settings.topic_partitions, 1) for n in missing])
+            except TopicAlreadyExistsError:
+                pass
+            log.info("created topics %s with %d partitions", missing, settings.topic_partitions)
+    finally:
+        admin.close()

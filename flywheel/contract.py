@@ -1,0 +1,245 @@
+"""The contracts every component agrees on (DESIGN.md, "Contracts").
+
+Nothing else crosses a component boundary: events on Kafka and in the lake are
+`Event` envelopes; serving's `generation` events carry a `GenerationRecord` in
+their properties; signals emit `RewardRecord`s; serving reads a `TrafficSplit`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+MAX_EVENT_BYTES = 256 * 1024
+
+
+class EventType(StrEnum):
+    GENERATION = "generation"
+    SHOWN = "shown"
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"
+    IGNORED = "ignored"
+    EDITED = "edited"
+    UNDONE = "undone"
+    RETAINED = "retained"
+    COPIED = "copied"
+    REGENERATED = "regenerated"
+    THUMBS = "thumbs"
+    FOLLOWUP = "followup"
+    SESSION_END = "session_end"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Event(BaseModel):
+    """The event envelope. `event_id` is the idempotency key.
+
+    >>> e = Event(type="accepted", generation_id="g1", user_id="u1", properties={"accepted_chars": 3})
+    >>> Event.from_bytes(e.to_bytes()) == e
+    True
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    type: EventType
+    schema_version: int = SCHEMA_VERSION
+    generation_id: str = Field(min_length=1, max_length=128)
+    user_id: str = Field(min_length=1, max_length=256)
+    session_id: str = Field(default="", max_length=256)
+    ts: datetime = Field(default_factory=utcnow, description="Event time.")
+    received_at: datetime = Field(default_factory=utcnow)
+    source: str = Field(default="native", max_length=128)
+    properties: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v not in SUPPORTED_SCHEMA_VERSIONS:
+            raise ValueError(f"unknown schema_version {v}; supported: {sorted(SUPPORTED_SCHEMA_VERSIONS)}")
+        return v
+
+    @field_validator("ts", "received_at")
+    @classmethod
+    def _aware(cls, v: datetime) -> datetime:
+        return v if v.tzinfo else v.replace(tzinfo=UTC)
+
+    @model_validator(mode="after")
+    def _generation_carries_record(self) -> Event:
+        if self.type == EventType.GENERATION:
+            GenerationRecord.model_validate(self.properties)
+        return self
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Event:
+        """Parse and validate; raises `InvalidEvent` with a readable reason."""
+        if len(raw) > MAX_EVENT_BYTES:
+            raise InvalidEvent(f"event is {len(raw)} bytes; the limit is {MAX_EVENT_BYTES}")
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as exc:
+            raise InvalidEvent(describe_validation_error(exc)) from None
+
+    def generation(self) -> GenerationRecord:
+        if self.type != EventType.GENERATION:
+            raise ValueError(f"event {self.event_id} is {self.type}, not a generation")
+        return GenerationRecord.model_validate(self.properties)
+
+
+class InvalidEvent(ValueError):
+    """An event that fails the contract; its message is the reason given to the sender."""
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+class GenerationRecord(BaseModel):
+    """What serving logs about one generation (the `properties` of a `generation` event)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    prompt_token_ids: list[int]
+    completion: str
+    completion_token_ids: list[int]
+    behaviour_logprobs: list[float] = Field(description="Log-prob of each completion token under the policy that sampled it.")
+    model_version: str
+    experiment: str = ""
+    arm: Literal["champion", "challenger"] = "champion"
+    latency_ms: float = 0.0
+    finish_reason: Literal["stop", "length", "declined"] = "stop"
+    temperature: float = 1.0
+
+    @model_validator(mode="after")
+    def _aligned(self) -> GenerationRecord:
+        if len(self.behaviour_logprobs) != len(self.completion_token_ids):
+            raise ValueError("behaviour_logprobs must have one entry per completion token")
+        return self
+
+
+LabelSource = Literal["explicit", "implicit", "default"]
+
+
+class RewardRecord(BaseModel):
+    """One satisfaction judgement per generation and reward-definition version (and revision)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generation_id: str
+    reward_version: str
+    revision: int = 0
+    reward: float
+    confidence: float = Field(ge=0.0, le=1.0)
+    label_source: LabelSource
+    signals: dict[str, float] = Field(default_factory=dict)
+    user_id: str = ""
+    model_version: str = ""
+    arm: str = ""
+    experiment: str = ""
+    window_start: datetime
+    window_end: datetime
+    late_events: int = 0
+    emitted_at: datetime = Field(default_factory=utcnow)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+RolloutState = Literal["idle", "running", "paused", "promoted", "rolled_back"]
+
+
+class TrafficSplit(BaseModel):
+    """Which versions serve whom. Serving reads it from Redis; the gate writes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    experiment: str = "default"
+    champion_version: str
+    challenger_version: str | None = None
+    challenger_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    salt: str = Field(default_factory=lambda: uuid.uuid4().hex[:8])
+    state: RolloutState = "idle"
+    changed_by: str = "system"
+    changed_at: datetime = Field(default_factory=utcnow)
+    reason: str = ""
+
+    def arm_for(self, user_id: str) -> Literal["champion", "challenger"]:
+        """Sticky assignment: the same user lands in the same arm while salt and share hold.
+
+        >>> s = TrafficSplit(champion_version="1", challenger_version="2", challenger_share=0.5, salt="x")
+        >>> s.arm_for("alice") == s.arm_for("alice")
+        True
+        >>> TrafficSplit(champion_version="1").arm_for("alice")
+        'champion'
+        """
+        if not self.challenger_version or self.challenger_share <= 0:
+            return "champion"
+        import hashlib
+
+        digest = hashlib.sha256(f"{self.salt}:{self.experiment}:{user_id}".encode()).digest()
+        bucket = int.from_bytes(digest[:8], "big") / 2**64
+        return "challenger" if bucket < self.challenger_share else "champion"
+
+    def version_for(self, arm: str) -> str:
+        if arm == "challenger" and self.challenger_version:
+            return self.challenger_version
+        return self.champion_version
+
+
+def event_json_schema() -> dict[str, Any]:
+    """The published, versioned JSON Schema of the envelope (served by the collector)."""
+    schema = Event.model_json_schema()
+    schema["$id"] = f"https://flywheel.local/schemas/event/v{SCHEMA_VERSION}.json"
+    schema["title"] = f"Flywheel event envelope v{SCHEMA_VERSION}"
+    schema.setdefault("$defs", {})["GenerationRecord"] = GenerationRecord.model_json_schema()
+    return schema
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, default=str, sort_keys=True)
+
+
+class DataWindow(BaseModel):
+    """The slice of data a version was trained on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: datetime | None = None
+    end: datetime
+    reward_version: str = ""
+    generation_ids_sha256: str = Field(default="", description="Hash of the sorted generation ids used.")
+
+
+class ModelLineage(BaseModel):
+    """Where a model version came from (stored with the version in the registry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    parent_version: str | None = None
+    base: str = Field(description="The checkpoint the lineage started from (path or name).")
+    trainer_config: dict[str, Any] = Field(default_factory=dict)
+    data_window: DataWindow | None = None
+    sample_count: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict)
+    run_id: str | None = None

