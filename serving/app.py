@@ -1,0 +1,168 @@
+"""The model server: an OpenAI-compatible `POST /v1/completions`.
+
+Each request is routed to champion or challenger by the traffic split (sticky per
+user), answered by that version, and logged as a `generation` event on Kafka with
+the completion's token ids and behaviour log-probs, *before* the answer returns:
+a completion whose generation record could not be logged is never shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from flywheel.bus import BrokerUnavailable, Outgoing, Producer
+from flywheel.contract import Event, EventType, GenerationRecord
+from serving.pool import NoModelReady, PolicyPool
+
+log = logging.getLogger(__name__)
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+    prompt: str = Field(max_length=20_000)
+    max_tokens: int = Field(default=16, ge=1, le=256)
+    temperature: float = Field(default=1.0, gt=0.0, le=2.0)
+    user: str = Field(min_length=1, max_length=256, description="Pseudonymous user id: the sticky A/B key.")
+    session_id: str = ""
+    seed: int | None = None
+    model: str | None = None
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("flywheel_serving_requests", "Completions served", ["arm", "version"],
+                                registry=self.registry)
+        self.declined = Counter("flywheel_serving_declined", "Empty completions (nothing shown)", ["arm"],
+                                registry=self.registry)
+        self.log_failures = Counter("flywheel_serving_log_failures", "Generation events Kafka refused",
+                                    registry=self.registry)
+        self.latency = Histogram("flywheel_serving_latency_seconds", "Generation latency", ["arm"],
+                                 registry=self.registry)
+
+
+def create_app(
+    pool: PolicyPool,
+    producer: Producer,
+    events_topic: str,
+    *,
+    refresh_interval_s: float = 1.0,
+) -> FastAPI:
+    metrics = ServingMetrics()
+    stop = threading.Event()
+
+    def refresher() -> None:
+        while not stop.wait(refresh_interval_s):
+            try:
+                pool.refresh()
+            except Exception:  # keep serving the current split; the next tick retries
+                log.exception("traffic split refresh failed")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        with contextlib.suppress(Exception):
+            pool.refresh()
+        thread = threading.Thread(target=refresher, name="split-refresher", daemon=True)
+        thread.start()
+        yield
+        stop.set()
+        thread.join(timeout=5)
+
+    app = FastAPI(title="Flywheel serving", lifespan=lifespan)
+    app.state.pool = pool
+
+    def get_pool() -> PolicyPool:
+        return pool
+
+    PoolDep = Annotated[PolicyPool, Depends(get_pool)]
+
+    @app.exception_handler(NoModelReady)
+    async def _not_ready(_: Request, exc: NoModelReady) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc), "type": "not_ready"}}, status_code=503,
+                            headers={"Retry-After": "2"})
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest, pool: PoolDep) -> dict[str, Any]:
+        route = pool.route(req.user)
+        started = time.perf_counter()
+        gen = route.policy.generate(req.prompt, max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed)
+        latency_ms = (time.perf_counter() - started) * 1000
+        generation_id = f"gen-{uuid.uuid4().hex}"
+        record = GenerationRecord(
+            prompt=req.prompt,
+            prompt_token_ids=gen.prompt_token_ids,
+            completion=gen.completion,
+            completion_token_ids=gen.completion_token_ids,
+            behaviour_logprobs=gen.logprobs,
+            model_version=route.version,
+            experiment=route.experiment,
+            arm=route.arm,  # type: ignore[arg-type]
+            latency_ms=latency_ms,
+            finish_reason=gen.finish_reason,
+            temperature=req.temperature,
+        )
+        event = Event(
+            type=EventType.GENERATION,
+            generation_id=generation_id,
+            user_id=req.user,
+            session_id=req.session_id,
+            source="serving",
+            properties=record.model_dump(),
+        )
+        try:
+            producer.send_all([Outgoing(events_topic, event.to_bytes(), key=generation_id.encode())])
+        except BrokerUnavailable as exc:
+            metrics.log_failures.inc()
+            log.error("generation %s not logged, not shown: %s", generation_id, exc)
+            raise HTTPException(503, "the generation could not be logged; retry later",
+                                headers={"Retry-After": "5"}) from None
+        metrics.requests.labels(route.arm, route.version).inc()
+        metrics.latency.labels(route.arm).observe(latency_ms / 1000)
+        if gen.finish_reason == "declined":
+            metrics.declined.labels(route.arm).inc()
+        n_prompt, n_completion = len(gen.prompt_token_ids), len(gen.completion_token_ids)
+        return {
+            "id": generation_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": route.version,
+            "choices": [{"text": gen.completion, "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                      "total_tokens": n_prompt + n_completion},
+            "flywheel": {"generation_id": generation_id, "model_version": route.version, "arm": route.arm,
+                         "experiment": route.experiment},
+        }
+
+    @app.get("/v1/models")
+    def models(pool: PoolDep) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": v, "object": "model"} for v in pool.loaded_versions]}
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz(pool: PoolDep) -> JSONResponse:
+        split = pool.split
+        if split is None:
+            return JSONResponse({"ready": False, "reason": "no traffic split loaded"}, status_code=503)
+        return JSONResponse({"ready": True, "split": split.model_dump(mode="json")})
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app

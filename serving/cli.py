@@ -1,0 +1,22 @@
+"""`flywheel serve`: run the model server."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(invoke_without_command=True)
+
+
+@app.callback()
+def serve(
+    port: int = typer.Option(None, help="Port on 127.0.0.1 (default: FLYWHEEL_SERVING_PORT)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+) -> None:
+    """Serve completions from the champion and challenger named by the traffic split."""
+    import uvicorn
+
+    from flywheel.settings import get_settings
+    from serving import build_serving_app
+
+    settings = get_settings()
+    uvicorn.run(build_serving_app(settings), host=host, port=port or settings.serving_port, log_level="warning")
