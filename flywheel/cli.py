@@ -41,3 +41,19 @@ for _name, _module, _help in _COMPONENTS:
             raise
         continue
     app.add_typer(_sub, name=_name, help=_help)
+
+
+@app.command()
+def up(
+    users: int = typer.Option(8, help="Simulated users driving traffic."),
+    bootstrap_seconds: float = typer.Option(120.0, help="CPU seconds to pretrain the embedded model, if none is given."),
+    train_interval: float = typer.Option(120.0, help="Seconds between training cycles (production: hours)."),
+    auto_approve: bool = typer.Option(True, help="Approve candidates automatically (demo only)."),
+    duration: float = typer.Option(None, help="Stop after this many seconds (default: run until Ctrl-C)."),
+) -> None:
+    """Run the whole loop on one machine: embedded parts, every component, simulated users, dashboard."""
+    from flywheel.settings import get_settings
+    from flywheel.up import run_up
+
+    run_up(get_settings(), users=users, bootstrap_seconds=bootstrap_seconds, train_interval_s=train_interval,
+           auto_approve_candidates=auto_approve, duration_s=duration)

@@ -1,0 +1,3 @@
+from flywheel.cli import app
+
+app(prog_name="flywheel")

@@ -1,0 +1,207 @@
+"""`flywheel up`: the whole loop on one machine, on the embedded defaults.
+
+Starts the real parts (broker, Redis or Valkey, MLflow on SQLite), makes sure a
+champion model exists (bootstrapping one when no checkpoint is given), runs every
+component as its own process, drives traffic with simulated users, and shows
+progress until interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from flywheel.bus import ensure_topics
+from flywheel.connections import redis_client
+from flywheel.contract import ModelLineage, TrafficSplit
+from flywheel.embedded import EmbeddedStack, settings_env, start_embedded
+from flywheel.settings import Settings
+from flywheel.simulator import UserSimulator
+from flywheel.traffic import TrafficSplitStore
+
+log = logging.getLogger(__name__)
+console = Console()
+
+# (name, flywheel sub-command) for every long-running component.
+COMPONENTS: list[tuple[str, list[str]]] = [
+    ("collector", ["ingest", "collector"]),
+    ("ingest", ["ingest", "worker"]),
+    ("signals", ["signals", "worker"]),
+    ("serving", ["serve"]),
+    ("gate", ["gate", "serve"]),
+    ("trainer", ["trainer", "schedule"]),
+]
+
+
+def ensure_champion(settings: Settings, *, bootstrap_seconds: float = 120.0, progress: bool = True) -> str:
+    """The champion's version: registered from `settings.model_path`, or bootstrapped, when there is none."""
+    from model_registry import ModelRegistry
+
+    registry = ModelRegistry(settings)
+    store = TrafficSplitStore(redis_client(settings), settings)
+    version = registry.alias("champion")
+    if version is None:
+        path = Path(settings.model_path) if settings.model_path else bootstrap_checkpoint(
+            settings, bootstrap_seconds, progress
+        )
+        version = registry.register(path, ModelLineage(base=str(path.resolve())))
+        registry.set_alias("champion", version)
+        registry.set_gate_state(version, "champion", by="flywheel", reason="initial champion")
+        console.print(f"registered [bold]{path}[/] as champion, version {version}")
+    split = store.get()
+    if split is None or split.champion_version != version and not split.challenger_version:
+        store.put(TrafficSplit(champion_version=version, changed_by="flywheel", reason="initial champion"))
+    return version
+
+
+def bootstrap_checkpoint(settings: Settings, seconds: float, progress: bool) -> Path:
+    from flywheel.lm import bootstrap_model
+
+    out = settings.data_dir / "bootstrap-model"
+    if (out / "config.json").exists():
+        return out
+    console.print(f"no model given: bootstrapping a small code model for {seconds:.0f}s on the CPU ...")
+    return bootstrap_model(out, preset="default", seed=0, max_seconds=seconds, progress=progress)
+
+
+@dataclass
+class Running:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Running]:
+    env = {**os.environ, **settings_env(settings), **extra_env, "PYTHONUNBUFFERED": "1"}
+    logs = settings.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    running = []
+    for name, args in COMPONENTS:
+        log_path = logs / f"{name}.log"
+        out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+        proc = subprocess.Popen([sys.executable, "-m", "flywheel", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        running.append(Running(name, proc, log_path))
+    return running
+
+
+def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = dict(urls)
+    with console.status("waiting for components to become ready ...") as status:
+        while pending:
+            for r in running:
+                if r.proc.poll() is not None:
+                    raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
+            for name, url in list(pending.items()):
+                try:
+                    if httpx.get(url, timeout=1).status_code == 200:
+                        del pending[name]
+                except httpx.HTTPError:
+                    pass
+            status.update(f"waiting for {', '.join(pending) or 'nothing'} ...")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(pending)}")
+            time.sleep(0.5)
+
+
+def auto_approve(settings: Settings) -> list[str]:
+    """Approve pending candidates (demo mode only: ML ops approve by hand in production)."""
+    from deploy_gate import approve
+    from model_registry import ModelRegistry
+
+    approved = []
+    for info in ModelRegistry(settings).versions():
+        if info.gate_state == "pending":
+            approve(settings, info.version, by="flywheel up --auto-approve", reason="demo loop")
+            approved.append(info.version)
+    return approved
+
+
+def progress_table(sim: UserSimulator, settings: Settings, started: float) -> Table:
+    from model_registry import ModelRegistry
+
+    table = Table(title=f"Flywheel loop, {time.monotonic() - started:.0f}s")
+    table.add_column("arm")
+    table.add_column("served", justify="right")
+    table.add_column("declined", justify="right")
+    table.add_column("satisfied / shown", justify="right")
+    for arm in ("champion", "challenger"):
+        s = sim.stats
+        table.add_row(arm, str(s.served[arm]), str(s.declined[arm]), f"{s.satisfaction(arm):.3f}")
+    split = TrafficSplitStore(redis_client(settings), settings).get()
+    if split:
+        table.caption = (
+            f"champion v{split.champion_version}, challenger v{split.challenger_version or '-'} "
+            f"({split.challenger_share:.0%}), state {split.state}; "
+            f"versions: {', '.join(f'v{v.version}:{v.gate_state}' for v in ModelRegistry(settings).versions()[:6])}"
+        )
+    return table
+
+
+def run_up(
+    settings: Settings,
+    *,
+    users: int,
+    bootstrap_seconds: float,
+    train_interval_s: float,
+    auto_approve_candidates: bool,
+    duration_s: float | None,
+) -> None:
+    stack: EmbeddedStack = start_embedded(settings)
+    s = stack.settings.model_copy(update={"train_interval_s": train_interval_s})
+    running: list[Running] = []
+    stop = threading.Event()
+    try:
+        ensure_topics(s)
+        ensure_champion(s, bootstrap_seconds=bootstrap_seconds)
+        running = start_components(s, {})
+        base = "http://127.0.0.1"
+        wait_healthy({
+            "serving": f"{base}:{s.serving_port}/readyz",
+            "collector": f"{base}:{s.collector_port}/healthz",
+            "gate": f"{base}:{s.gate_port}/",
+        }, running)
+        console.print(f"[bold green]dashboard:[/] {base}:{s.gate_port}/   "
+                      f"serving: {base}:{s.serving_port}/v1/completions   collector: {base}:{s.collector_port}")
+        console.print(f"logs: {s.data_dir / 'logs'}   approve a candidate: flywheel gate approve VERSION --by YOU")
+        sim = UserSimulator(f"{base}:{s.serving_port}", f"{base}:{s.collector_port}",
+                            sorted(s.write_key_set)[0], n_users=users)
+        sim.start(stop)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        started = time.monotonic()
+        with Live(progress_table(sim, s, started), console=console, refresh_per_second=1) as live:
+            while not stop.wait(2.0):
+                for r in running:
+                    if r.proc.poll() is not None:
+                        raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
+                if auto_approve_candidates:
+                    for v in auto_approve(s):
+                        console.print(f"approved candidate v{v} (auto)")
+                live.update(progress_table(sim, s, started))
+                if duration_s is not None and time.monotonic() - started > duration_s:
+                    break
+    except KeyboardInterrupt:
+        console.print("stopping ...")
+    finally:
+        stop.set()
+        for r in running:
+            r.proc.send_signal(signal.SIGTERM)
+        for r in running:
+            try:
+                r.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                r.proc.kill()
+        stack.stop()
