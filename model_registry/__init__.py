@@ -1,1 +1,15 @@
-"""model_registry component."""
+"""Model registry: versioned checkpoints with lineage and gate state, on MLflow."""
+
+from __future__ import annotations
+
+from model_registry.manifest import ArtifactIntegrityError
+from model_registry.registry import GATE_STATES, GateChange, ModelRegistry, UnknownVersion, VersionInfo
+
+__all__ = [
+    "GATE_STATES",
+    "ArtifactIntegrityError",
+    "GateChange",
+    "ModelRegistry",
+    "UnknownVersion",
+    "VersionInfo",
+]

@@ -1,0 +1,300 @@
+"""The MLflow-backed model registry: versions, lineage, gate state, aliases, fetch.
+
+A version is one registered checkpoint directory. Its files are logged as MLflow run
+artifacts (under `model/`, in the trainer's run when the lineage names one), together
+with a per-file sha256 manifest whose own hash is a version tag; `fetch` refuses a
+download that does not match. Lineage and gate state live in version tags, and every
+gate-state change adds one history tag (who, when, why), so the history is never
+rewritten. Works on any MLflow store (SQLite by default, PostgreSQL, a tracking server).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+
+from flywheel.connections import configure_mlflow, experiment_artifact_location
+from flywheel.contract import ModelLineage
+from flywheel.settings import Settings
+from model_registry.manifest import ArtifactIntegrityError, build_manifest, manifest_bytes, verify
+
+# Artifact downloads are internal steps of `fetch`; their tqdm bars would only clutter logs.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+GATE_STATES = ("pending", "approved", "rejected", "challenger", "champion", "rolled_back", "quarantined")
+REGISTRY_EXPERIMENT = "flywheel-registry"
+ARTIFACT_DIR = "model"
+MANIFEST_ARTIFACT = "checkpoint_manifest.json"
+
+TAG_LINEAGE = "flywheel.lineage"
+TAG_GATE_STATE = "flywheel.gate_state"
+TAG_GATE_HISTORY = "flywheel.gate_history."  # + zero-padded sequence number
+TAG_MANIFEST_SHA = "flywheel.manifest_sha256"
+
+
+@dataclass
+class VersionInfo:
+    version: str
+    created_at: datetime
+    lineage: ModelLineage
+    gate_state: str
+    aliases: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GateChange:
+    """One entry of a version's gate-state history."""
+
+    state: str
+    previous: str
+    by: str
+    at: datetime
+    reason: str
+
+
+class UnknownVersion(LookupError):
+    """The registry holds no such version."""
+
+
+def ensure_experiment(client: MlflowClient, settings: Settings, name: str) -> str:
+    """The id of experiment `name`, created with the configured artifact location when missing."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return str(exp.experiment_id)
+    location = experiment_artifact_location(settings)
+    try:
+        return str(
+            client.create_experiment(name, artifact_location=f"{location}/{name}" if location else None)
+        )
+    except MlflowException:  # another process created it between our lookup and create
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return str(exp.experiment_id)
+
+
+class ModelRegistry:
+    """Model versions of `settings.registered_model_name` in the MLflow model registry."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        uri = configure_mlflow(settings)
+        self._client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        self._name = settings.registered_model_name
+        self._cache_dir = settings.data_dir / "models"
+
+    @property
+    def client(self) -> MlflowClient:
+        return self._client
+
+    # -- registration ------------------------------------------------------------------
+    def register(self, model_dir: Path, lineage: ModelLineage) -> str:
+        """Log `model_dir` and its manifest as artifacts and create a version in gate state "pending".
+
+        The artifacts go to the lineage's run (the trainer's cycle run) when it names one,
+        else to a new run of the registry experiment. The version is created last, with all
+        its tags at once: a crash before that leaves orphan artifacts, never a half version.
+        """
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"{model_dir} is not a directory; pass a saved Hugging Face checkpoint")
+        manifest = build_manifest(model_dir)
+        raw_manifest = manifest_bytes(manifest)
+        run_id = lineage.run_id or self._new_run(model_dir)
+        lineage = lineage.model_copy(update={"run_id": run_id})
+        self._client.log_artifacts(run_id, str(model_dir), ARTIFACT_DIR)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / MANIFEST_ARTIFACT
+            path.write_bytes(raw_manifest)
+            self._client.log_artifact(run_id, str(path))
+        self._ensure_registered_model()
+        now = _utc_now()
+        first = GateChange(state="pending", previous="", by="registry", at=now, reason="registered")
+        mv = self._client.create_model_version(
+            self._name,
+            source=f"{self._client.get_run(run_id).info.artifact_uri}/{ARTIFACT_DIR}",
+            run_id=run_id,
+            tags={
+                TAG_LINEAGE: lineage.model_dump_json(),
+                TAG_GATE_STATE: "pending",
+                _history_key(0): _change_json(first),
+                TAG_MANIFEST_SHA: hashlib.sha256(raw_manifest).hexdigest(),
+            },
+            description=f"parent {lineage.parent_version or '-'}; {lineage.sample_count} samples",
+        )
+        return str(mv.version)
+
+    def _new_run(self, model_dir: Path) -> str:
+        exp_id = ensure_experiment(self._client, self._settings, REGISTRY_EXPERIMENT)
+        run = self._client.create_run(exp_id, run_name=f"register {model_dir.name}")
+        self._client.set_terminated(run.info.run_id)
+        return str(run.info.run_id)
+
+    def _ensure_registered_model(self) -> None:
+        try:
+            self._client.get_registered_model(self._name)
+        except MlflowException:
+            try:
+                self._client.create_registered_model(self._name)
+            except MlflowException:  # created concurrently by another process
+                self._client.get_registered_model(self._name)
+
+    # -- reading -----------------------------------------------------------------------
+    def _version(self, version: str) -> ModelVersion:
+        try:
+            return self._client.get_model_version(self._name, str(version))
+        except MlflowException as exc:
+            raise UnknownVersion(f"model {self._name!r} has no version {version!r}") from exc
+
+    def lineage(self, version: str) -> ModelLineage:
+        return ModelLineage.model_validate_json(self._version(version).tags[TAG_LINEAGE])
+
+    def versions(self) -> list[VersionInfo]:
+        """Every version, newest first."""
+        try:
+            found = self._client.search_model_versions(f"name='{self._name}'")
+        except MlflowException:
+            return []
+        # search results carry no aliases on every store; the registered model has them all
+        aliases: dict[str, list[str]] = {}
+        for alias, version in self._client.get_registered_model(self._name).aliases.items():
+            aliases.setdefault(str(version), []).append(alias)
+        infos = [_info(mv, aliases.get(str(mv.version), [])) for mv in found if TAG_LINEAGE in mv.tags]
+        return sorted(infos, key=lambda v: int(v.version), reverse=True)
+
+    def gate_state(self, version: str) -> str:
+        return str(self._version(version).tags.get(TAG_GATE_STATE, "pending"))
+
+    def gate_history(self, version: str) -> list[GateChange]:
+        """Every gate-state change of `version`, oldest first."""
+        tags = self._version(version).tags
+        keys = sorted(k for k in tags if k.startswith(TAG_GATE_HISTORY))
+        return [_change_from_json(tags[k]) for k in keys]
+
+    # -- changing ----------------------------------------------------------------------
+    def set_gate_state(self, version: str, state: str, *, by: str, reason: str = "") -> None:
+        """Move `version` to `state`, recording who did it, when and why."""
+        if state not in GATE_STATES:
+            raise ValueError(f"unknown gate state {state!r}; use one of {', '.join(GATE_STATES)}")
+        if not by.strip():
+            raise ValueError("say who changes the gate state (by=...)")
+        mv = self._version(version)
+        seq = sum(1 for k in mv.tags if k.startswith(TAG_GATE_HISTORY))
+        change = GateChange(
+            state=state, previous=mv.tags.get(TAG_GATE_STATE, ""), by=by, at=_utc_now(), reason=reason
+        )
+        # History first: a crash between the two writes leaves a history entry ahead of the
+        # state, which is visible and repairable, never a state change nobody recorded.
+        self._client.set_model_version_tag(self._name, str(version), _history_key(seq), _change_json(change))
+        self._client.set_model_version_tag(self._name, str(version), TAG_GATE_STATE, state)
+
+    def set_alias(self, alias: str, version: str) -> None:
+        self._version(version)
+        self._client.set_registered_model_alias(self._name, alias, str(version))
+
+    def alias(self, alias: str) -> str | None:
+        try:
+            return str(self._client.get_model_version_by_alias(self._name, alias).version)
+        except MlflowException:
+            return None
+
+    # -- fetching ----------------------------------------------------------------------
+    def fetch(self, version: str) -> Path:
+        """A verified local copy of `version`'s checkpoint, cached under data_dir/models/<version>.
+
+        Raises `ArtifactIntegrityError` when the stored artifacts do not match the manifest
+        recorded at registration (a corrupted or tampered artifact store).
+        """
+        mv = self._version(version)
+        manifest = self._manifest(mv)
+        target = self._cache_dir / str(version)
+        if target.is_dir():
+            try:
+                verify(target, manifest)
+                return target
+            except ArtifactIntegrityError:
+                shutil.rmtree(target)  # a damaged cache is re-downloaded, not trusted
+        self._cache_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self._cache_dir))
+        try:
+            local = Path(self._client.download_artifacts(mv.run_id, ARTIFACT_DIR, str(staging)))
+            try:
+                verify(local, manifest)
+            except ArtifactIntegrityError as exc:
+                raise ArtifactIntegrityError(
+                    f"version {version} of {self._name!r} (run {mv.run_id}) is corrupted: {exc}"
+                ) from None
+            try:
+                os.replace(local, target)
+            except OSError:
+                if not target.is_dir():  # another process put a verified copy there first
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def _manifest(self, mv: ModelVersion) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(self._client.download_artifacts(mv.run_id, MANIFEST_ARTIFACT, tmp))
+            raw = path.read_bytes()
+        if hashlib.sha256(raw).hexdigest() != mv.tags.get(TAG_MANIFEST_SHA):
+            raise ArtifactIntegrityError(
+                f"version {mv.version} of {self._name!r}: the stored manifest does not match "
+                "its recorded hash"
+            )
+        manifest: dict[str, Any] = json.loads(raw)
+        return manifest
+
+
+def _info(mv: ModelVersion, aliases: list[str]) -> VersionInfo:
+    return VersionInfo(
+        version=str(mv.version),
+        created_at=datetime.fromtimestamp(mv.creation_timestamp / 1000, tz=UTC),
+        lineage=ModelLineage.model_validate_json(mv.tags[TAG_LINEAGE]),
+        gate_state=str(mv.tags.get(TAG_GATE_STATE, "pending")),
+        aliases=sorted(aliases),
+    )
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _history_key(seq: int) -> str:
+    return f"{TAG_GATE_HISTORY}{seq:05d}"
+
+
+def _change_json(change: GateChange) -> str:
+    return json.dumps(
+        {
+            "state": change.state,
+            "previous": change.previous,
+            "by": change.by,
+            "at": change.at.isoformat(),
+            "reason": change.reason,
+            "id": uuid.uuid4().hex[:8],
+        }
+    )
+
+
+def _change_from_json(raw: str) -> GateChange:
+    d = json.loads(raw)
+    return GateChange(
+        state=d["state"],
+        previous=d["previous"],
+        by=d["by"],
+        at=datetime.fromisoformat(d["at"]),
+        reason=d["reason"],
+    )
