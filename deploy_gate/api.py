@@ -1,0 +1,147 @@
+"""The gate's HTTP API: read the versions, split and metrics; approve, reject, promote, roll back.
+
+Changes need `Authorization: Bearer <approval token>`; every change says who and why, and
+`?dry_run=true` answers the plan without applying it (plan-then-apply over HTTP).
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from deploy_gate.errors import InvalidRequest, Unauthorized, UnknownVersion
+from deploy_gate.gate import DeployGate
+from deploy_gate.metrics import ArmMetrics, arm_metrics
+from deploy_gate.plan import Plan
+from deploy_gate.views import VersionView
+from flywheel.contract import TrafficSplit, utcnow
+from flywheel.settings import Settings
+
+BUCKET = re.compile(r"^[1-9][0-9]{0,3}(m|h|d)$")
+
+
+def check_bucket(bucket: str) -> str:
+    if not BUCKET.match(bucket):
+        raise InvalidRequest("bucket must look like 5m, 1h or 1d (a number and m, h or d)")
+    return bucket
+
+
+def get_gate(request: Request) -> DeployGate:
+    gate: DeployGate = request.app.state.gate
+    return gate
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+Gate = Annotated[DeployGate, Depends(get_gate)]
+
+
+def require_approval_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """401 unless the bearer token equals the approval token (compared in constant time)."""
+    expected = get_settings(request).approval_token.encode()
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        raise Unauthorized("a valid approval token is required: Authorization: Bearer <token>")
+
+
+class ActionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    by: str = Field(min_length=1, max_length=200, description="Who makes the change.")
+    reason: str = Field(min_length=1, max_length=2000, description="Why; kept in the history.")
+
+
+class ActionResult(BaseModel):
+    applied: bool
+    plan: dict[str, Any]
+    split: TrafficSplit | None
+
+
+class SplitView(BaseModel):
+    split: TrafficSplit | None
+    history: list[TrafficSplit]
+
+
+class GateChangeView(BaseModel):
+    state: str
+    previous: str
+    by: str
+    at: datetime
+    reason: str
+
+
+class VersionDetail(VersionView):
+    history: list[GateChangeView]
+
+
+read = APIRouter(prefix="/api", tags=["read"])
+write = APIRouter(prefix="/api", tags=["change"], dependencies=[Depends(require_approval_token)])
+
+
+@read.get("/versions")
+def list_versions(gate: Gate) -> list[VersionView]:
+    return gate.status().versions
+
+
+@read.get("/versions/{version}")
+def get_version(version: str, gate: Gate) -> VersionDetail:
+    for v in gate.status().versions:
+        if v.version == version:
+            history = [GateChangeView(**vars(c)) for c in gate.registry.gate_history(version)]
+            return VersionDetail(**v.model_dump(), history=history)
+    raise UnknownVersion(f"no model version {version!r} in the registry")
+
+
+@read.get("/split")
+def get_split(gate: Gate, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> SplitView:
+    return SplitView(split=gate.splits.get(), history=gate.history(limit))
+
+
+@read.get("/metrics/arms")
+def get_arm_metrics(
+    request: Request,
+    bucket: str = "1h",
+    reward_version: str | None = None,
+    since_hours: Annotated[float | None, Query(gt=0)] = None,
+) -> ArmMetrics:
+    """n, mean reward and 95% interval per arm and model version, overall and per time bucket."""
+    check_bucket(bucket)
+    since = utcnow() - timedelta(hours=since_hours) if since_hours else None
+    return arm_metrics(get_settings(request), bucket=bucket, reward_version=reward_version, since=since)
+
+
+def _run(gate: DeployGate, plan: Plan, dry_run: bool) -> ActionResult:
+    if dry_run:
+        return ActionResult(applied=False, plan=plan.to_dict(), split=plan.split_after)
+    return ActionResult(applied=True, plan=plan.to_dict(), split=gate.apply(plan))
+
+
+DryRun = Annotated[bool, Query(description="Answer the plan without applying it.")]
+
+
+@write.post("/versions/{version}/approve")
+def approve(version: str, body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
+    return _run(gate, gate.plan_approve(version, by=body.by, reason=body.reason), dry_run)
+
+
+@write.post("/versions/{version}/reject")
+def reject(version: str, body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
+    return _run(gate, gate.plan_reject(version, by=body.by, reason=body.reason), dry_run)
+
+
+@write.post("/promote")
+def promote(body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
+    return _run(gate, gate.plan_promote(by=body.by, reason=body.reason), dry_run)
+
+
+@write.post("/rollback")
+def rollback(body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
+    return _run(gate, gate.plan_rollback(by=body.by, reason=body.reason), dry_run)

@@ -1,0 +1,325 @@
+"""The deploy gate's actions: approve, reject, promote, roll back (each planned, then applied).
+
+State lives in two systems, the registry (gate state with who/when/why, aliases) and the
+traffic split in Redis (which version serves whom, with its own history). They cannot
+change in one transaction, so each plan orders its steps so that a failure part-way
+leaves users safe: approval writes the registry first and gives traffic last; rollback
+takes traffic away first and records it after. Gate actions are serialised across
+processes by a Redis lock.
+
+Example: `DeployGate.from_settings(settings).approve("3", by="ana", reason="offline checks pass")`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+from redis.exceptions import LockError
+
+from deploy_gate.errors import (
+    ApplyFailed,
+    ChallengerRunning,
+    GateBusy,
+    InvalidRequest,
+    NoChallenger,
+    NoChampion,
+    NotPending,
+    StalePlan,
+    UnknownVersion,
+)
+from deploy_gate.plan import Plan, Step
+from deploy_gate.registry import GateRegistry, open_registry
+from deploy_gate.views import GateStatus, VersionView
+from flywheel.connections import redis_client
+from flywheel.contract import TrafficSplit, utcnow
+from flywheel.settings import Settings
+from flywheel.traffic import TrafficSplitStore
+
+log = logging.getLogger(__name__)
+
+SYSTEM_ACTOR = "deploy-gate"
+
+
+class DeployGate:
+    """Approvals and the traffic split for one experiment."""
+
+    def __init__(
+        self, registry: GateRegistry, client: redis.Redis, settings: Settings, experiment: str = "default"
+    ) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.experiment = experiment
+        self.splits = TrafficSplitStore(client, settings, experiment)
+        self._redis = client
+        self._lock_key = f"{settings.redis_prefix}deploy_gate:lock:{experiment}"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> DeployGate:
+        return cls(open_registry(settings), redis_client(settings), settings)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def status(self) -> GateStatus:
+        split = self.splits.get()
+        versions = [VersionView.of(v) for v in self.registry.versions()]
+        champion = split.champion_version if split else self.registry.alias("champion")
+        challenger = split.challenger_version if split and split.challenger_share > 0 else None
+        return GateStatus(
+            split=split,
+            champion=champion,
+            challenger=challenger,
+            pending=[v for v in versions if v.gate_state == "pending"],
+            versions=versions,
+        )
+
+    def history(self, limit: int = 100) -> list[TrafficSplit]:
+        return self.splits.history(limit)
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def plan_approve(self, version: str, *, by: str, reason: str) -> Plan:
+        """Approve a pending candidate and make it the challenger with `settings.challenger_share`."""
+        _require_who_why(by, reason)
+        state = self._gate_state(version)
+        if state != "pending":
+            raise NotPending(f"version {version} is {state}; only a pending candidate can be approved")
+        stored, split, steps = self._current_split()
+        if _challenger_live(split):
+            raise ChallengerRunning(
+                f"version {split.challenger_version} is the challenger ({split.state}, "
+                f"{split.challenger_share:.0%} of traffic); "
+                f"promote it or roll it back before approving {version}"
+            )
+        share = self.settings.challenger_share
+        after = split.model_copy(
+            update={
+                "challenger_version": version,
+                "challenger_share": share,
+                # A fresh salt per experiment, so users are not carried over from the last A/B test.
+                "salt": uuid.uuid4().hex[:8],
+                "state": "running",
+                "changed_by": by,
+                "reason": f"approve {version}: {reason}",
+            }
+        )
+        steps += [
+            Step(
+                f"registry: gate state of {version} pending -> approved",
+                lambda: self.registry.set_gate_state(version, "approved", by=by, reason=reason),
+            ),
+            Step(
+                f"registry: alias challenger -> {version}",
+                lambda: self.registry.set_alias("challenger", version),
+            ),
+            Step(
+                f"traffic: {version} becomes the challenger with {share:.0%} of traffic "
+                f"(champion {split.champion_version} keeps {1 - share:.0%})",
+                lambda: self._put(after),
+            ),
+        ]
+        return Plan("approve", version, by, reason, stored, after, tuple(steps))
+
+    def plan_reject(self, version: str, *, by: str, reason: str) -> Plan:
+        _require_who_why(by, reason)
+        state = self._gate_state(version)
+        if state != "pending":
+            raise NotPending(f"version {version} is {state}; only a pending candidate can be rejected")
+        split = self.splits.get()
+        step = Step(
+            f"registry: gate state of {version} pending -> rejected",
+            lambda: self.registry.set_gate_state(version, "rejected", by=by, reason=reason),
+        )
+        return Plan("reject", version, by, reason, split, split, (step,))
+
+    def plan_promote(self, *, by: str, reason: str) -> Plan:
+        """The challenger becomes the champion and takes all traffic."""
+        _require_who_why(by, reason)
+        split = self.splits.get()
+        if split is None or not _challenger_live(split):
+            raise NoChallenger("no challenger is running; approve a candidate first")
+        new, old = split.challenger_version, split.champion_version
+        assert new is not None  # _challenger_live checked it
+        after = split.model_copy(
+            update={
+                "champion_version": new,
+                "challenger_version": None,
+                "challenger_share": 0.0,
+                "state": "promoted",
+                "changed_by": by,
+                "reason": f"promote {new}: {reason}",
+            }
+        )
+        steps = (
+            Step(
+                f"registry: alias champion -> {new} (was {old})",
+                lambda: self.registry.set_alias("champion", new),
+            ),
+            Step(
+                f"registry: gate state of {new} -> champion",
+                lambda: self.registry.set_gate_state(new, "champion", by=by, reason=reason),
+            ),
+            # The old champion stays approved: it passed the gate and can be served again.
+            Step(
+                f"registry: gate state of {old} -> approved (superseded)",
+                lambda: self.registry.set_gate_state(old, "approved", by=by, reason=f"superseded by {new}"),
+            ),
+            Step(f"traffic: {new} serves 100% as champion", lambda: self._put(after)),
+        )
+        return Plan("promote", new, by, reason, split, after, steps)
+
+    def plan_rollback(self, *, by: str, reason: str) -> Plan:
+        """All traffic back to the champion; the challenger is marked rolled back."""
+        _require_who_why(by, reason)
+        split = self.splits.get()
+        if split is None or not _challenger_live(split):
+            raise NoChallenger("no challenger is running; nothing to roll back")
+        version = split.challenger_version
+        assert version is not None
+        after = split.model_copy(
+            update={
+                "challenger_version": None,
+                "challenger_share": 0.0,
+                "state": "rolled_back",
+                "changed_by": by,
+                "reason": f"roll back {version}: {reason}",
+            }
+        )
+        # Users first: traffic goes back before the bookkeeping, so a registry failure cannot keep
+        # a bad model serving.
+        steps = (
+            Step(
+                f"traffic: 100% back to champion {split.champion_version} ({version} gets 0%)",
+                lambda: self._put(after),
+            ),
+            Step(
+                f"registry: gate state of {version} -> rolled_back",
+                lambda: self.registry.set_gate_state(version, "rolled_back", by=by, reason=reason),
+            ),
+        )
+        return Plan("rollback", version, by, reason, split, after, steps)
+
+    def ensure_split(self) -> TrafficSplit:
+        """The current split; created with the registry's champion (all traffic) when none exists."""
+        with self._locked():
+            _, split, steps = self._current_split()
+            for step in steps:
+                step.run()
+            return self.splits.get() or split
+
+    # ---- applying ------------------------------------------------------------------------
+
+    def apply(self, plan: Plan) -> TrafficSplit | None:
+        """Run a plan's steps in order, refusing if the gate changed since it was made."""
+        with self._locked():
+            fresh = self._replan(plan)
+            if not plan.same_basis(fresh):
+                raise StalePlan("the gate changed since this plan was made; plan again and review it")
+            for i, step in enumerate(plan.steps):
+                try:
+                    step.run()
+                except Exception as exc:
+                    log.exception("gate %s failed at step %d: %s", plan.action, i + 1, step.description)
+                    done = "; ".join(s.description for s in plan.steps[:i]) or "nothing"
+                    raise ApplyFailed(
+                        f"{plan.action} failed at step {i + 1} ({step.description}); already applied: {done}"
+                    ) from exc
+            log.info("gate %s %s by %s: %s", plan.action, plan.version or "", plan.by, plan.reason)
+            return self.splits.get()
+
+    def approve(self, version: str, *, by: str, reason: str) -> TrafficSplit | None:
+        return self.apply(self.plan_approve(version, by=by, reason=reason))
+
+    def reject(self, version: str, *, by: str, reason: str) -> TrafficSplit | None:
+        return self.apply(self.plan_reject(version, by=by, reason=reason))
+
+    def promote(self, *, by: str, reason: str) -> TrafficSplit | None:
+        return self.apply(self.plan_promote(by=by, reason=reason))
+
+    def rollback(self, *, by: str, reason: str) -> TrafficSplit | None:
+        return self.apply(self.plan_rollback(by=by, reason=reason))
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _replan(self, plan: Plan) -> Plan:
+        if plan.action == "approve":
+            assert plan.version is not None
+            return self.plan_approve(plan.version, by=plan.by, reason=plan.reason)
+        if plan.action == "reject":
+            assert plan.version is not None
+            return self.plan_reject(plan.version, by=plan.by, reason=plan.reason)
+        if plan.action == "promote":
+            return self.plan_promote(by=plan.by, reason=plan.reason)
+        return self.plan_rollback(by=plan.by, reason=plan.reason)
+
+    def _current_split(self) -> tuple[TrafficSplit | None, TrafficSplit, list[Step]]:
+        """(stored split or None, the split to build on, steps that initialise it when missing).
+
+        The initial split gives the registry's champion all traffic.
+        """
+        split = self.splits.get()
+        if split is not None:
+            return split, split, []
+        champion = self.registry.alias("champion")
+        if champion is None:
+            raise NoChampion(
+                "the registry has no champion alias; register a model and make it the champion first"
+            )
+        initial = TrafficSplit(
+            experiment=self.experiment,
+            champion_version=champion,
+            changed_by=SYSTEM_ACTOR,
+            reason=f"initial split: champion {champion} serves all traffic",
+        )
+        return (
+            None,
+            initial,
+            [
+                Step(
+                    f"traffic: initialise the split with champion {champion} (100%)",
+                    lambda: self._put(initial),
+                )
+            ],
+        )
+
+    def _gate_state(self, version: str) -> str:
+        try:
+            return self.registry.gate_state(version)
+        except LookupError:  # model_registry.UnknownVersion
+            raise UnknownVersion(f"no model version {version!r} in the registry") from None
+
+    def _put(self, split: TrafficSplit) -> None:
+        self.splits.put(split.model_copy(update={"changed_at": utcnow()}))
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        lock = self._redis.lock(self._lock_key, timeout=60, blocking_timeout=10)
+        try:
+            acquired = lock.acquire()
+        except LockError:
+            acquired = False
+        if not acquired:
+            raise GateBusy("another gate action is in progress; try again in a moment")
+        try:
+            yield
+        finally:
+            try:
+                lock.release()
+            except LockError:  # expired while we worked; nothing left to release
+                log.warning("gate lock expired before release")
+
+
+def _challenger_live(split: TrafficSplit) -> bool:
+    return (
+        bool(split.challenger_version) and split.challenger_share > 0 and split.state in ("running", "paused")
+    )
+
+
+def _require_who_why(by: str, reason: str) -> None:
+    if not by.strip():
+        raise InvalidRequest("say who makes this change (by)")
+    if not reason.strip():
+        raise InvalidRequest("say why (reason); it is kept in the version's history")

@@ -1,0 +1,46 @@
+"""What the gate needs from the model registry, and how it opens the real one.
+
+The gate codes against this protocol (a subset of `model_registry.ModelRegistry`, see
+notes/interfaces.md) so its planning logic reads on its own; `open_registry` returns the
+real MLflow-backed registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Protocol
+
+from flywheel.contract import ModelLineage
+from flywheel.settings import Settings
+
+
+class VersionLike(Protocol):
+    version: str
+    created_at: datetime
+    lineage: ModelLineage
+    gate_state: str
+    aliases: Sequence[str]
+
+
+class GateChangeLike(Protocol):
+    state: str
+    previous: str
+    by: str
+    at: datetime
+    reason: str
+
+
+class GateRegistry(Protocol):
+    def versions(self) -> Sequence[VersionLike]: ...
+    def gate_state(self, version: str) -> str: ...
+    def gate_history(self, version: str) -> Sequence[GateChangeLike]: ...
+    def set_gate_state(self, version: str, state: str, *, by: str, reason: str = "") -> None: ...
+    def set_alias(self, alias: str, version: str) -> None: ...
+    def alias(self, alias: str) -> str | None: ...
+
+
+def open_registry(settings: Settings) -> GateRegistry:
+    from model_registry import ModelRegistry
+
+    return ModelRegistry(settings)
