@@ -1,0 +1,21 @@
+"""The policy model shared by serving and the trainer: load, generate, score, bootstrap.
+
+`from flywheel.lm import Policy, Generation, load_policy, token_logprobs, bootstrap_model`.
+"""
+
+from __future__ import annotations
+
+from flywheel.lm.bootstrap import METADATA_FILE, PRESETS, bootstrap_model
+from flywheel.lm.policy import CheckpointError, Generation, Policy, load_policy
+from flywheel.lm.scoring import token_logprobs
+
+__all__ = [
+    "METADATA_FILE",
+    "PRESETS",
+    "CheckpointError",
+    "Generation",
+    "Policy",
+    "bootstrap_model",
+    "load_policy",
+    "token_logprobs",
+]

@@ -1,0 +1,320 @@
+"""Make the embedded policy model locally: no hub is reachable, so we train one.
+
+A byte-level BPE tokenizer and a small Llama are trained on the Python standard library's
+own source files (every machine with Python has them), then saved in Hugging Face format
+(safetensors + tokenizer), so the rest of Flywheel treats it like any user checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import sysconfig
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+EOT = "<|endoftext|>"
+METADATA_FILE = "flywheel_bootstrap.json"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Everything that decides the bootstrapped model, except the seed and the time budget."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    context: int  # max_position_embeddings
+    seq_len: int  # training window
+    batch_size: int
+    max_steps: int
+    peak_lr: float
+    warmup_steps: int
+    n_files: int  # stdlib files sampled for the corpus
+    max_file_chars: int  # each file is cut to this many characters
+    # Intra-op threads while training: a tiny model runs ~3x faster on one thread than on two
+    # (thread hand-off costs more than the matmuls), and a fixed count keeps runs reproducible.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}."
+            )
+        if self.seq_len > self.context:
+            raise ValueError(f"seq_len {self.seq_len} must not exceed the context {self.context}.")
+
+
+PRESETS: dict[str, Preset] = {
+    # Seconds on 2 CPU cores; enough for indented, code-looking text, nothing more.
+    "test": Preset(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        context=256,
+        seq_len=64,
+        batch_size=8,
+        max_steps=200,
+        peak_lr=1e-2,
+        warmup_steps=8,
+        n_files=40,
+        max_file_chars=20_000,
+        num_threads=1,
+    ),
+    # About 4M parameters, trained for `max_seconds` (default 180 s) by `flywheel up`.
+    "default": Preset(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=4,
+        context=512,
+        seq_len=128,
+        batch_size=16,
+        max_steps=100_000,
+        peak_lr=3e-3,
+        warmup_steps=50,
+        n_files=400,
+        max_file_chars=60_000,
+    ),
+}
+DEFAULT_SECONDS = 180.0
+
+
+def stdlib_corpus(n_files: int, max_chars: int, seed: int) -> list[str]:
+    """A deterministic sample of the standard library's .py files (sorted, then seeded sample)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.rglob("*.py") if "site-packages" not in f.parts and "test" not in f.parts)
+    if not files:
+        raise RuntimeError(f"no .py files under {root}; the bootstrap corpus is the Python standard library.")
+    chosen = random.Random(seed).sample(files, min(n_files, len(files)))
+    texts = [f.read_text(encoding="utf-8", errors="replace")[:max_chars] for f in chosen]
+    return [t for t in texts if t.strip()]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, context: int):  # -> PreTrainedTokenizerFast
+    """Byte-level BPE (GPT-2 style) with one special token as BOS, EOS and padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    # Every encoded text starts with EOT, as every training document does, so a prompt is
+    # scored as "the start of a file" and an empty prompt still has a token to condition on.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B", special_tokens=[(EOT, tok.token_to_id(EOT))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, model_max_length=context
+    )
+
+
+def _token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All documents as one stream, each preceded by EOT (the tokenizer adds it)."""
+    ids: list[int] = []
+    # The raw `tokenizers` object: fast, batched, and no "longer than the model" warning.
+    for encoded in tokenizer.backend_tokenizer.encode_batch(texts):
+        ids.extend(encoded.ids)
+    ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _lr_at(step: int, preset: Preset) -> float:
+    # Warmup, then inverse-square-root decay: a function of the step alone, so a run cut short
+    # by the time budget follows exactly the same trajectory as a longer one up to that step.
+    if step < preset.warmup_steps:
+        return preset.peak_lr * (step + 1) / preset.warmup_steps
+    return preset.peak_lr * math.sqrt(preset.warmup_steps / (step + 1))
+
+
+@contextmanager
+def _deterministic(seed: int, num_threads: int | None) -> Iterator[None]:
+    previous = torch.are_deterministic_algorithms_enabled()
+    previous_threads = torch.get_num_threads()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+        torch.set_num_threads(previous_threads)
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    # save_pretrained draws its own tqdm bar; ours is the only one the user should see.
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _progress(enabled: bool, total_seconds: float | None, total_steps: int):
+    if not enabled:
+        return nullcontext(None)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]pretraining[/]"),
+        BarColumn(),
+        TextColumn("step {task.fields[step]}"),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+    )
+
+
+def bootstrap_model(
+    out_dir: Path,
+    *,
+    preset: Literal["test", "default"] = "default",
+    seed: int = 0,
+    max_seconds: float | None = None,
+    progress: bool = True,
+    max_steps: int | None = None,
+    force: bool = False,
+) -> Path:
+    """Train a tokenizer and a small Llama on stdlib source; save both in HF format to `out_dir`.
+
+    `preset="test"` runs its fixed number of steps (seconds); `"default"` trains until
+    `max_seconds` (default 180) or `max_steps`. Same seed and same number of steps give the
+    same weights. A finished checkpoint already at `out_dir` with the same preset and seed is
+    reused unless `force`. Written to a temporary folder first and renamed, so an interrupted
+    bootstrap never leaves a half checkpoint behind.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+    if max_seconds is not None and max_seconds <= 0:
+        raise ValueError(f"max_seconds must be positive, got {max_seconds}.")
+    out_dir = Path(out_dir)
+    cfg = PRESETS[preset]
+    existing = out_dir / METADATA_FILE
+    if existing.exists() and not force:
+        meta = json.loads(existing.read_text())
+        if meta.get("preset") == preset and meta.get("seed") == seed:
+            return out_dir
+        raise FileExistsError(
+            f"{out_dir} already holds a model bootstrapped with preset={meta.get('preset')!r} "
+            f"seed={meta.get('seed')!r}; pass force=True (--force) to replace it."
+        )
+    if max_seconds is None and preset == "default":
+        max_seconds = DEFAULT_SECONDS
+    step_cap = min(cfg.max_steps, max_steps) if max_steps is not None else cfg.max_steps
+
+    started = time.perf_counter()
+    texts = stdlib_corpus(cfg.n_files, cfg.max_file_chars, seed)
+    tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.context)
+    stream = _token_stream(tokenizer, texts)  # (n_tokens,)
+    eot = tokenizer.eos_token_id
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.context,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        tie_word_embeddings=True,
+    )
+    with _deterministic(seed, cfg.num_threads):
+        model = LlamaForCausalLM(config)
+        model.train()
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.peak_lr, weight_decay=0.01, betas=(0.9, 0.95)
+        )
+        windows = torch.Generator().manual_seed(seed)
+        n_starts = stream.numel() - cfg.seq_len - 1
+        if n_starts <= 0:
+            raise RuntimeError(
+                f"the corpus has only {stream.numel()} tokens; it needs more than {cfg.seq_len}."
+            )
+        step, loss_value, train_started = 0, float("nan"), time.perf_counter()
+        with _progress(progress, max_seconds, step_cap) as bar:
+            task = (
+                bar.add_task("pretrain", total=max_seconds or step_cap, step=0, loss=float("nan"), tps=0.0)
+                if bar
+                else None
+            )
+            while step < step_cap:
+                elapsed = time.perf_counter() - train_started
+                if max_seconds is not None and time.perf_counter() - started >= max_seconds:
+                    break
+                starts = torch.randint(0, n_starts, (cfg.batch_size,), generator=windows)
+                batch = torch.stack([stream[s : s + cfg.seq_len] for s in starts.tolist()])  # (B, seq_len)
+                for group in optimizer.param_groups:
+                    group["lr"] = _lr_at(step, cfg)
+                loss = model(input_ids=batch, labels=batch).loss
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                step += 1
+                loss_value = loss.item()
+                if bar is not None:
+                    elapsed = time.perf_counter() - train_started
+                    bar.update(
+                        task,
+                        completed=(time.perf_counter() - started) if max_seconds else step,
+                        step=step,
+                        loss=loss_value,
+                        tps=step * cfg.batch_size * cfg.seq_len / max(elapsed, 1e-9),
+                    )
+    model.eval()
+    train_seconds = time.perf_counter() - train_started
+
+    tmp = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with _quiet_transformers():
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    metadata = {
+        "made_by": "flywheel.lm.bootstrap_model",
+        "preset": preset,
+        "seed": seed,
+        "steps": step,
+        "final_loss": loss_value,
+        "train_seconds": round(train_seconds, 3),
+        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "corpus": {"source": "python stdlib", "files": len(texts), "tokens": int(stream.numel())},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+    }
+    (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir

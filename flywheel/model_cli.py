@@ -1,0 +1,72 @@
+"""`flywheel model`: bootstrap the embedded policy model, or sample from any checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command()
+def bootstrap(
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the HF checkpoint to.")],
+    preset: Annotated[str, typer.Option(help="'default' (a few M params) or 'test' (seconds).")] = "default",
+    seconds: Annotated[
+        float | None, typer.Option(help="Pretraining time budget (default preset: 180 s).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for corpus sampling, init and batches.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace a model already at --out.")] = False,
+) -> None:
+    """Train a tokenizer and a small Llama on the Python standard library; save in HF format."""
+    from flywheel.lm import METADATA_FILE, PRESETS, bootstrap_model
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"choose one of {sorted(PRESETS)}", param_hint="--preset")
+    path = bootstrap_model(out, preset=preset, seed=seed, max_seconds=seconds, progress=True, force=force)  # type: ignore[arg-type]
+    meta = json.loads((path / METADATA_FILE).read_text())
+    typer.echo(
+        f"model at {path}: {meta['parameters']:,} parameters, {meta['steps']} steps, "
+        f"final loss {meta['final_loss']:.3f}"
+    )
+
+
+@app.command()
+def generate(
+    path: Annotated[Path, typer.Option("--path", help="A local HF causal-LM checkpoint.")],
+    prompt: Annotated[
+        str, typer.Option("--prompt", help="Text to complete (escape sequences like \\n allowed).")
+    ],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 16,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 1.0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    samples: Annotated[int, typer.Option("-n", "--samples", min=1, help="How many completions.")] = 1,
+    device: Annotated[str, typer.Option()] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Sample completions and print them with their behaviour log-probs as JSON lines."""
+    from flywheel.lm import CheckpointError, load_policy
+
+    try:
+        policy = load_policy(path, device=device, dtype=dtype)
+    except (CheckpointError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    text = prompt.encode("utf-8").decode("unicode_escape")
+    for i in range(samples):
+        gen = policy.generate(
+            text, max_tokens=max_tokens, temperature=temperature, seed=None if seed is None else seed + i
+        )
+        typer.echo(
+            json.dumps(
+                {
+                    "completion": gen.completion,
+                    "finish_reason": gen.finish_reason,
+                    "completion_token_ids": gen.completion_token_ids,
+                    "logprobs": [round(x, 4) for x in gen.logprobs],
+                }
+            )
+        )
