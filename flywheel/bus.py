@@ -75,12 +75,15 @@ class KafkaPythonProducer:
     def __init__(self, bootstrap: str, **config: object) -> None:
         from kafka import KafkaProducer
 
+        max_block_ms = config.pop("max_block_ms", 10_000)
         self._p = KafkaProducer(
             bootstrap_servers=bootstrap.split(","),
             acks="all",
             linger_ms=5,
             retries=5,
-            max_block_ms=config.pop("max_block_ms", 10_000),
+            max_block_ms=max_block_ms,
+            # kafka-python's own default blocks the constructor 30 s when no broker answers, whatever max_block_ms.
+            bootstrap_timeout_ms=config.pop("bootstrap_timeout_ms", max_block_ms),
             **config,
         )
 

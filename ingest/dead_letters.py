@@ -1,0 +1,53 @@
+"""Dead letters: what failed validation, with its original bytes, the reason and where it came from.
+
+The message value on `settings.dead_letter_topic` is JSON
+`{"reason", "source", "original" (base64), "received_at"}` (interfaces.md). Nothing
+that fails validation is dropped silently: the collector and the workers turn every
+refusal into one of these and produce it before acknowledging / committing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from flywheel.bus import Outgoing
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    reason: str
+    source: str  # "http:/v1/batch" or "kafka:<topic>/<partition>/<offset>"
+    original: bytes
+    received_at: datetime
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "reason": self.reason,
+                "source": self.source,
+                "original": base64.b64encode(self.original).decode("ascii"),
+                "received_at": self.received_at.isoformat(),
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> DeadLetter:
+        doc = json.loads(raw)
+        return cls(
+            reason=str(doc["reason"]),
+            source=str(doc["source"]),
+            original=base64.b64decode(doc["original"]),
+            received_at=datetime.fromisoformat(doc["received_at"]),
+        )
+
+    def outgoing(self, topic: str, key: bytes | None = None) -> Outgoing:
+        return Outgoing(topic=topic, value=self.to_bytes(), key=key)
+
+
+def dead_letter(reason: str, source: str, original: bytes, received_at: datetime | None = None) -> DeadLetter:
+    return DeadLetter(
+        reason=reason, source=source, original=original, received_at=received_at or datetime.now(UTC)
+    )

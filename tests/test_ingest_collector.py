@@ -1,0 +1,162 @@
+"""Collector: native and Segment endpoints against the real embedded broker."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from fastapi.testclient import TestClient
+
+from flywheel.bus import ensure_topics
+from flywheel.contract import Event
+from flywheel.embedded import free_port
+from flywheel.settings import Settings
+from ingest.collector import create_app
+from ingest.dead_letters import DeadLetter
+from ingest.topic_reader import read_topic
+
+
+def auth(key: str = "dev-write-key") -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{key}:".encode()).decode()}
+
+
+@pytest.fixture
+def client(settings: Settings):
+    ensure_topics(settings)
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def track(i: int, **over: object) -> dict:
+    msg = {
+        "type": "track",
+        "event": "accepted",
+        "messageId": f"m{i}",
+        "userId": f"u{i}",
+        "properties": {"generation_id": f"g{i}", "accepted_chars": i},
+        "timestamp": "2024-05-01T12:00:00.000+00:00",
+    }
+    msg.update(over)
+    return msg
+
+
+def test_batch_gzip_accepts_valid_refuses_invalid_with_reasons_and_dead_letters(client, settings):
+    body = {
+        "batch": [
+            track(0),
+            track(1, event="Not A Type"),
+            track(2, properties={"accepted_chars": 1}),  # no generation_id
+            track(3, event="Session End"),
+        ],
+        "sentAt": "2024-05-01T12:00:10.000+00:00",
+    }
+    r = client.post(
+        "/v1/batch",
+        content=gzip.compress(json.dumps(body).encode()),
+        headers={**auth(), "Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["accepted"] == 2
+    assert [(x["index"], x["event_id"]) for x in doc["refused"]] == [(1, "m1"), (2, "m2")]
+    assert "'Not A Type' is not an event type" in doc["refused"][0]["reason"]
+    assert "generation_id" in doc["refused"][1]["reason"]
+
+    events = [Event.from_bytes(rec.value) for rec in read_topic(settings, settings.events_topic)]
+    assert sorted(e.event_id for e in events) == ["m0", "m3"]
+    by_id = {e.event_id: e for e in events}
+    assert by_id["m3"].type == "session_end"
+    assert by_id["m0"].generation_id == "g0" and by_id["m0"].properties == {"accepted_chars": 0}
+    # Keyed by generation id, so everything about one generation shares a partition.
+    assert {rec.key for rec in read_topic(settings, settings.events_topic)} == {b"g0", b"g3"}
+
+    letters = [DeadLetter.from_bytes(rec.value) for rec in read_topic(settings, settings.dead_letter_topic)]
+    assert {json.loads(d.original)["messageId"] for d in letters} == {"m1", "m2"}
+    assert all(d.source == "http:/v1/batch" for d in letters)
+
+
+def test_clock_skew_is_corrected_with_sent_at(client, settings):
+    # The client's clock runs one hour fast: the event happened 10 s before it was sent.
+    now = datetime.now(UTC)
+    skewed = now + timedelta(hours=1)
+    body = {
+        "batch": [track(0, timestamp=(skewed - timedelta(seconds=10)).isoformat())],
+        "sentAt": skewed.isoformat(),
+    }
+    assert client.post("/v1/batch", json=body, headers=auth()).status_code == 200
+    (event,) = [Event.from_bytes(r.value) for r in read_topic(settings, settings.events_topic)]
+    assert abs((event.received_at - event.ts) - timedelta(seconds=10)) < timedelta(milliseconds=1)
+    assert abs(event.received_at - now) < timedelta(seconds=30)
+
+
+def test_native_endpoint_partial_acceptance(client, settings):
+    good = Event(type="thumbs", generation_id="g1", user_id="u1", properties={"up": True})
+    body = {
+        "events": [
+            json.loads(good.to_bytes()),
+            {"type": "thumbs", "generation_id": "g2", "user_id": "u", "schema_version": 99},
+            {
+                "event_id": "bad-ts",
+                "type": "thumbs",
+                "generation_id": "g3",
+                "user_id": "u",
+                "ts": "yesterday",
+            },
+        ]
+    }
+    r = client.post("/v1/events", json=body, headers=auth())
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["accepted"] == 1
+    assert [x["index"] for x in doc["refused"]] == [1, 2]
+    assert "unknown schema_version 99" in doc["refused"][0]["reason"]
+    assert doc["refused"][1]["event_id"] == "bad-ts" and doc["refused"][1]["reason"].startswith("ts:")
+    (produced,) = [Event.from_bytes(r.value) for r in read_topic(settings, settings.events_topic)]
+    assert produced.event_id == good.event_id
+    assert len(read_topic(settings, settings.dead_letter_topic)) == 2
+
+
+@pytest.mark.parametrize("headers", [auth("wrong-key"), {}], ids=["wrong", "missing"])
+def test_wrong_or_missing_write_key_is_401_and_nothing_is_produced(client, settings, headers):
+    r = client.post("/v1/batch", json={"batch": [track(0)]}, headers=headers)
+    assert r.status_code == 401
+    r = client.post("/v1/events", json={"events": [{"type": "thumbs"}]}, headers=headers)
+    assert r.status_code == 401
+    assert read_topic(settings, settings.events_topic, timeout_s=2) == []
+    assert read_topic(settings, settings.dead_letter_topic, timeout_s=2) == []
+
+
+def test_size_limits_answer_413(settings):
+    ensure_topics(settings)
+    with TestClient(create_app(settings, max_body_bytes=2000, max_event_bytes=500)) as c:
+        big_body = {"batch": [track(i) for i in range(30)]}
+        assert c.post("/v1/batch", json=big_body, headers=auth()).status_code == 413
+        bomb = gzip.compress(b" " * 100_000)
+        r = c.post("/v1/batch", content=bomb, headers={**auth(), "Content-Encoding": "gzip"})
+        assert r.status_code == 413
+        huge = track(0, properties={"generation_id": "g", "comment": "x" * 600})
+        assert c.post("/v1/track", json=huge, headers=auth()).status_code == 413
+        r = c.post("/v1/batch", json={"batch": [track(1), huge]}, headers=auth())
+        assert r.status_code == 200 and r.json()["refused"][0]["reason"].startswith("event is ")
+
+
+def test_kafka_unreachable_is_503_with_retry_after(tmp_path):
+    down = Settings(data_dir=tmp_path, kafka_bootstrap_servers=f"127.0.0.1:{free_port()}")
+    with TestClient(create_app(down, send_timeout_s=1.0)) as c:
+        r = c.post("/v1/batch", json={"batch": [track(0)]}, headers=auth())
+        assert r.status_code == 503
+        assert int(r.headers["Retry-After"]) > 0
+        assert c.get("/readyz").status_code == 503
+        assert c.get("/healthz").status_code == 200
+
+
+def test_schema_and_metrics_are_served(client):
+    schema = client.get("/v1/schema").json()
+    assert schema["$id"].endswith("/v1.json") and "event_id" in schema["properties"]
+    assert client.get("/readyz").status_code == 200
+    client.post("/v1/batch", json={"batch": [track(0)]}, headers=auth())
+    text = client.get("/metrics").text
+    assert 'flywheel_ingest_events_accepted_total{stage="collector"}' in text
