@@ -36,6 +36,10 @@ def create_app(settings: Settings, *, gate: DeployGate | None = None) -> FastAPI
             log.info("traffic split: champion %s, state %s", split.champion_version, split.state)
         except NoChampion as exc:  # serving waits for a split; say why there is none yet
             log.warning("no traffic split yet: %s", exc)
+        except Exception:
+            # A backend down at start must not keep the dashboard down; the first gate action
+            # creates the split once the registry and Redis answer.
+            log.exception("could not check the traffic split at start")
         yield
 
     app = FastAPI(title="Flywheel deploy gate", lifespan=lifespan)
