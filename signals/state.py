@@ -1,0 +1,168 @@
+"""Per-generation state in Redis, and the one atomic write that commits a batch.
+
+Keys (all under `settings.redis_prefix`):
+- `signals:gen:<generation_id>`: JSON of `GenState` (the generation, its feedback so far,
+  the event ids seen, the last revision emitted), expiring `state_ttl_s` after its last change;
+- `signals:open:<topic>:<partition>`: sorted set of open windows scored by window end (µs);
+- `signals:wm:<topic>`: hash partition -> watermark (µs);
+- `signals:emitted:<version>:<generation_id>:<revision>`: the emitted marker;
+- `signals:outbox:<topic>:<partition>`: records committed but not yet on Kafka and in the lake.
+
+`commit` writes states, windows, watermarks, markers and outbox in one Lua script,
+so a crash leaves either all of a batch's effects or none. A record enters the
+outbox only if its marker was not already set: a record is never emitted twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from signals.events import FeedbackEvent, GenerationInfo
+
+NOT_EMITTED = -1
+
+
+@dataclass
+class GenState:
+    partition: int
+    gen: GenerationInfo | None = None
+    window_end_us: int | None = None
+    events: list[FeedbackEvent] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+    revision: int = NOT_EMITTED
+    late: int = 0
+    version: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "p": self.partition,
+                "g": self.gen.to_json() if self.gen else None,
+                "end": self.window_end_us,
+                "ev": [e.to_json() for e in self.events],
+                "seen": sorted(self.seen),
+                "rev": self.revision,
+                "late": self.late,
+                "ver": self.version,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> GenState:
+        d = json.loads(raw)
+        return cls(
+            partition=d["p"],
+            gen=GenerationInfo.from_json(d["g"]) if d["g"] else None,
+            window_end_us=d["end"],
+            events=[FeedbackEvent.from_json(e) for e in d["ev"]],
+            seen=set(d["seen"]),
+            revision=d["rev"],
+            late=d["late"],
+            version=d["ver"],
+        )
+
+
+class Keys:
+    def __init__(self, prefix: str, topic: str) -> None:
+        self.prefix = f"{prefix}signals:"
+        self.topic = topic
+        self.wm = f"{self.prefix}wm:{topic}"
+
+    def gen(self, generation_id: str) -> str:
+        return f"{self.prefix}gen:{generation_id}"
+
+    def open(self, partition: int) -> str:
+        return f"{self.prefix}open:{self.topic}:{partition}"
+
+    def marker(self, version: str, generation_id: str, revision: int) -> str:
+        return f"{self.prefix}emitted:{version}:{generation_id}:{revision}"
+
+    def outbox(self, partition: int) -> str:
+        return f"{self.prefix}outbox:{self.topic}:{partition}"
+
+
+_COMMIT_LUA = """
+local p = cjson.decode(ARGV[1])
+for _, s in ipairs(p.states) do redis.call('SET', s[1], s[2], 'EX', s[3]) end
+for _, z in ipairs(p.zadd) do redis.call('ZADD', z[1], z[3], z[2]) end
+for _, z in ipairs(p.zrem) do redis.call('ZREM', z[1], z[2]) end
+for _, w in ipairs(p.wm) do
+  local cur = redis.call('HGET', w[1], w[2])
+  if (not cur) or tonumber(cur) < tonumber(w[3]) then redis.call('HSET', w[1], w[2], w[3]) end
+end
+local pushed = 0
+for _, o in ipairs(p.outbox) do
+  local recs = {}
+  for _, e in ipairs(o[4]) do
+    if redis.call('SET', e[1], '1', 'NX', 'EX', o[3]) then table.insert(recs, e[2]) end
+  end
+  if #recs > 0 then
+    redis.call('RPUSH', o[1], o[2] .. '\\n' .. table.concat(recs, '\\n'))
+    pushed = pushed + #recs
+  end
+end
+return pushed
+"""
+
+
+@dataclass
+class CommitPlan:
+    """Everything one batch changes in Redis."""
+
+    states: list[tuple[str, str, int]] = field(default_factory=list)  # key, json, ttl
+    zadd: list[tuple[str, str, str]] = field(default_factory=list)  # key, member, score
+    zrem: list[tuple[str, str]] = field(default_factory=list)
+    wm: list[tuple[str, str, str]] = field(default_factory=list)  # hash, partition, value
+    # outbox key, entry id, marker ttl, [(marker key, record json)]
+    outbox: list[tuple[str, str, int, list[tuple[str, str]]]] = field(default_factory=list)
+
+    def payload(self) -> str:
+        d: dict[str, Any] = {
+            "states": self.states,
+            "zadd": self.zadd,
+            "zrem": self.zrem,
+            "wm": self.wm,
+            "outbox": self.outbox,
+        }
+        return json.dumps(d, separators=(",", ":"))
+
+
+class StateStore:
+    def __init__(self, client: redis.Redis) -> None:
+        self._r = client
+        self._commit = client.register_script(_COMMIT_LUA)
+
+    def commit(self, plan: CommitPlan) -> int:
+        """Apply `plan` atomically; returns how many records entered the outbox."""
+        return int(self._commit(args=[plan.payload()]))
+
+    def load(
+        self, keys: Keys, bounds: dict[int, int], generation_ids: set[str]
+    ) -> tuple[dict[int, int], dict[int, list[tuple[str, int]]], dict[str, GenState]]:
+        """Watermarks, open windows ending at or before each partition's bound, and states."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hgetall(keys.wm)
+        parts = sorted(bounds)
+        for p in parts:
+            pipe.zrangebyscore(keys.open(p), "-inf", bounds[p], withscores=True)
+        res = pipe.execute()
+        wms = {int(k): int(v) for k, v in res[0].items()}
+        due = {p: [(m.decode(), int(s)) for m, s in rows] for p, rows in zip(parts, res[1:], strict=True)}
+        ids = sorted(generation_ids | {g for rows in due.values() for g, _ in rows})
+        states: dict[str, GenState] = {}
+        if ids:
+            for gid, raw in zip(ids, self._r.mget([keys.gen(g) for g in ids]), strict=True):
+                if raw is not None:
+                    states[gid] = GenState.from_json(raw)
+        return wms, due, states
+
+    def outbox_entries(self, keys: Keys, partition: int) -> list[bytes]:
+        return list(self._r.lrange(keys.outbox(partition), 0, -1))
+
+    def pop_outbox(self, keys: Keys, partition: int) -> None:
+        self._r.lpop(keys.outbox(partition))
