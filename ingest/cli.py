@@ -24,3 +24,20 @@ def collector(
     uvicorn.run(
         create_app(settings), host="127.0.0.1", port=port or settings.collector_port, log_level="info"
     )
+
+
+@app.command()
+def worker(
+    group_id: str = typer.Option("flywheel-ingest", help="Consumer group of the ingest workers."),
+    batch_size: int = typer.Option(5000, min=1, help="Most records per batch."),
+) -> None:
+    """Run an ingest worker (Kafka events topic to the lake) until SIGTERM."""
+    import signal
+    import threading
+
+    from ingest.worker import IngestWorker
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    IngestWorker(get_settings(), group_id=group_id, batch_size=batch_size).run(stop)

@@ -1,0 +1,181 @@
+"""Ingest worker: Kafka to lake, exactly once, with dead letters (real broker, Redis, lake)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.contract import Event
+from flywheel.embedded import free_port, start_broker, wait_for_port
+from flywheel.settings import Settings
+from ingest.collector import create_app
+from ingest.dead_letters import DeadLetter
+from ingest.lake_sink import read_events
+from ingest.topic_reader import read_topic
+from ingest.worker import IngestWorker
+
+
+def drain(worker: IngestWorker, until_rows: int, settings: Settings, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while read_events(settings.lake_dir).height < until_rows and time.monotonic() < deadline:
+        worker.run_once()
+
+
+def event(i: int, **over: object) -> Event:
+    return Event(event_id=f"e{i}", type="accepted", generation_id=f"g{i % 7}", user_id="u", **over)
+
+
+@pytest.fixture
+def collector_url(settings: Settings):
+    ensure_topics(settings)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for_port("127.0.0.1", port)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_segment_library_delivers_n_track_events_exactly_n_rows(settings, collector_url):
+    from segment.analytics import Client
+
+    n = 120
+    client = Client(write_key="dev-write-key", host=collector_url, gzip=True, upload_size=50, max_retries=2)
+    for i in range(n):
+        client.track(
+            user_id=f"user-{i % 5}",
+            event="accepted",
+            properties={"generation_id": f"gen-{i}", "accepted_chars": i},
+            message_id=f"msg-{i}",
+        )
+    client.flush()
+    client.shutdown()
+
+    worker = IngestWorker(settings, group_id="g-segment", poll_timeout_s=0.3)
+    drain(worker, n, settings)
+    worker.run_once()  # nothing more arrives
+    worker.close()
+    lake = read_events(settings.lake_dir)
+    assert lake.height == n
+    assert sorted(lake["event_id"].to_list()) == sorted(f"msg-{i}" for i in range(n))
+    row = lake.filter(lake["event_id"] == "msg-7").row(0, named=True)
+    assert row["generation_id"] == "gen-7" and row["user_id"] == "user-2" and row["source"] == "segment"
+    assert json.loads(row["properties"]) == {"accepted_chars": 7}
+    # Partitioned by the event's date and hour.
+    files = list((settings.lake_dir / "events").rglob("*.parquet"))
+    assert files and all(
+        f.parent.name.startswith("hour=") and f.parent.parent.name.startswith("date=") for f in files
+    )
+
+
+def test_poison_messages_go_to_dead_letters_and_the_worker_keeps_consuming(settings):
+    ensure_topics(settings)
+    good = [event(i) for i in range(5)]
+    wrong_types = json.loads(event(100).to_bytes())
+    wrong_types["user_id"] = {"not": "a string"}
+    unknown_version = json.loads(event(101).to_bytes())
+    unknown_version["schema_version"] = 7
+    huge = event(102, properties={"blob": "x" * 300_000}).to_bytes()
+    poison = [
+        b"\x00\xffnot json",
+        json.dumps(wrong_types).encode(),
+        json.dumps(unknown_version).encode(),
+        huge,
+    ]
+    producer = make_producer(settings, max_request_size=2_000_000)
+    t = settings.events_topic
+    producer.send_all([Outgoing(t, good[0].to_bytes())] + [Outgoing(t, p) for p in poison])
+    producer.send_all([Outgoing(t, e.to_bytes()) for e in good[1:]])
+
+    worker = IngestWorker(settings, group_id="g-poison", poll_timeout_s=0.3)
+    drain(worker, 5, settings)
+    worker.close()
+    assert sorted(read_events(settings.lake_dir)["event_id"].to_list()) == [f"e{i}" for i in range(5)]
+
+    letters = [DeadLetter.from_bytes(r.value) for r in read_topic(settings, settings.dead_letter_topic)]
+    assert sorted(d.original for d in letters) == sorted(poison)
+    reasons = {d.original: d.reason for d in letters}
+    assert "JSON" in reasons[poison[0]]
+    assert reasons[poison[1]].startswith("user_id:")
+    assert "unknown schema_version 7" in reasons[poison[2]]
+    assert "limit is" in reasons[poison[3]]
+    assert all(d.source.startswith(f"kafka:{t}/") for d in letters)
+    producer.close()
+
+
+def test_duplicates_and_replays_are_written_once(settings):
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    first = [event(i) for i in range(10)]
+    producer.send_all(
+        [Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in first]
+    )
+    worker = IngestWorker(settings, group_id="g-dup", poll_timeout_s=0.3)
+    drain(worker, 10, settings)
+    # Client retries: the same event ids again (some inside one batch twice).
+    again = [*first[:4], *first[:2], event(10)]
+    producer.send_all(
+        [Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in again]
+    )
+    drain(worker, 11, settings)
+    for _ in range(2):
+        worker.run_once()
+    worker.close()
+    # A new group replays the whole topic from the start: every record is already in the lake.
+    replay = IngestWorker(settings, group_id="g-dup-replay", poll_timeout_s=0.3)
+    results = []
+    deadline = time.monotonic() + 30
+    while sum(r.polled for r in results) < 17 and time.monotonic() < deadline:
+        results.append(replay.run_once())
+    replay.close()
+    lake = read_events(settings.lake_dir)
+    assert sorted(lake["event_id"].to_list()) == sorted(f"e{i}" for i in range(11))
+    assert sum(r.already_in_lake for r in results) == 11
+    assert sum(r.written for r in results) == 0
+    producer.close()
+
+
+def test_broker_down_at_start_waits_with_backoff_then_catches_up(tmp_path, redis_url, caplog):
+    port = free_port()
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        kafka_bootstrap_servers=f"127.0.0.1:{port}",
+        redis_url=redis_url,
+        redis_prefix=f"test:{port}:",
+        topic_partitions=2,
+    )
+    worker = IngestWorker(settings, group_id="g-late", poll_timeout_s=0.3)
+    stop = threading.Event()
+    caplog.set_level(logging.WARNING, logger="ingest.worker")
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    time.sleep(1.5)
+    assert any("does not answer" in r.getMessage() for r in caplog.records), (
+        "the wait must be logged with why"
+    )
+    broker = start_broker(port, tmp_path / "broker.log")
+    try:
+        ensure_topics(settings)
+        producer = make_producer(settings)
+        producer.send_all([Outgoing(settings.events_topic, event(i).to_bytes()) for i in range(20)])
+        producer.close()
+        deadline = time.monotonic() + 30
+        while read_events(settings.lake_dir).height < 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop.set()
+        thread.join(timeout=15)
+        assert read_events(settings.lake_dir).height == 20
+    finally:
+        stop.set()
+        broker.terminate()
+        broker.wait(timeout=10)
