@@ -19,7 +19,7 @@ from deploy_gate.plan import Plan
 from flywheel.settings import get_settings
 
 app = typer.Typer(no_args_is_help=True)
-console = Console()
+console = Console(soft_wrap=True)  # long reasons and plans stay on one line, also in pipes
 
 By = Annotated[str, typer.Option("--by", help="Who makes the change (kept in the history).")]
 Reason = Annotated[str, typer.Option("--reason", help="Why (kept in the history).")]

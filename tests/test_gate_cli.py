@@ -1,0 +1,73 @@
+"""`flywheel gate`: plan shown, then applied only when confirmed; refusals exit non-zero."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from deploy_gate.cli import app
+from flywheel.connections import redis_client
+from flywheel.contract import ModelLineage
+from flywheel.settings import Settings, get_settings
+from flywheel.traffic import TrafficSplitStore
+from model_registry import ModelRegistry
+
+
+@pytest.fixture
+def env_settings(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    """The CLI reads its settings from the environment, as a user's shell would give them."""
+    s = settings.model_copy(update={"registered_model_name": f"gate-{uuid.uuid4().hex[:8]}"})
+    for key, value in {
+        "FLYWHEEL_DATA_DIR": str(s.data_dir),
+        "FLYWHEEL_REDIS_URL": s.redis_url,
+        "FLYWHEEL_REDIS_PREFIX": s.redis_prefix,
+        "FLYWHEEL_MLFLOW_TRACKING_URI": s.mlflow_tracking_uri,
+        "FLYWHEEL_REGISTERED_MODEL_NAME": s.registered_model_name,
+    }.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    yield s
+    get_settings.cache_clear()
+
+
+def register(registry: ModelRegistry, tmp_path: Path, name: str) -> str:
+    ckpt = tmp_path / name
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    return registry.register(ckpt, ModelLineage(base="fake"))
+
+
+def test_approve_shows_the_plan_and_applies_only_when_confirmed(
+    env_settings: Settings, tmp_path: Path
+) -> None:
+    registry = ModelRegistry(env_settings)
+    champion = register(registry, tmp_path, "a")
+    registry.set_alias("champion", champion)
+    candidate = register(registry, tmp_path, "b")
+    splits = TrafficSplitStore(redis_client(env_settings), env_settings)
+    runner = CliRunner()
+
+    declined = runner.invoke(app, ["approve", candidate, "--by", "ana", "--reason", "ok"], input="n\n")
+    assert declined.exit_code == 1
+    assert "Plan: approve" in declined.output and "becomes the challenger" in declined.output
+    assert "Nothing changed" in declined.output
+    assert registry.gate_state(candidate) == "pending" and splits.get() is None
+
+    done = runner.invoke(app, ["approve", candidate, "--by", "ana", "--reason", "ok", "--yes"])
+    assert done.exit_code == 0, done.output
+    assert registry.gate_state(candidate) == "approved"
+    assert splits.get().challenger_version == candidate  # type: ignore[union-attr]
+
+    again = runner.invoke(app, ["approve", candidate, "--by", "ana", "--reason", "ok", "--yes"])
+    assert again.exit_code == 1 and "only a pending candidate" in again.output
+
+    status = runner.invoke(app, ["status"])
+    assert status.exit_code == 0 and "running" in status.output
+
+    back = runner.invoke(app, ["rollback", "--by", "oncall", "--reason", "guardrail", "--yes"])
+    assert back.exit_code == 0, back.output
+    assert splits.get().challenger_share == 0.0  # type: ignore[union-attr]
