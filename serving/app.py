@@ -14,9 +14,9 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -84,18 +84,13 @@ def create_app(
     app = FastAPI(title="Flywheel serving", lifespan=lifespan)
     app.state.pool = pool
 
-    def get_pool() -> PolicyPool:
-        return pool
-
-    PoolDep = Annotated[PolicyPool, Depends(get_pool)]
-
     @app.exception_handler(NoModelReady)
     async def _not_ready(_: Request, exc: NoModelReady) -> JSONResponse:
         return JSONResponse({"error": {"message": str(exc), "type": "not_ready"}}, status_code=503,
                             headers={"Retry-After": "2"})
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest, pool: PoolDep) -> dict[str, Any]:
+    def completions(req: CompletionRequest) -> dict[str, Any]:
         route = pool.route(req.user)
         started = time.perf_counter()
         gen = route.policy.generate(req.prompt, max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed)
@@ -147,7 +142,7 @@ def create_app(
         }
 
     @app.get("/v1/models")
-    def models(pool: PoolDep) -> dict[str, Any]:
+    def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": v, "object": "model"} for v in pool.loaded_versions]}
 
     @app.get("/healthz")
@@ -155,7 +150,7 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz(pool: PoolDep) -> JSONResponse:
+    def readyz() -> JSONResponse:
         split = pool.split
         if split is None:
             return JSONResponse({"ready": False, "reason": "no traffic split loaded"}, status_code=503)
