@@ -117,17 +117,39 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
             time.sleep(0.5)
 
 
-def auto_approve(settings: Settings) -> list[str]:
-    """Approve pending candidates (demo mode only: ML ops approve by hand in production)."""
-    from deploy_gate import approve
+def auto_decide(settings: Settings) -> list[str]:
+    """Demo mode only (ML ops decide by hand in production): settle the live challenger, approve candidates.
+
+    A live challenger whose mean reward is at least the champion's is promoted, otherwise rolled
+    back, once a newer candidate is waiting; then the newest pending candidate is approved.
+    """
+    from deploy_gate import DeployGate, GateError, arm_metrics
     from model_registry import ModelRegistry
 
-    approved = []
-    for info in ModelRegistry(settings).versions():
-        if info.gate_state == "pending":
-            approve(settings, info.version, by="flywheel up --auto-approve", reason="demo loop")
-            approved.append(info.version)
-    return approved
+    gate = DeployGate.from_settings(settings)
+    actor = "flywheel up --auto-approve"
+    pending = [v.version for v in ModelRegistry(settings).versions() if v.gate_state == "pending"]
+    if not pending:
+        return []
+    said = []
+    try:
+        status = gate.status()
+        if status.challenger:
+            means = {a.model_version: a.mean for a in arm_metrics(settings).arms if a.mean is not None}
+            challenger, champion = means.get(status.challenger), means.get(status.champion or "")
+            if challenger is not None and champion is not None and challenger >= champion:
+                gate.promote(by=actor, reason=f"mean reward {challenger:.3f} >= {champion:.3f}")
+                said.append(f"promoted v{status.challenger}")
+            else:
+                gate.rollback(by=actor, reason=f"mean reward {challenger} < {champion}")
+                said.append(f"rolled back v{status.challenger}")
+        gate.approve(pending[0], by=actor, reason="demo loop")
+        said.append(f"approved v{pending[0]} as challenger")
+        for older in pending[1:]:
+            gate.reject(older, by=actor, reason=f"superseded by v{pending[0]}")
+    except GateError as exc:
+        said.append(f"gate refused: {exc}")
+    return said
 
 
 def progress_table(sim: UserSimulator, settings: Settings, started: float) -> Table:
@@ -188,8 +210,8 @@ def run_up(
                     if r.proc.poll() is not None:
                         raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
                 if auto_approve_candidates:
-                    for v in auto_approve(s):
-                        console.print(f"approved candidate v{v} (auto)")
+                    for line in auto_decide(s):
+                        console.print(f"[gate] {line}")
                 live.update(progress_table(sim, s, started))
                 if duration_s is not None and time.monotonic() - started > duration_s:
                     break
