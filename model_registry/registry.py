@@ -165,11 +165,12 @@ class ModelRegistry:
         """Every version, newest first."""
         try:
             found = self._client.search_model_versions(f"name='{self._name}'")
-        except MlflowException:
+            model_aliases = self._client.get_registered_model(self._name).aliases
+        except MlflowException:  # nothing registered yet
             return []
         # search results carry no aliases on every store; the registered model has them all
         aliases: dict[str, list[str]] = {}
-        for alias, version in self._client.get_registered_model(self._name).aliases.items():
+        for alias, version in model_aliases.items():
             aliases.setdefault(str(version), []).append(alias)
         infos = [_info(mv, aliases.get(str(mv.version), [])) for mv in found if TAG_LINEAGE in mv.tags]
         return sorted(infos, key=lambda v: int(v.version), reverse=True)

@@ -1,0 +1,131 @@
+"""`TrainerConfig`: the whole configuration of one training cycle, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass
+class TrainerConfig:
+    """How a cycle selects data and updates the policy.
+
+    Objective
+        objective: "pg" (off-policy policy gradient, one logged sample per prompt) or "kto"
+            (unpaired good / bad labels, e.g. thumbs).
+        correction: for "pg": "ppo_clip" (clip the per-token ratio to [1-clip_eps, 1+clip_eps]) or
+            "tis" (truncated importance sampling, ratio capped at is_cap).
+        kl_coef: weight of the per-token KL penalty to the champion the cycle started from.
+        baseline: "batch_mean" or a fixed number subtracted from rewards; normalise_advantages
+            divides by the batch std.
+        loss_aggregation: "sequence" (every sample weighs the same) or "token" (every token does).
+        kto_beta, kto_lambda_desirable, kto_lambda_undesirable, kto_threshold: KTO's beta, class
+            weights, and the reward above which a sample counts as desirable.
+    Optimisation
+        learning_rate, weight_decay, batch_size (per process), epochs, max_steps (0 = no cap),
+        grad_clip (0 = off), seed, device ("cpu", "cuda", "cuda:1"), dtype ("float32", "bfloat16").
+        exact_logprobs: score each sample in its own forward pass, bit-identical to serving's
+            behaviour log-probs (train / inference mismatch exactly 0 on the same device and
+            dtype); False scores a padded batch in one pass (faster, ~1e-6 mismatch).
+    Data
+        reward_version: train on this reward definition ("" = the most recently emitted one).
+        min_samples: skip the cycle below this many eligible samples (None = settings.min_train_samples).
+        max_samples: newest samples kept when more arrived (0 = all).
+        replay_fraction: add up to this fraction of older (already trained on) samples.
+        require_consent / consent_property: train only on users whose latest event carrying
+            `consent_property` set it true.
+        mismatch_threshold: |trainer - serving| log-prob difference counted as a mismatch.
+    """
+
+    objective: Literal["pg", "kto"] = "pg"
+    correction: Literal["ppo_clip", "tis"] = "ppo_clip"
+    clip_eps: float = 0.2
+    is_cap: float = 2.0
+    kl_coef: float = 0.05
+    baseline: Literal["batch_mean"] | float = "batch_mean"
+    normalise_advantages: bool = True
+    loss_aggregation: Literal["sequence", "token"] = "sequence"
+    kto_beta: float = 0.1
+    kto_lambda_desirable: float = 1.0
+    kto_lambda_undesirable: float = 1.0
+    kto_threshold: float = 0.0
+
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    batch_size: int = 8
+    epochs: int = 1
+    max_steps: int = 0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    exact_logprobs: bool = True
+
+    reward_version: str = ""
+    min_samples: int | None = None
+    max_samples: int = 0
+    replay_fraction: float = 0.0
+    require_consent: bool = True
+    consent_property: str = "training_consent"
+    mismatch_threshold: float = 1e-3
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.objective not in ("pg", "kto"):
+            errors.append(f"objective={self.objective!r}: use 'pg' (policy gradient) or 'kto'")
+        if self.correction not in ("ppo_clip", "tis"):
+            errors.append(f"correction={self.correction!r}: use 'ppo_clip' or 'tis'")
+        if not 0.0 < self.clip_eps < 1.0:
+            errors.append(f"clip_eps={self.clip_eps}: must be in (0, 1); 0.2 is the usual value")
+        if self.is_cap < 1.0:
+            errors.append(f"is_cap={self.is_cap}: must be >= 1 (a cap below 1 down-weights on-policy tokens)")
+        if self.kl_coef < 0:
+            errors.append(f"kl_coef={self.kl_coef}: must be >= 0")
+        if not (self.baseline == "batch_mean" or isinstance(self.baseline, int | float)):
+            errors.append(f"baseline={self.baseline!r}: use 'batch_mean' or a number")
+        if self.loss_aggregation not in ("sequence", "token"):
+            errors.append(f"loss_aggregation={self.loss_aggregation!r}: use 'sequence' or 'token'")
+        if self.kto_beta <= 0:
+            errors.append(f"kto_beta={self.kto_beta}: must be > 0")
+        if self.kto_lambda_desirable <= 0 or self.kto_lambda_undesirable <= 0:
+            errors.append("kto_lambda_desirable and kto_lambda_undesirable must be > 0")
+        if self.learning_rate <= 0:
+            errors.append(f"learning_rate={self.learning_rate}: must be > 0")
+        if self.batch_size < 1 or self.epochs < 1 or self.max_steps < 0:
+            errors.append("batch_size and epochs must be >= 1 and max_steps >= 0")
+        if self.grad_clip < 0:
+            errors.append(f"grad_clip={self.grad_clip}: must be >= 0 (0 turns clipping off)")
+        if self.dtype not in ("float32", "bfloat16"):
+            errors.append(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            errors.append(f"device={self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+        elif self.device.startswith("cuda") and not torch.cuda.is_available():
+            errors.append(f"device={self.device!r} but no CUDA device is visible; use device='cpu'")
+        if self.min_samples is not None and self.min_samples < 1:
+            errors.append(
+                f"min_samples={self.min_samples}: must be >= 1 (or None for settings.min_train_samples)"
+            )
+        if self.max_samples < 0:
+            errors.append(f"max_samples={self.max_samples}: must be >= 0 (0 = all)")
+        if not 0.0 <= self.replay_fraction <= 1.0:
+            errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
+        if self.require_consent and not self.consent_property.strip():
+            errors.append("consent_property is empty; name the event property that carries consent")
+        if self.mismatch_threshold <= 0:
+            errors.append(f"mismatch_threshold={self.mismatch_threshold}: must be > 0")
+        if errors:
+            raise ValueError("invalid TrainerConfig: " + "; ".join(errors))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainerConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**values)

@@ -1,0 +1,300 @@
+"""One training cycle: champion + new rewards -> a registered candidate (or a reasoned skip).
+
+Steps: read the watermark and quarantine list from the registry, fetch the champion, select
+eligible samples since the watermark, report train / inference mismatch, train, register the
+candidate with its lineage. The watermark is the newest registered version's data-window end,
+so it advances exactly when a candidate is registered: a crash anywhere before registration
+leaves both the registry and the watermark as they were. Every cycle is one MLflow run.
+
+Distributed (torchrun): every process selects the same samples and trains on its share of
+each batch; process 0 alone logs to MLflow and registers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from mlflow.entities import Metric, Param, RunTag
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from flywheel.contract import ModelLineage
+from flywheel.lm import load_policy
+from flywheel.settings import Settings
+from model_registry import ModelRegistry
+from model_registry.registry import ensure_experiment
+from trainer.config import TrainerConfig
+from trainer.data import Selection, load_selection
+from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
+from trainer.scoring import scorer_for
+
+log = logging.getLogger(__name__)
+TRAINER_EXPERIMENT = "flywheel-trainer"
+_METRIC_FLUSH_EVERY = 20
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    status: Literal["registered", "skipped"]
+    reason: str
+    version: str | None = None
+    parent_version: str | None = None
+    sample_count: int = 0
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def watermark(registry: ModelRegistry) -> datetime | None:
+    """End of the newest data window any registered version was trained on."""
+    ends = [v.lineage.data_window.end for v in registry.versions() if v.lineage.data_window]
+    return max(ends) if ends else None
+
+
+def run_cycle(
+    settings: Settings,
+    config: TrainerConfig | None = None,
+    *,
+    progress: bool = True,
+    on_step: Callable[[StepStats], None] | None = None,
+) -> CycleResult:
+    """Train one candidate from the champion on the rewards since the watermark and register it."""
+    config = config or TrainerConfig()
+    rank, world = _dist_rank_world()
+    torch.manual_seed(config.seed)
+    registry = ModelRegistry(settings)
+    champion = registry.alias("champion")
+    if champion is None:
+        return CycleResult("skipped", "no champion: register a model and set the 'champion' alias first")
+    quarantined = {v.version for v in registry.versions() if v.gate_state == "quarantined"}
+    mark = watermark(registry)
+
+    with _rank_zero_first(rank, world):
+        checkpoint = registry.fetch(champion)
+    policy = load_policy(checkpoint, device=_local_device(config.device), dtype=config.dtype)
+    selection = load_selection(
+        settings, config, watermark=mark, quarantined=quarantined,
+        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1),
+    )  # fmt: skip
+    minimum = config.min_samples if config.min_samples is not None else settings.min_train_samples
+    tracker = _Tracker(settings, config, champion, mark, enabled=rank == 0)
+    if len(selection.samples) < minimum:
+        reason = (
+            f"too little new data: {len(selection.samples)} eligible samples since "
+            f"{mark.isoformat() if mark else 'the beginning'}, need {minimum} "
+            f"({selection.reward_rows} new rewards; left out: {selection.describe_drops()})"
+        )
+        tracker.skipped(reason)
+        log.info("trainer cycle skipped: %s", reason)
+        return CycleResult("skipped", reason, parent_version=champion, run_id=tracker.run_id)
+
+    try:
+        result = _train_and_register(
+            settings, config, registry, policy, selection, champion, tracker, rank, world, progress, on_step
+        )
+    except BaseException as exc:
+        tracker.failed(exc)
+        raise
+    return result
+
+
+def _train_and_register(
+    settings: Settings,
+    config: TrainerConfig,
+    registry: ModelRegistry,
+    policy,  # flywheel.lm.Policy
+    selection: Selection,
+    champion: str,
+    tracker: _Tracker,
+    rank: int,
+    world: int,
+    progress: bool,
+    on_step: Callable[[StepStats], None] | None,
+) -> CycleResult:
+    samples = selection.samples
+    scorer = scorer_for(config.exact_logprobs)
+    started = time.monotonic()
+    # The starting weights are the champion: their log-probs are both the KL reference and the
+    # trainer's side of the train / inference comparison.
+    reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
+    mismatch = mismatch_report(samples, reference, champion, config.mismatch_threshold)
+    tracker.log_metrics(mismatch.metrics(), step=0)
+    if rank == 0:
+        log.info(
+            "train/inference mismatch on %d tokens served by v%s: mean %.3g, max %.3g, %.1f%% over %g",
+            mismatch.tokens, champion, mismatch.mean_abs, mismatch.max_abs,
+            100 * mismatch.share_over_threshold, mismatch.threshold,
+        )  # fmt: skip
+    model = policy.model
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    steps_per_epoch = math.ceil(len(samples) / (config.batch_size * world))
+    total = steps_per_epoch * config.epochs
+    total = min(total, config.max_steps) if config.max_steps else total
+    with _progress_bar(progress and rank == 0, total, len(samples)) as advance:
+
+        def _on_step(stats: StepStats) -> None:
+            tracker.log_metrics(stats.metrics(), step=stats.step)
+            advance(stats)
+            if on_step is not None:
+                on_step(stats)
+
+        history = train_policy(
+            model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step
+        )
+    kl = kl_to_reference(policy.model, samples, reference, scorer, policy.pad_id, config.batch_size)
+    tokens = sum(len(s.completion_token_ids) for s in samples)
+    metrics = {
+        "mean_reward": sum(s.reward for s in samples) / len(samples),
+        "kl_to_champion": kl,
+        "final_loss": history[-1].loss,
+        "steps": float(len(history)),
+        "train_seconds": time.monotonic() - started,
+        "replay_samples": float(sum(s.replay for s in samples)),
+        "tokens": float(tokens),
+        **{k: v for k, v in mismatch.metrics().items() if not math.isnan(v)},
+    }
+    tracker.log_metrics(metrics, step=len(history))
+    if rank != 0:
+        _barrier(world)
+        return CycleResult("registered", "trained (process 0 registers)", parent_version=champion,
+                           sample_count=len(samples), metrics=metrics)  # fmt: skip
+    lineage = ModelLineage(
+        parent_version=champion,
+        base=registry.lineage(champion).base,
+        trainer_config=config.to_dict(),
+        data_window=selection.window,
+        sample_count=len(samples),
+        metrics=metrics,
+        run_id=tracker.run_id,
+    )
+    with tempfile.TemporaryDirectory(prefix="candidate-", dir=_scratch(settings)) as tmp:
+        policy.save(Path(tmp))
+        version = registry.register(Path(tmp), lineage)
+    tracker.finished(version)
+    _barrier(world)
+    log.info("registered candidate v%s from v%s on %d samples", version, champion, len(samples))
+    return CycleResult(
+        "registered", f"trained on {len(samples)} samples", version=version, parent_version=champion,
+        sample_count=len(samples), run_id=tracker.run_id, metrics=metrics,
+    )  # fmt: skip
+
+
+class _Tracker:
+    """The cycle's MLflow run (process 0 only); metrics are buffered and sent in batches."""
+
+    def __init__(self, settings: Settings, config: TrainerConfig, champion: str, mark: datetime | None,
+                 *, enabled: bool) -> None:  # fmt: skip
+        self.run_id: str | None = None
+        self._pending: list[Metric] = []
+        if not enabled:
+            return
+        self._client = ModelRegistry(settings).client
+        exp = ensure_experiment(self._client, settings, TRAINER_EXPERIMENT)
+        tags = {"flywheel.parent_version": champion, "flywheel.watermark": mark.isoformat() if mark else ""}
+        run = self._client.create_run(exp, run_name=f"cycle from v{champion}", tags=tags)
+        self.run_id = run.info.run_id
+        params = [Param(k, str(v)) for k, v in config.to_dict().items()]
+        self._client.log_batch(self.run_id, params=params)
+
+    def log_metrics(self, values: dict[str, float], step: int) -> None:
+        if self.run_id is None:
+            return
+        now = int(time.time() * 1000)
+        self._pending.extend(Metric(k, float(v), now, step) for k, v in values.items() if not math.isnan(v))
+        if len(self._pending) >= _METRIC_FLUSH_EVERY * 8:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.run_id is not None and self._pending:
+            for i in range(0, len(self._pending), 900):  # MLflow caps one batch at 1000 metrics
+                self._client.log_batch(self.run_id, metrics=self._pending[i : i + 900])
+            self._pending = []
+
+    def skipped(self, reason: str) -> None:
+        if self.run_id is None:
+            return
+        self._client.log_batch(self.run_id, tags=[RunTag("flywheel.status", "skipped"),
+                                                  RunTag("flywheel.reason", reason[:4000])])  # fmt: skip
+        self._client.set_terminated(self.run_id, "FINISHED")
+
+    def finished(self, version: str) -> None:
+        if self.run_id is None:
+            return
+        self.flush()
+        self._client.log_batch(self.run_id, tags=[RunTag("flywheel.status", "registered"),
+                                                  RunTag("flywheel.version", version)])  # fmt: skip
+        self._client.set_terminated(self.run_id, "FINISHED")
+
+    def failed(self, exc: BaseException) -> None:
+        if self.run_id is None:
+            return
+        with contextlib.suppress(Exception):  # report the original error, not a logging failure
+            self.flush()
+            self._client.set_tag(self.run_id, "flywheel.status", "failed")
+            self._client.set_tag(self.run_id, "flywheel.reason", f"{type(exc).__name__}: {exc}"[:4000])
+            self._client.set_terminated(self.run_id, "FAILED")
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, total: int, samples: int) -> Iterator[Callable[[StepStats], None]]:
+    if not enabled:
+        yield lambda stats: None
+        return
+    columns = (TextColumn("[bold]training[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[info]}"))  # fmt: skip
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("train", total=total, info=f"{samples} samples")
+
+        def advance(stats: StepStats) -> None:
+            info = f"loss {stats.loss:.4f}  kl {stats.kl:.4f}  clip {stats.clip_fraction:.2f}"
+            bar.update(task, advance=1, info=info)
+
+        yield advance
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and dist.is_available():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        else:
+            return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _local_device(device: str) -> str:
+    if device == "cuda" and dist.is_available() and dist.is_initialized():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _rank_zero_first(rank: int, world: int) -> Iterator[None]:
+    """Process 0 does the work first (e.g. downloads into the shared cache); the others reuse it."""
+    if rank != 0:
+        _barrier(world)
+    yield
+    if rank == 0:
+        _barrier(world)
+
+
+def _scratch(settings: Settings) -> Path:
+    path = settings.data_dir / "tmp"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,207 @@
+"""What a cycle trains on: rewards since the watermark joined with their generation records.
+
+Read with polars from the lake (notes/interfaces.md): `rewards` (latest revision per generation
+for one reward definition) joined on generation_id with the `generation` events of `events`,
+whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-probs, model version).
+Eligibility is applied here, before anything reaches the model:
+- consent: only users whose latest event carrying `config.consent_property` set it true;
+- quarantine: nothing served by a version the gate quarantined;
+- scrubbing: a completion containing secrets or personal data is dropped (we must not teach the
+  policy to emit it; its tokens cannot be edited without voiding the behaviour log-probs); a prompt
+  containing them is redacted and re-tokenised, and left out of the mismatch report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import polars as pl
+
+from flywheel import lake
+from flywheel.contract import DataWindow, GenerationRecord
+from flywheel.settings import Settings
+from trainer.config import TrainerConfig
+from trainer.scrub import scrub
+
+_TRUE = ("true", "1", "yes")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One logged generation with its reward, ready for a training step."""
+
+    generation_id: str
+    user_id: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    model_version: str
+    emitted_at: datetime
+    replay: bool = False
+    prompt_redacted: bool = False
+
+
+@dataclass
+class Selection:
+    """The samples of one cycle, the window they cover, and why other rows were left out."""
+
+    samples: list[Sample]
+    window: DataWindow | None
+    reward_rows: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    def describe_drops(self) -> str:
+        return ", ".join(f"{n} {why}" for why, n in sorted(self.dropped.items())) or "none"
+
+
+def load_selection(
+    settings: Settings,
+    config: TrainerConfig,
+    *,
+    watermark: datetime | None,
+    quarantined: set[str],
+    encode_prompt: Callable[[str], list[int]],
+) -> Selection:
+    """Eligible samples whose reward was emitted after `watermark` (plus an optional replay share)."""
+    rewards = lake.scan(settings.lake_dir / "rewards")
+    if rewards is None:
+        return Selection(samples=[], window=None)
+    reward_version = config.reward_version or _newest_reward_version(rewards)
+    if reward_version is None:
+        return Selection(samples=[], window=None)
+    latest = (
+        rewards.filter(pl.col("reward_version") == reward_version)
+        .sort(["revision", "emitted_at"])
+        .group_by("generation_id")
+        .last()
+        .select("generation_id", "reward", "user_id", "emitted_at")
+        .collect()
+    )
+    is_new = pl.lit(True) if watermark is None else pl.col("emitted_at") > watermark
+    new = latest.filter(is_new)
+    if new.is_empty():
+        return Selection(samples=[], window=None)
+    end = new["emitted_at"].max()
+    old = latest.filter(~is_new)
+    rows = new.with_columns(pl.lit(False).alias("replay"))
+    if config.replay_fraction > 0 and not old.is_empty():
+        k = min(old.height, int(round(config.replay_fraction * new.height)))
+        picked = sorted(random.Random(config.seed).sample(range(old.height), k))
+        rows = pl.concat([rows, old[picked].with_columns(pl.lit(True).alias("replay"))])
+
+    selection = Selection(samples=[], window=None, reward_rows=new.height)
+    generations = _generation_events(settings, rows["generation_id"].to_list())
+    joined = rows.join(generations, on="generation_id", how="left")
+    consenting = _consenting_users(settings, config) if config.require_consent else None
+    samples = []
+    for row in joined.sort("emitted_at").iter_rows(named=True):
+        sample = _eligible(row, config, quarantined, consenting, encode_prompt, selection.dropped)
+        if sample is not None:
+            samples.append(sample)
+    if config.max_samples and len(samples) > config.max_samples:
+        selection.dropped["over max_samples"] += len(samples) - config.max_samples
+        samples = samples[-config.max_samples :]  # the newest rewards matter most
+    samples.sort(key=lambda s: s.generation_id)  # same order on every process and every run
+    ids = "\n".join(s.generation_id for s in samples).encode()
+    selection.samples = samples
+    selection.window = DataWindow(
+        start=watermark,
+        end=end,
+        reward_version=reward_version,
+        generation_ids_sha256=hashlib.sha256(ids).hexdigest(),
+    )
+    return selection
+
+
+def _newest_reward_version(rewards: pl.LazyFrame) -> str | None:
+    newest = rewards.sort("emitted_at").select(pl.col("reward_version").last()).collect()
+    return None if newest.is_empty() else newest.item()
+
+
+def _generation_events(settings: Settings, generation_ids: list[str]) -> pl.DataFrame:
+    empty = pl.DataFrame(
+        schema={"generation_id": pl.String, "properties": pl.String, "event_user_id": pl.String}
+    )
+    events = lake.scan(settings.lake_dir / "events")
+    if events is None or not generation_ids:
+        return empty
+    return (
+        events.filter((pl.col("type") == "generation") & pl.col("generation_id").is_in(generation_ids))
+        .select("generation_id", "properties", pl.col("user_id").alias("event_user_id"))
+        .unique("generation_id", keep="first", maintain_order=True)
+        .collect()
+    )
+
+
+def _consenting_users(settings: Settings, config: TrainerConfig) -> set[str]:
+    """Users whose most recent statement of `consent_property` (any event type) is true."""
+    events = lake.scan(settings.lake_dir / "events")
+    if events is None:
+        return set()
+    # A JSONPath key in brackets: property names may contain dots or dashes.
+    path = f"$['{config.consent_property}']"
+    latest = (
+        events.select("user_id", "ts", pl.col("properties").str.json_path_match(path).alias("consent"))
+        .filter(pl.col("consent").is_not_null())
+        .sort("ts")
+        .group_by("user_id")
+        .last()
+        .collect()
+    )
+    return {
+        u for u, c in zip(latest["user_id"], latest["consent"], strict=True) if c.strip().lower() in _TRUE
+    }
+
+
+def _eligible(
+    row: dict,
+    config: TrainerConfig,
+    quarantined: set[str],
+    consenting: set[str] | None,
+    encode_prompt: Callable[[str], list[int]],
+    dropped: Counter[str],
+) -> Sample | None:
+    if row["properties"] is None:
+        dropped["without a generation event"] += 1
+        return None
+    try:
+        record = GenerationRecord.model_validate_json(row["properties"])
+    except ValueError:
+        dropped["with an unreadable generation record"] += 1
+        return None
+    user = row["event_user_id"] or row["user_id"] or ""
+    if consenting is not None and user not in consenting:
+        dropped["without consent"] += 1
+        return None
+    if record.model_version in quarantined:
+        dropped["from quarantined versions"] += 1
+        return None
+    if scrub(record.completion)[1]:
+        dropped["with secrets or personal data in the completion"] += 1
+        return None
+    prompt_ids = record.prompt_token_ids
+    clean_prompt, found = scrub(record.prompt)
+    if found:
+        prompt_ids = encode_prompt(clean_prompt)
+        dropped["prompts redacted (kept)"] += 1
+    if not prompt_ids:
+        dropped["with an empty prompt"] += 1
+        return None
+    return Sample(
+        generation_id=row["generation_id"],
+        user_id=user,
+        prompt_token_ids=prompt_ids,
+        completion_token_ids=record.completion_token_ids,
+        behaviour_logprobs=record.behaviour_logprobs,
+        reward=float(row["reward"]),
+        model_version=record.model_version,
+        emitted_at=row["emitted_at"],
+        replay=bool(row["replay"]),
+        prompt_redacted=bool(found),
+    )

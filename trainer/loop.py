@@ -1,0 +1,209 @@
+"""The training loop of one cycle: reference log-probs, mismatch report, optimizer steps.
+
+Kept free of MLflow, the lake and the registry so it can be benchmarked and tested alone;
+`trainer.cycle` wires it to those.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from trainer.config import TrainerConfig
+from trainer.data import Sample
+from trainer.objectives import advantages, kl_k3, kto_loss, policy_gradient_loss
+from trainer.scoring import Scorer
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    loss: float
+    kl: float
+    ratio_mean: float
+    ratio_max: float
+    clip_fraction: float
+    tokens: int
+    mean_reward: float
+
+    def metrics(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items() if k != "step"}
+
+
+@dataclass(frozen=True)
+class MismatchReport:
+    """How far the trainer's log-probs of logged tokens are from serving's (same weights)."""
+
+    tokens: int
+    mean_abs: float
+    max_abs: float
+    share_over_threshold: float
+    threshold: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "mismatch_tokens": float(self.tokens),
+            "mismatch_mean_abs": self.mean_abs,
+            "mismatch_max_abs": self.max_abs,
+            "mismatch_share_over_threshold": self.share_over_threshold,
+        }
+
+
+def _pad(rows: Sequence[Sequence[float]], width: int, device: torch.device) -> Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)  # (B, T)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.float32, device=device)
+    return out
+
+
+@torch.no_grad()
+def score_samples(
+    model: torch.nn.Module, samples: Sequence[Sample], scorer: Scorer, pad_id: int, batch_size: int
+) -> list[list[float]]:
+    """Log-probs of each sample's completion tokens under `model` (no gradient)."""
+    out: list[list[float]] = []
+    for i in range(0, len(samples), batch_size):
+        chunk = samples[i : i + batch_size]
+        lp, _ = scorer(
+            model, [s.prompt_token_ids for s in chunk], [s.completion_token_ids for s in chunk], pad_id
+        )
+        out.extend(lp[j, : len(s.completion_token_ids)].tolist() for j, s in enumerate(chunk))
+    return out
+
+
+def mismatch_report(
+    samples: Sequence[Sample], recomputed: Sequence[Sequence[float]], served_by: str, threshold: float
+) -> MismatchReport:
+    """Compare recomputed log-probs with serving's, on samples the starting version served itself.
+
+    Samples from older versions differ because the weights differ (that is what the importance
+    ratio corrects); redacted prompts differ because the context changed. Neither is mismatch.
+    """
+    diffs: list[float] = []
+    for s, lp in zip(samples, recomputed, strict=True):
+        if s.model_version == served_by and not s.prompt_redacted:
+            diffs.extend(abs(a - b) for a, b in zip(lp, s.behaviour_logprobs, strict=True))
+    if not diffs:
+        return MismatchReport(0, math.nan, math.nan, math.nan, threshold)
+    return MismatchReport(
+        tokens=len(diffs),
+        mean_abs=sum(diffs) / len(diffs),
+        max_abs=max(diffs),
+        share_over_threshold=sum(d > threshold for d in diffs) / len(diffs),
+        threshold=threshold,
+    )
+
+
+def _order(n: int, config: TrainerConfig, epoch: int, world: int) -> list[int]:
+    g = torch.Generator().manual_seed(config.seed * 1000 + epoch)
+    order = torch.randperm(n, generator=g).tolist()
+    # Every process must take the same number of steps: wrap around to a multiple of the world size.
+    short = (-len(order)) % world
+    return order + order[:short]
+
+
+def train_policy(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    reference: Sequence[Sequence[float]],
+    config: TrainerConfig,
+    scorer: Scorer,
+    pad_id: int,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    on_step: Callable[[StepStats], None] | None = None,
+) -> list[StepStats]:
+    """Optimise `model` on `samples` against `reference` log-probs (the starting champion's).
+
+    The baseline and advantage normalisation use the whole cycle's rewards, so every process
+    of a distributed run computes the same advantages. The model stays in eval mode: dropout
+    would make the recomputed log-probs (and so the importance ratios) differ from serving's.
+    """
+    if not samples:
+        raise ValueError("no samples to train on")
+    device = next(model.parameters()).device
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (N,)
+    baseline = None if config.baseline == "batch_mean" else float(config.baseline)
+    adv_all = advantages(rewards, baseline=baseline, normalise=config.normalise_advantages)  # (N,)
+    global_batch = config.batch_size * world
+    history: list[StepStats] = []
+    step = 0
+    for epoch in range(config.epochs):
+        order = _order(len(samples), config, epoch, world)
+        for start in range(0, len(order), global_batch):
+            idx = order[start : start + global_batch][rank::world]
+            batch = [samples[i] for i in idx]
+            width = max(len(s.completion_token_ids) for s in batch)
+            logprobs, mask = scorer(
+                model, [s.prompt_token_ids for s in batch], [s.completion_token_ids for s in batch], pad_id
+            )  # (B, T) each
+            behaviour = _pad([s.behaviour_logprobs for s in batch], width, device)  # (B, T)
+            ref = _pad([reference[i] for i in idx], width, device)  # (B, T)
+            if config.objective == "pg":
+                loss, stats = policy_gradient_loss(
+                    logprobs, behaviour, ref, mask, adv_all[idx].to(device),
+                    correction=config.correction, clip_eps=config.clip_eps,
+                    is_cap=config.is_cap, kl_coef=config.kl_coef, aggregation=config.loss_aggregation,
+                )  # fmt: skip
+            else:
+                desirable = (rewards[idx] > config.kto_threshold).to(device)
+                loss, stats = kto_loss(
+                    logprobs, ref, mask, desirable, beta=config.kto_beta,
+                    lambda_desirable=config.kto_lambda_desirable,
+                    lambda_undesirable=config.kto_lambda_undesirable,
+                )  # fmt: skip
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                _all_reduce_grads(params, world)
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            step += 1
+            record = StepStats(
+                step=step, loss=stats.loss, kl=stats.kl, ratio_mean=stats.ratio_mean,
+                ratio_max=stats.ratio_max, clip_fraction=stats.clip_fraction, tokens=stats.tokens,
+                mean_reward=float(rewards[idx].mean()),
+            )  # fmt: skip
+            history.append(record)
+            if on_step is not None:
+                on_step(record)
+            if config.max_steps and step >= config.max_steps:
+                return history
+    return history
+
+
+def _all_reduce_grads(params: Sequence[torch.nn.Parameter], world: int) -> None:
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(world)
+
+
+@torch.no_grad()
+def kl_to_reference(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    reference: Sequence[Sequence[float]],
+    scorer: Scorer,
+    pad_id: int,
+    batch_size: int,
+) -> float:
+    """Mean per-token k3 KL(model || reference) on the cycle's logged tokens."""
+    now = score_samples(model, samples, scorer, pad_id, batch_size)
+    total, count = 0.0, 0
+    for a, b in zip(now, reference, strict=True):
+        if a:
+            total += float(kl_k3(torch.tensor(a), torch.tensor(b)).sum())
+            count += len(a)
+    return total / max(count, 1)
