@@ -30,6 +30,7 @@ def collector(
 def worker(
     group_id: str = typer.Option("flywheel-ingest", help="Consumer group of the ingest workers."),
     batch_size: int = typer.Option(5000, min=1, help="Most records per batch."),
+    pause_before_commit_s: float = typer.Option(0.0, hidden=True, help="Fault injection for crash tests."),
 ) -> None:
     """Run an ingest worker (Kafka events topic to the lake) until SIGTERM."""
     import signal
@@ -40,4 +41,6 @@ def worker(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    IngestWorker(get_settings(), group_id=group_id, batch_size=batch_size).run(stop)
+    IngestWorker(
+        get_settings(), group_id=group_id, batch_size=batch_size, pause_before_commit_s=pause_before_commit_s
+    ).run(stop)

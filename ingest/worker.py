@@ -68,6 +68,7 @@ class IngestWorker:
         poll_timeout_s: float = 0.5,
         dedup_ttl_s: int = 7 * 24 * 3600,
         connect_attempts: int | None = None,
+        pause_before_commit_s: float = 0.0,
         consumer: Consumer | None = None,
         producer: Producer | None = None,
         redis: redis.Redis | None = None,
@@ -77,6 +78,8 @@ class IngestWorker:
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
         self.connect_attempts = connect_attempts
+        # Fault injection for the crash tests: widens the window between the lake write and the commit.
+        self.pause_before_commit_s = pause_before_commit_s
         self._consumer = consumer
         self._producer = producer
         self._ledger = EventIdLedger(redis or redis_client(settings), settings.redis_prefix, dedup_ttl_s)
@@ -151,6 +154,8 @@ class IngestWorker:
             self._producer.send_all(letters)
         if keep:
             write_events(self._table, events_frame(keep))
+        if self.pause_before_commit_s:
+            time.sleep(self.pause_before_commit_s)
         self._consumer.commit(offsets_after(records))
 
         metrics.EVENTS_ACCEPTED.labels("worker").inc(len(keep))
