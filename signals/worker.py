@@ -202,6 +202,7 @@ class SignalsWorker:
         self.producer = producer or make_producer(settings)
         self.stats = WorkerStats()
         self._last_data = time.monotonic()
+        self._assigned: set[tuple[str, int]] = set()
         self._active: tuple[float, RewardDefinition] | None = None
         self._last_refit = time.monotonic()
 
@@ -219,6 +220,11 @@ class SignalsWorker:
         """Poll once, process, commit; returns the number of records sent out."""
         sent = self.flush_outbox()
         records = self.consumer.poll_batch(self.config.poll_max_records, self.config.poll_timeout_s)
+        assigned = self.consumer.assignment()
+        if assigned != self._assigned:
+            # a fresh assignment has not fetched anything yet: an empty poll now does not mean a quiet stream
+            self._assigned = assigned
+            self._last_data = time.monotonic()
         if not records:
             if time.monotonic() - self._last_data >= self.config.idle_after_s:
                 self._tick_idle()

@@ -1,0 +1,185 @@
+"""Batch recompute: the stream's records, from the lake's events table, with polars.
+
+It replays the worker's rules (signals/worker.py) per Kafka partition in offset
+order: the first copy of each event id counts; the watermark is the running
+maximum of max(ts, received_at) minus the allowed lateness; a generation's window
+closes at the first row at or after its `generation` event where the watermark
+reaches its end; in-window feedback before that row makes revision 0 and each one
+from that row on makes one more revision. Windows the events never close are
+closed if the wall clock has passed them (as the idle worker does), else left open.
+So for the same events and version it produces the same records, up to `emitted_at`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+
+import polars as pl
+
+from flywheel.connections import redis_client
+from flywheel.contract import RewardRecord, utcnow
+from flywheel.lake import scan
+from flywheel.settings import Settings
+from signals.config import SignalsConfig
+from signals.definitions import DefinitionStore
+from signals.events import FeedbackEvent, GenerationInfo, parse_properties, to_us
+from signals.reward import RewardDefinition
+from signals.sink import read_rewards, records_frame, write_rewards
+
+_NEVER = 2**62
+
+
+def load_events(settings: Settings) -> pl.DataFrame | None:
+    lf = scan(settings.lake_dir / "events")
+    if lf is None:
+        return None
+    return (
+        lf.filter(pl.col("kafka_topic").is_null() | (pl.col("kafka_topic") == settings.events_topic))
+        .select(
+            "event_id",
+            "type",
+            "generation_id",
+            "user_id",
+            "ts",
+            "received_at",
+            "properties",
+            "kafka_partition",
+            "kafka_offset",
+        )
+        .collect()
+    )
+
+
+def plan_windows(
+    events: pl.DataFrame, *, window_s: float, lateness_s: float, idle_grace_s: float, now: datetime
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(Generations to emit with their window; in-window feedback with late_rank: 0 on time, k: k-th late)."""
+    window_us = int(round(window_s * 1e6))
+    lateness_us = int(round(lateness_s * 1e6))
+    df = (
+        events.sort("kafka_partition", "kafka_offset")
+        .unique("event_id", keep="first", maintain_order=True)
+        .with_columns(
+            pl.col("ts").dt.epoch("us").alias("ts_us"),
+            pl.max_horizontal(pl.col("ts").dt.epoch("us"), pl.col("received_at").dt.epoch("us")).alias(
+                "clock"
+            ),
+        )
+        .with_columns(
+            (pl.col("clock").cum_max().over("kafka_partition") - lateness_us).alias("wm"),
+            pl.int_range(pl.len()).over("kafka_partition").alias("pos"),
+        )
+    )
+    # the first row of each partition at which the watermark reaches a value
+    steps = df.group_by("kafka_partition", "wm").agg(pl.col("pos").min().alias("first_pos")).sort("wm")
+    idle_wm = to_us(now) - lateness_us - int(round(idle_grace_s * 1e6))
+    gens = (
+        df.filter(pl.col("type") == "generation")
+        .unique("generation_id", keep="first", maintain_order=True)
+        .select(
+            "generation_id",
+            "user_id",
+            "ts_us",
+            "properties",
+            "kafka_partition",
+            pl.col("pos").alias("gen_pos"),
+            (pl.col("ts_us") + window_us).alias("window_end"),
+        )
+        .sort("window_end")
+        .join_asof(
+            steps,
+            left_on="window_end",
+            right_on="wm",
+            by="kafka_partition",
+            strategy="forward",
+            check_sortedness=False,
+        )  # sorted above; polars cannot check it with `by`
+        .with_columns(
+            pl.when(pl.col("first_pos").is_null())
+            .then(pl.when(pl.col("window_end") <= idle_wm).then(pl.lit(_NEVER)).otherwise(None))
+            .otherwise(pl.max_horizontal("first_pos", "gen_pos"))
+            .alias("close_pos")
+        )
+        .filter(pl.col("close_pos").is_not_null())
+        .drop("wm", "first_pos")
+    )
+    feedback = (
+        df.filter(pl.col("type") != "generation")
+        .join(
+            gens.select("generation_id", "kafka_partition", "window_end", "close_pos"),
+            on=["generation_id", "kafka_partition"],
+            how="inner",
+        )
+        .filter(pl.col("ts_us") <= pl.col("window_end"))
+        .sort("kafka_partition", "pos")
+        .with_columns(
+            pl.when(pl.col("pos") >= pl.col("close_pos")).then(1).otherwise(0).alias("is_late"),
+        )
+        .with_columns(
+            (pl.col("is_late").cum_sum().over("generation_id") * pl.col("is_late")).alias("late_rank")
+        )
+        .select("generation_id", "event_id", "type", "ts_us", "properties", "late_rank")
+    )
+    return gens, feedback
+
+
+def recompute_records(
+    settings: Settings,
+    definition: RewardDefinition,
+    events: pl.DataFrame | None = None,
+    *,
+    config: SignalsConfig | None = None,
+    now: datetime | None = None,
+) -> list[RewardRecord]:
+    """Every record the stream would emit for `events` (default: the lake's) under `definition`."""
+    config = config or SignalsConfig()
+    events = load_events(settings) if events is None else events
+    if events is None or events.is_empty():
+        return []
+    now = now or utcnow()
+    gens, feedback = plan_windows(
+        events,
+        window_s=settings.reward_window_s,
+        lateness_s=settings.allowed_lateness_s,
+        idle_grace_s=config.idle_grace_s,
+        now=now,
+    )
+    on_time: dict[str, list[FeedbackEvent]] = defaultdict(list)
+    late: dict[str, list[FeedbackEvent]] = defaultdict(list)
+    for gid, eid, typ, ts_us, props, rank in feedback.iter_rows():
+        fe = FeedbackEvent(eid, typ, ts_us, parse_properties(props))
+        (late if rank else on_time)[gid].append(fe)
+    out: list[RewardRecord] = []
+    for gid, user, ts_us, props, _p, _gen_pos, window_end, _close in gens.iter_rows():
+        gen = GenerationInfo.from_properties(gid, ts_us, user, parse_properties(props))
+        evs = on_time.get(gid, [])
+        out.append(definition.record(gen, evs, window_end_us=window_end, emitted_at=now))
+        for k, fe in enumerate(late.get(gid, []), start=1):
+            evs = [*evs, fe]
+            out.append(
+                definition.record(
+                    gen, evs, window_end_us=window_end, revision=k, late_events=k, emitted_at=now
+                )
+            )
+    return out
+
+
+def _definition(settings: Settings, version: str) -> RewardDefinition:
+    return DefinitionStore(settings, redis_client(settings)).get(version)
+
+
+def recompute_rewards(settings: Settings, version: str, **kwargs: object) -> pl.DataFrame:
+    """`recompute_records` for a stored version, as a lake-shaped frame."""
+    return records_frame(recompute_records(settings, _definition(settings, version), **kwargs))  # type: ignore[arg-type]
+
+
+def backfill(settings: Settings, version: str) -> tuple[int, int]:
+    """Write the version's records missing from the lake; returns (written, already present)."""
+    records = recompute_records(settings, _definition(settings, version))
+    existing = read_rewards(settings).filter(pl.col("reward_version") == version)
+    have = set(zip(existing["generation_id"].to_list(), existing["revision"].to_list(), strict=True))
+    missing = [r for r in records if (r.generation_id, r.revision) not in have]
+    if missing:
+        write_rewards(settings, missing, f"recompute-{version}-{utcnow():%Y%m%dT%H%M%S%f}")
+    return len(missing), len(records) - len(missing)

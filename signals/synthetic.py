@@ -1,0 +1,286 @@
+"""Synthetic generations and feedback, for tests, benchmarks and the calibration check.
+
+`history` builds a reproducible event history (late and duplicated events
+included) in the order a broker would receive it; `send` puts events on the
+events topic; `lake_events_from_topic` plays ingest: it reads the topic back and
+writes the lake's events table (first copy of each event id kept), so the batch
+recompute can run over exactly what the stream saw.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import polars as pl
+
+from flywheel.bus import Outgoing, make_producer
+from flywheel.contract import Event, GenerationRecord
+from flywheel.lake import write_partitioned
+from flywheel.settings import Settings
+
+
+def generation_event(
+    gid: str,
+    ts: datetime,
+    *,
+    user_id: str = "u1",
+    model_version: str = "1",
+    arm: str = "champion",
+    completion: str = "return x + 1\n",
+    received_at: datetime | None = None,
+    experiment: str = "default",
+) -> Event:
+    declined = completion == ""
+    rec = GenerationRecord(
+        prompt="def f(x):\n    ",
+        prompt_token_ids=[1, 2, 3],
+        completion=completion,
+        completion_token_ids=[] if declined else [4, 5],
+        behaviour_logprobs=[] if declined else [-0.5, -0.7],
+        model_version=model_version,
+        arm=arm,
+        experiment=experiment,  # type: ignore[arg-type]
+        finish_reason="declined" if declined else "stop",
+    )
+    return Event(
+        type="generation",
+        generation_id=gid,
+        user_id=user_id,
+        ts=ts,
+        received_at=received_at or ts,
+        source="serving",
+        properties=rec.model_dump(),
+    )
+
+
+def feedback_event(
+    gid: str,
+    type_: str,
+    ts: datetime,
+    *,
+    user_id: str = "u1",
+    received_at: datetime | None = None,
+    **properties: object,
+) -> Event:
+    return Event(
+        type=type_,
+        generation_id=gid,
+        user_id=user_id,
+        ts=ts,  # type: ignore[arg-type]
+        received_at=received_at or ts,
+        properties=properties,
+    )
+
+
+def _user_reaction(rng: random.Random, gid: str, t0: datetime, user: str) -> list[Event]:
+    """A plausible reaction: shown, then accept (maybe partial, undone, retained, edited) or reject/ignore."""
+
+    def at(s: float) -> datetime:
+        return t0 + timedelta(seconds=s)
+
+    out = [feedback_event(gid, "shown", at(0.05), user_id=user)]
+    roll = rng.random()
+    if roll < 0.5:
+        out.append(
+            feedback_event(
+                gid, "accepted", at(0.3), user_id=user, accepted_chars=rng.randint(3, 13), total_chars=13
+            )
+        )
+        if rng.random() < 0.2:
+            out.append(feedback_event(gid, "undone", at(0.8), user_id=user, seconds_after_accept=0.5))
+        else:
+            out.append(
+                feedback_event(
+                    gid,
+                    "retained",
+                    at(1.2),
+                    user_id=user,
+                    seconds_after_accept=0.9,
+                    fraction_present=round(rng.random(), 3),
+                )
+            )
+        if rng.random() < 0.3:
+            out.append(feedback_event(gid, "edited", at(1.0), user_id=user, edit_distance=rng.randint(1, 8)))
+    elif roll < 0.8:
+        out.append(feedback_event(gid, "rejected", at(0.4), user_id=user))
+    else:
+        out.append(feedback_event(gid, "ignored", at(0.9), user_id=user))
+    if rng.random() < 0.25:
+        up = rng.random() < 0.6
+        out.append(
+            feedback_event(
+                gid,
+                "thumbs",
+                at(1.5),
+                user_id=user,
+                value="up" if up else "down",
+                comment=rng.choice(["", "great, thanks", "wrong"]),
+            )
+        )
+    if rng.random() < 0.15:
+        out.append(
+            feedback_event(
+                gid,
+                "followup",
+                at(1.6),
+                user_id=user,
+                text=rng.choice(["thanks that works", "no, that is broken", "ok"]),
+            )
+        )
+    if rng.random() < 0.1:
+        out.append(feedback_event(gid, rng.choice(["copied", "regenerated"]), at(1.7), user_id=user))
+    return out
+
+
+@dataclass(frozen=True)
+class History:
+    events: list[Event]  # in send order (duplicates included)
+    generation_ids: list[str]
+
+
+def history(
+    n_generations: int,
+    *,
+    start: datetime,
+    seed: int = 0,
+    spacing_s: float = 0.25,
+    late_share: float = 0.1,
+    duplicate_share: float = 0.05,
+    declined_share: float = 0.1,
+    silent_share: float = 0.1,
+    window_s: float = 2.0,
+    arms: Sequence[str] = ("champion", "challenger"),
+    prefix: str = "g",
+) -> History:
+    """Generations every `spacing_s` from `start`, each with a user's reaction.
+
+    Events arrive at their event time, except `late_share` of generations get one
+    in-window event that arrives `5 * window_s` late, and `duplicate_share` of all
+    events are sent twice (the copy a little later). Some generations are declined
+    (empty completion, never shown) or get no feedback at all.
+    """
+    rng = random.Random(seed)
+    timed: list[tuple[datetime, int, Event]] = []
+    gids = []
+    seq = 0
+    for i in range(n_generations):
+        gid = f"{prefix}{i:06d}"
+        gids.append(gid)
+        t0 = start + timedelta(seconds=i * spacing_s)
+        user = f"user{rng.randrange(max(2, n_generations // 4))}"
+        arm = rng.choice(list(arms))
+        version = "2" if arm == "challenger" else "1"
+        roll = rng.random()
+        declined = roll < declined_share
+        evs = [
+            generation_event(
+                gid,
+                t0,
+                user_id=user,
+                model_version=version,
+                arm=arm,
+                completion="" if declined else "return x + 1\n",
+            )
+        ]
+        if not declined and roll >= declined_share + silent_share:
+            evs += _user_reaction(rng, gid, t0, user)
+        if len(evs) > 1 and rng.random() < late_share:
+            late = evs.pop(rng.randrange(1, len(evs)))
+            evs.append(late.model_copy(update={"received_at": late.ts + timedelta(seconds=5 * window_s)}))
+        for e in evs:
+            seq += 1
+            timed.append((e.received_at, seq, e))
+            if rng.random() < duplicate_share:
+                seq += 1
+                timed.append((e.received_at + timedelta(seconds=rng.uniform(0.1, 3 * window_s)), seq, e))
+    timed.sort(key=lambda x: (x[0], x[1]))
+    return History([e for _, _, e in timed], gids)
+
+
+def send(settings: Settings, events: Iterable[Event]) -> None:
+    """Put events on the events topic, keyed by generation id (as serving and the collector do)."""
+    producer = make_producer(settings)
+    try:
+        producer.send_all(
+            [Outgoing(settings.events_topic, e.to_bytes(), e.generation_id.encode()) for e in events],
+            timeout_s=30,
+        )
+    finally:
+        producer.close()
+
+
+def events_frame(rows: Iterable[tuple[Event, str, int, int]]) -> pl.DataFrame:
+    """Lake rows (interfaces.md "events") from (event, topic, partition, offset)."""
+    dt = pl.Datetime("us", "UTC")
+    data = [
+        {
+            "event_id": e.event_id,
+            "type": str(e.type),
+            "schema_version": e.schema_version,
+            "generation_id": e.generation_id,
+            "user_id": e.user_id,
+            "session_id": e.session_id,
+            "ts": e.ts,
+            "received_at": e.received_at,
+            "source": e.source,
+            "properties": json.dumps(e.properties),
+            "kafka_topic": topic,
+            "kafka_partition": p,
+            "kafka_offset": o,
+        }
+        for e, topic, p, o in rows
+    ]
+    schema = {
+        "event_id": pl.String,
+        "type": pl.String,
+        "schema_version": pl.Int64,
+        "generation_id": pl.String,
+        "user_id": pl.String,
+        "session_id": pl.String,
+        "ts": dt,
+        "received_at": dt,
+        "source": pl.String,
+        "properties": pl.String,
+        "kafka_topic": pl.String,
+        "kafka_partition": pl.Int32,
+        "kafka_offset": pl.Int64,
+    }
+    return pl.DataFrame(data, schema=schema)
+
+
+def lake_events_from_topic(settings: Settings, *, write: bool = True) -> pl.DataFrame:
+    """Read the events topic (no consumer group), write it to the lake; first copy of each id kept."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap_servers.split(","),
+        enable_auto_commit=False,
+        consumer_timeout_ms=2000,
+    )
+    try:
+        parts = [
+            TopicPartition(settings.events_topic, p)
+            for p in sorted(consumer.partitions_for_topic(settings.events_topic) or [])
+        ]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        ends = consumer.end_offsets(parts)
+        rows: list[tuple[Event, str, int, int]] = []
+        seen: set[str] = set()
+        while any(consumer.position(tp) < ends[tp] for tp in parts):
+            for msgs in consumer.poll(timeout_ms=1000).values():
+                for m in msgs:
+                    e = Event.from_bytes(m.value)
+                    if e.event_id not in seen:
+                        seen.add(e.event_id)
+                        rows.append((e, m.topic, m.partition, m.offset))
+    finally:
+        consumer.close()
+    df = events_frame(rows)
+    if write:
+        write_partitioned(df, settings.lake_dir / "events", "synthetic-ingest", ts_column="ts")
+    return df

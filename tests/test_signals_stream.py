@@ -1,0 +1,154 @@
+"""The streaming worker against the real broker and Redis: parity with the batch recompute,
+restart safety, and a reward appearing soon after its window closes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from flywheel.bus import ensure_topics
+from flywheel.contract import RewardRecord, utcnow
+from flywheel.settings import Settings
+from signals.config import SignalsConfig
+from signals.recompute import recompute_records
+from signals.reward import DEFAULT_DEFINITION
+from signals.sink import read_rewards
+from signals.synthetic import feedback_event, generation_event, history, lake_events_from_topic, send
+from signals.worker import SignalsWorker
+
+CONFIG = SignalsConfig(idle_after_s=1.5, poll_timeout_s=0.2)
+
+
+def rewards_on_topic(settings: Settings) -> list[RewardRecord]:
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap_servers.split(","), enable_auto_commit=False
+    )
+    try:
+        parts = [TopicPartition(settings.rewards_topic, p) for p in range(settings.topic_partitions)]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        ends = consumer.end_offsets(parts)
+        out = []
+        while any(consumer.position(tp) < ends[tp] for tp in parts):
+            for msgs in consumer.poll(timeout_ms=1000).values():
+                out += [RewardRecord.model_validate_json(m.value) for m in msgs]
+        return out
+    finally:
+        consumer.close()
+
+
+def run_until(worker: SignalsWorker, done, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"worker did not finish in {timeout_s}s: {worker.stats}"
+        worker.run_once()
+
+
+def comparable(r: RewardRecord) -> tuple:
+    d = r.model_dump(exclude={"emitted_at"})
+    return tuple(sorted((k, str(v)) for k, v in d.items()))
+
+
+def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settings: Settings) -> None:
+    ensure_topics(settings)
+    start = utcnow() - timedelta(hours=1)
+    hist = history(
+        60, start=start, seed=7, late_share=0.25, duplicate_share=0.1, window_s=settings.reward_window_s
+    )
+    send(settings, hist.events)
+    worker = SignalsWorker(settings, CONFIG)
+    try:
+        run_until(worker, lambda: worker.stats.records >= len(hist.generation_ids))
+        for _ in range(3):  # drain anything still in flight
+            worker.run_once()
+    finally:
+        worker.close()
+    assert worker.stats.duplicates > 0, "the history must exercise duplicates"
+    assert worker.stats.late_events > 0 and worker.stats.revisions == worker.stats.late_events
+
+    streamed = rewards_on_topic(settings)
+    keys = Counter((r.generation_id, r.reward_version, r.revision) for r in streamed)
+    assert max(keys.values()) == 1, "one record per generation, version and revision"
+    assert {r.generation_id for r in streamed if r.revision == 0} == set(hist.generation_ids)
+    assert len(read_rewards(settings)) == len(streamed)
+
+    lake_events_from_topic(settings)
+    batch = recompute_records(settings, DEFAULT_DEFINITION, config=CONFIG)
+    b, s_ = set(map(comparable, batch)), set(map(comparable, streamed))
+    assert b == s_, (sorted(dict(x) for x in b - s_)[:3], sorted(dict(x) for x in s_ - b)[:3])
+    assert {r.label_source for r in batch} == {"explicit", "implicit", "default"}
+
+
+def test_worker_restarted_mid_window_loses_nothing_and_duplicates_nothing(settings: Settings) -> None:
+    ensure_topics(settings)
+    now = utcnow()
+    # closed before the crash: old timestamps, so their windows close in the first batch
+    old = [generation_event(f"old{i}", now - timedelta(minutes=5), user_id="u") for i in range(3)]
+    old += [
+        feedback_event(f"old{i}", "accepted", now - timedelta(minutes=5) + timedelta(seconds=1))
+        for i in range(3)
+    ]
+    # open across the restart: generated and shown now, accepted only after the restart
+    fresh = [generation_event(f"new{i}", now, user_id="u") for i in range(4)]
+    fresh += [feedback_event(f"new{i}", "shown", now + timedelta(milliseconds=100)) for i in range(4)]
+    send(settings, old + fresh)
+
+    first = SignalsWorker(settings, CONFIG)
+
+    def crash(_offsets: object) -> None:
+        raise RuntimeError("killed before committing offsets")
+
+    first.consumer.commit = crash  # type: ignore[method-assign]  # the crash happens inside the real worker
+    with pytest.raises(RuntimeError, match="killed"):
+        run_until(first, lambda: first.stats.events >= len(old + fresh))
+    first.close()
+    assert first.stats.records == 0, "the crash came before anything was sent"
+
+    # accepted inside the window (event time), delivered after the restart
+    send(
+        settings, [feedback_event(f"new{i}", "accepted", now + timedelta(milliseconds=500)) for i in range(4)]
+    )
+    second = SignalsWorker(settings, CONFIG)
+    try:
+        run_until(second, lambda: second.stats.records >= 7)
+        for _ in range(3):
+            second.run_once()
+    finally:
+        second.close()
+    assert second.stats.duplicates >= len(old + fresh), "uncommitted events were re-read, and recognised"
+
+    streamed = rewards_on_topic(settings)
+    assert sorted(r.generation_id for r in streamed) == sorted(
+        [f"old{i}" for i in range(3)] + [f"new{i}" for i in range(4)]
+    )
+    # the shown from before the restart and the accept after it both count
+    assert all(r.reward == 0.75 and r.signals["shown"] == 1.0 for r in streamed)
+    lake = read_rewards(settings)
+    assert lake.height == 7 and lake["generation_id"].n_unique() == 7
+
+
+def test_reward_appears_soon_after_its_window_closes(settings: Settings) -> None:
+    ensure_topics(settings)
+    stop = threading.Event()
+    worker = SignalsWorker(settings, CONFIG)
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        now = utcnow()
+        send(settings, [generation_event("g-live", now), feedback_event("g-live", "accepted", now)])
+        close = now + timedelta(seconds=settings.reward_window_s + settings.allowed_lateness_s)
+        deadline = close + timedelta(seconds=CONFIG.idle_after_s + CONFIG.idle_grace_s + 8)
+        found: list[RewardRecord] = []
+        while not found and utcnow() < deadline:
+            time.sleep(0.2)
+            found = [r for r in rewards_on_topic(settings) if r.generation_id == "g-live"]
+        assert found, "no reward within a few seconds of the window closing"
+        assert found[0].reward == 0.75 and found[0].label_source == "implicit"
+    finally:
+        stop.set()
+        thread.join(timeout=10)
