@@ -44,3 +44,54 @@ def worker(
     IngestWorker(
         get_settings(), group_id=group_id, batch_size=batch_size, pause_before_commit_s=pause_before_commit_s
     ).run(stop)
+
+
+dead_letters = typer.Typer(help="List and replay dead letters.", no_args_is_help=True)
+app.add_typer(dead_letters, name="dead-letters")
+
+
+@dead_letters.command("list")
+def list_letters(
+    limit: int = typer.Option(50, min=1, help="Show the newest N."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line (original as base64)."),
+) -> None:
+    """Show dead letters: where they came from, when, and why they were refused."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from ingest.replay import list_dead_letters
+
+    letters = list_dead_letters(get_settings())[-limit:]
+    if as_json:
+        for record, letter in letters:
+            doc = json.loads(letter.to_bytes())
+            typer.echo(json.dumps({"position": f"{record.topic}/{record.partition}/{record.offset}", **doc}))
+        return
+    table = Table("position", "source", "received_at", "bytes", "reason")
+    for record, letter in letters:
+        table.add_row(
+            f"{record.partition}/{record.offset}",
+            letter.source,
+            letter.received_at.isoformat(timespec="seconds"),
+            str(len(letter.original)),
+            letter.reason[:120],
+        )
+    Console().print(table)
+    typer.echo(f"{len(letters)} dead letter(s)")
+
+
+@dead_letters.command()
+def replay(
+    source: str = typer.Option("", help="Only letters whose source starts with this (e.g. http:/v1/batch)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Re-validate only; produce nothing."),
+) -> None:
+    """Re-validate dead letters and produce those that pass now (idempotent: event ids are kept)."""
+    from ingest.replay import replay_dead_letters
+
+    result = replay_dead_letters(get_settings(), source_prefix=source, dry_run=dry_run)
+    verb = "would replay" if dry_run else "replayed"
+    typer.echo(f"{verb} {len(result.replayed)} event(s); {len(result.still_invalid)} still invalid")
+    for position, reason in result.still_invalid[:20]:
+        typer.echo(f"  {position}: {reason}")
