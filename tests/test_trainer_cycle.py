@@ -1,0 +1,224 @@
+"""Training cycles end to end: lake -> eligible samples -> trained candidate in the registry.
+
+Feedback is simulated (trainer.simulate): completions sampled from the real tiny model with
+their real behaviour log-probs, rewards from a rule, both written to the lake in the agreed
+column layout. MLflow is the real SQLite store.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from flywheel.contract import Event, GenerationRecord, ModelLineage, RewardRecord
+from flywheel.lm import Generation, Policy, load_policy
+from flywheel.settings import Settings
+from model_registry import ModelRegistry
+from trainer.config import TrainerConfig
+from trainer.cycle import run_cycle, watermark
+from trainer.data import load_selection
+from trainer.loop import kl_to_reference, score_samples, train_policy
+from trainer.scoring import scorer_for
+from trainer.simulate import consent_events, simulate_feedback, write_events, write_rewards
+
+PROMPTS = [
+    "def add(a, b):\n    return", "import os\n", "for i in range(", "x = ", "class Foo:\n    def",
+    "print(", "if x is None:\n    ", "return ", "y = [", "while True:\n    ",
+]  # fmt: skip
+USERS = ("u0", "u1", "u2", "u3")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # The tiny model is faster on one thread, and the machine is shared with other test runs.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tsettings(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    """`settings` whose SQLite MLflow store starts as a copy of an already-migrated empty one
+    (creating the schema takes ~8 s; copying takes milliseconds)."""
+    template = tmp_path_factory.getbasetemp() / "mlflow-template.db"
+    if not template.exists():
+        ModelRegistry(settings.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{template}"})).versions()
+    shutil.copy(template, settings.mlflow_tracking_uri.removeprefix("sqlite:///"))
+    return settings
+
+
+@pytest.fixture
+def champion(tsettings: Settings, tiny_model_dir: Path) -> str:
+    registry = ModelRegistry(tsettings)
+    version = registry.register(tiny_model_dir, ModelLineage(base=str(tiny_model_dir)))
+    registry.set_alias("champion", version)
+    write_events(tsettings, consent_events(USERS))
+    return version
+
+
+def _ends_early(g: Generation) -> float:
+    return 1.0 if g.finish_reason != "length" else -1.0
+
+
+def _stop_rate(policy: Policy, n: int = 60) -> float:
+    """Share of sampled completions (fixed seeds) that end the line before max_tokens."""
+    gens = [policy.generate(PROMPTS[i % len(PROMPTS)], max_tokens=8, seed=10_000 + i) for i in range(n)]
+    return sum(g.finish_reason != "length" for g in gens) / n
+
+
+def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
+    tsettings: Settings, champion: str
+) -> None:
+    registry = ModelRegistry(tsettings)
+    config = TrainerConfig(learning_rate=1e-3, batch_size=8, epochs=2, kl_coef=0.05)
+    v1 = load_policy(registry.fetch(champion))
+    simulate_feedback(tsettings, v1, PROMPTS, _ends_early, model_version=champion, n=48, seed=1, users=USERS)
+
+    first = run_cycle(tsettings, config, progress=False)
+    assert first.status == "registered" and first.parent_version == champion and first.sample_count == 48
+    v2 = load_policy(registry.fetch(first.version))
+    before, after = _stop_rate(v1), _stop_rate(v2)
+    assert after > before + 0.1, f"ending the line early was rewarded: {before:.2f} -> {after:.2f}"
+
+    # The gate promotes the candidate; new feedback on it now rewards the opposite.
+    registry.set_alias("champion", first.version)
+    opposite = lambda g: -_ends_early(g)  # noqa: E731
+    simulate_feedback(
+        tsettings, v2, PROMPTS, opposite, model_version=first.version, n=48, seed=2, users=USERS
+    )
+    second = run_cycle(tsettings, config, progress=False)
+    assert second.status == "registered" and second.parent_version == first.version
+    back = _stop_rate(load_policy(registry.fetch(second.version)))
+    assert back < after - 0.1, f"long completions were rewarded: {after:.2f} -> {back:.2f}"
+
+    lineage = registry.lineage(second.version)
+    assert lineage.parent_version == first.version and lineage.sample_count == 48
+    assert lineage.trainer_config["learning_rate"] == 1e-3 and lineage.data_window is not None
+    assert lineage.data_window.start == registry.lineage(first.version).data_window.end
+    # Serving and trainer share device, dtype and scoring function: their log-probs agree exactly.
+    assert lineage.metrics["mismatch_max_abs"] == 0.0 and lineage.metrics["mismatch_tokens"] > 0
+    run = MlflowClient(tsettings.resolved_mlflow_uri).get_run(second.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["objective"] == "pg"
+    for key in ("loss", "kl", "ratio_mean", "clip_fraction", "mean_reward", "mismatch_mean_abs"):
+        assert key in run.data.metrics, key
+    steps = MlflowClient(tsettings.resolved_mlflow_uri).get_metric_history(second.run_id, "loss")
+    assert len(steps) == 12  # 48 samples / batch 8 * 2 epochs, one point per step
+
+
+def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(
+    tsettings: Settings, champion: str
+) -> None:
+    registry = ModelRegistry(tsettings)
+    path = registry.fetch(champion)
+    policy = load_policy(path)
+    simulate_feedback(
+        tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=32, seed=3, users=USERS
+    )
+    kls = []
+    for kl_coef in (0.0, 2.0):
+        config = TrainerConfig(learning_rate=2e-3, batch_size=8, epochs=3, kl_coef=kl_coef)
+        policy = load_policy(path)  # both start from the same champion weights
+        samples = load_selection(tsettings, config, watermark=None, quarantined=set(),
+                                 encode_prompt=lambda t, p=policy: p.encode_prompt(t, 1)).samples  # fmt: skip
+        scorer = scorer_for(True)
+        reference = score_samples(policy.model, samples, scorer, policy.pad_id, 8)
+        train_policy(policy.model, samples, reference, config, scorer, policy.pad_id)
+        kls.append(kl_to_reference(policy.model, samples, reference, scorer, policy.pad_id, 8))
+    assert kls[1] < 0.7 * kls[0], f"KL to the champion: coef 0 -> {kls[0]:.4f}, coef 2 -> {kls[1]:.4f}"
+
+
+def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(
+    tsettings: Settings, champion: str
+) -> None:
+    registry = ModelRegistry(tsettings)
+    simulate_feedback(tsettings, load_policy(registry.fetch(champion)), PROMPTS, _ends_early,
+                      model_version=champion, n=16, seed=4, users=USERS)  # fmt: skip
+
+    def crash(stats) -> None:
+        if stats.step == 1:
+            raise RuntimeError("worker killed")
+
+    with pytest.raises(RuntimeError, match="worker killed"):
+        run_cycle(tsettings, TrainerConfig(batch_size=4), progress=False, on_step=crash)
+    assert [v.version for v in registry.versions()] == [champion]
+    assert watermark(registry) is None
+    runs = MlflowClient(tsettings.resolved_mlflow_uri).search_runs(
+        [MlflowClient(tsettings.resolved_mlflow_uri).get_experiment_by_name("flywheel-trainer").experiment_id]
+    )
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+    retry = run_cycle(tsettings, TrainerConfig(batch_size=4), progress=False)  # the same data is still there
+    assert retry.status == "registered" and retry.sample_count == 16
+    assert watermark(registry) == registry.lineage(retry.version).data_window.end
+
+
+def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: str) -> None:
+    simulate_feedback(tsettings, load_policy(ModelRegistry(tsettings).fetch(champion)), PROMPTS, _ends_early,
+                      model_version=champion, n=3, seed=5, users=USERS)  # fmt: skip
+    result = run_cycle(tsettings, TrainerConfig(), progress=False)
+    assert result.status == "skipped" and result.version is None
+    assert "too little new data: 3 eligible samples" in result.reason and "need 4" in result.reason
+    assert [v.version for v in ModelRegistry(tsettings).versions()] == [champion]
+
+
+def _row(gid: str, user: str, *, version: str = "1", prompt: str = "x = ", completion: str = " 1\n") -> Event:
+    record = GenerationRecord(
+        prompt=prompt,
+        prompt_token_ids=[5, 6],
+        completion=completion,
+        completion_token_ids=[7, 8],
+        behaviour_logprobs=[-1.0, -2.0],
+        model_version=version,
+    )
+    return Event(type="generation", generation_id=gid, user_id=user, properties=record.model_dump())
+
+
+def test_eligibility_consent_quarantine_scrubbing_and_latest_revision(tsettings: Settings) -> None:
+    now = datetime.now(UTC)
+    events = [
+        _row("ok", "alice"),
+        _row("no-consent", "bob"),
+        _row("revoked", "carol"),
+        _row("quarantined", "alice", version="7"),
+        _row("secret", "alice", completion=" 'AKIAABCDEFGHIJKLMNOP'\n"),
+        _row("pii-prompt", "alice", prompt="mail bob@example.com\nx = "),
+        *consent_events(["alice", "carol"]),
+    ]
+    write_events(tsettings, events)
+    later = Event(type="shown", generation_id="c", user_id="carol", ts=now + timedelta(seconds=1),
+                  properties={"training_consent": False})  # fmt: skip
+    write_events(tsettings, [later])
+
+    def reward(gid: str, value: float, revision: int = 0) -> RewardRecord:
+        return RewardRecord(
+            generation_id=gid, reward_version="r1", revision=revision, reward=value, confidence=1,
+            label_source="implicit", window_start=now, window_end=now,
+            emitted_at=now + timedelta(seconds=revision),
+        )  # fmt: skip
+
+    gids = ["ok", "no-consent", "revoked", "quarantined", "secret", "pii-prompt", "no-event"]
+    write_rewards(tsettings, [reward(g, 0.5) for g in gids] + [reward("ok", -1.0, revision=1)])
+    selection = load_selection(tsettings, TrainerConfig(), watermark=None, quarantined={"7"},
+                               encode_prompt=lambda text: [len(text)])  # fmt: skip
+    by_id = {s.generation_id: s for s in selection.samples}
+    assert sorted(by_id) == ["ok", "pii-prompt"]
+    assert by_id["ok"].reward == -1.0  # the latest revision wins
+    assert by_id["pii-prompt"].prompt_redacted and by_id["pii-prompt"].prompt_token_ids == [
+        len("mail <EMAIL>\nx = ")
+    ]
+    assert selection.dropped == {
+        "without consent": 2, "from quarantined versions": 1, "without a generation event": 1,
+        "with secrets or personal data in the completion": 1, "prompts redacted (kept)": 1,
+    }  # fmt: skip
+    assert selection.window and selection.window.end == now + timedelta(seconds=1)
+    # Nothing new after the window's end.
+    again = load_selection(tsettings, TrainerConfig(), watermark=selection.window.end, quarantined=set(),
+                           encode_prompt=lambda text: [1])  # fmt: skip
+    assert again.samples == [] and again.window is None
