@@ -179,3 +179,23 @@ def test_broker_down_at_start_waits_with_backoff_then_catches_up(tmp_path, redis
         stop.set()
         broker.terminate()
         broker.wait(timeout=10)
+
+
+def test_confluent_client_behind_the_same_interface(settings):
+    settings = settings.model_copy(update={"kafka_client": "confluent"})
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    events = [event(i) for i in range(30)]
+    producer.send_all(
+        [Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in events]
+    )
+    producer.send_all([Outgoing(settings.events_topic, b"{not json")])
+    producer.close()
+    worker = IngestWorker(settings, group_id="g-confluent", poll_timeout_s=0.3)
+    processed, deadline = 0, time.monotonic() + 30
+    while processed < 31 and time.monotonic() < deadline:
+        processed += worker.run_once().polled
+    worker.close()
+    assert sorted(read_events(settings.lake_dir)["event_id"].to_list()) == sorted(e.event_id for e in events)
+    letters = read_topic(settings, settings.dead_letter_topic)
+    assert [DeadLetter.from_bytes(r.value).original for r in letters] == [b"{not json"]

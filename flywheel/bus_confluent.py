@@ -1,0 +1,134 @@
+"""confluent-kafka (librdkafka) behind the `Producer` / `Consumer` interface of `flywheel.bus`.
+
+Chosen with `FLYWHEEL_KAFKA_CLIENT=confluent`. Configuration keyword arguments may use
+librdkafka names (`"queue.buffering.max.ms"`, or with underscores) or the few
+kafka-python names the components pass (`max_block_ms`, `max_request_size`, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from flywheel.bus import BrokerUnavailable, Outgoing, Record
+
+log = logging.getLogger(__name__)
+
+# kafka-python names used by callers -> librdkafka names (None: no librdkafka equivalent, ignored).
+_KAFKA_PYTHON_NAMES: dict[str, str | None] = {
+    "max_block_ms": "message.timeout.ms",
+    "max_request_size": "message.max.bytes",
+    "bootstrap_timeout_ms": None,
+    "session_timeout_ms": "session.timeout.ms",
+    "heartbeat_interval_ms": "heartbeat.interval.ms",
+    "max_poll_records": None,
+    "linger_ms": "linger.ms",
+}
+
+
+def _librdkafka_config(config: dict[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if key in _KAFKA_PYTHON_NAMES:
+            name = _KAFKA_PYTHON_NAMES[key]
+            if name is not None:
+                out[name] = value
+        else:
+            out[key.replace("_", ".")] = value
+    return out
+
+
+class ConfluentProducer:
+    def __init__(self, bootstrap: str, **config: object) -> None:
+        from confluent_kafka import Producer as RdProducer
+
+        self._p = RdProducer(
+            {
+                "bootstrap.servers": bootstrap,
+                "acks": "all",
+                "enable.idempotence": False,  # the embedded broker does not hand out producer ids
+                "linger.ms": 5,
+                "message.timeout.ms": 10_000,
+                **_librdkafka_config(config),
+            }
+        )
+
+    def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
+        errors: list[str] = []
+
+        def delivered(err: object, _msg: object) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        for m in messages:
+            while True:
+                try:
+                    self._p.produce(
+                        m.topic,
+                        value=m.value,
+                        key=m.key,
+                        headers=list(m.headers) or None,
+                        on_delivery=delivered,
+                    )
+                    break
+                except BufferError:  # local queue full: let deliveries drain it
+                    self._p.poll(0.05)
+        remaining = self._p.flush(timeout_s)
+        if remaining:
+            raise BrokerUnavailable(f"Kafka did not acknowledge {remaining} message(s) within {timeout_s}s")
+        if errors:
+            raise BrokerUnavailable(f"Kafka did not acknowledge: {errors[0]}")
+
+    def close(self) -> None:
+        self._p.flush(5)
+
+
+class ConfluentConsumer:
+    def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, **config: object) -> None:
+        from confluent_kafka import Consumer as RdConsumer
+
+        self._c = RdConsumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": group_id,
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": 6000,
+                "heartbeat.interval.ms": 1000,
+                **_librdkafka_config(config),
+            }
+        )
+        self._c.subscribe(list(topics))
+
+    def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        out: list[Record] = []
+        for m in self._c.consume(num_messages=max_records, timeout=timeout_s):
+            if m.error():
+                # Partition EOF and transient broker errors are reported in-band; librdkafka retries itself.
+                log.debug("consumer event: %s", m.error())
+                continue
+            out.append(Record(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.timestamp()[1]))
+        return out
+
+    def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        if not next_offsets:
+            return
+        try:
+            self._c.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in next_offsets.items()], asynchronous=False
+            )
+        except KafkaException as exc:
+            raise BrokerUnavailable(f"commit failed: {exc}") from exc
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(tp.topic, tp.partition) for tp in self._c.assignment()}
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        from confluent_kafka import TopicPartition
+
+        self._c.seek(TopicPartition(topic, partition, offset))
+
+    def close(self) -> None:
+        self._c.close()
