@@ -29,23 +29,30 @@ class LogisticModel:
     intercept: float
     mean: tuple[float, ...]
     scale: tuple[float, ...]
+    fill: tuple[float, ...]  # value used for a signal that was not observed (its training mean when observed)
 
     def __post_init__(self) -> None:
         n = len(self.features)
-        if not (len(self.coef) == len(self.mean) == len(self.scale) == n):
-            raise ValueError("features, coef, mean and scale must have the same length")
+        if not (len(self.coef) == len(self.mean) == len(self.scale) == len(self.fill) == n):
+            raise ValueError("features, coef, mean, scale and fill must have the same length")
 
     @classmethod
     def fit(
         cls, x: np.ndarray, y: np.ndarray, features: Sequence[str], l2: float = 1e-2, max_iter: int = 50
     ) -> LogisticModel:
-        """Fit on `x` (n, d) and labels `y` (n,) in {0, 1}."""
+        """Fit on `x` (n, d), NaN where a signal was not observed, and labels `y` (n,) in {0, 1}."""
         x = np.asarray(x, dtype=np.float64)
         y = np.asarray(y, dtype=np.float64)
         if x.ndim != 2 or x.shape[0] != y.shape[0] or x.shape[1] != len(features):
             raise ValueError(f"x must be (n, {len(features)}) and y (n,); got {x.shape} and {y.shape}")
         if x.shape[0] == 0:
             raise ValueError("cannot fit on zero rows")
+        observed = ~np.isnan(x)
+        # a column given with NaNs is "sometimes unmeasured": fill with its observed mean; any other
+        # column treats a missing signal as 0 (an indicator that did not fire)
+        observed_mean = np.nansum(x, axis=0) / np.maximum(observed.sum(axis=0), 1)
+        fill = np.where((~observed).any(axis=0), observed_mean, 0.0)
+        x = np.where(observed, x, fill)
         mean = x.mean(axis=0)
         scale = x.std(axis=0)
         scale[scale < 1e-9] = 1.0  # a constant feature contributes nothing; avoid dividing by 0
@@ -67,19 +74,21 @@ class LogisticModel:
             float(w[0]),
             tuple(float(v) for v in mean),
             tuple(float(v) for v in scale),
+            tuple(float(v) for v in fill),
         )
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float64)
+        x = np.where(np.isnan(x), np.array(self.fill), x)
         return _sigmoid(
             self.intercept + ((x - np.array(self.mean)) / np.array(self.scale)) @ np.array(self.coef)
         )
 
     def predict_one(self, signals: Mapping[str, float]) -> float:
-        """P(satisfied) for one record's signals (missing signals count as 0). Pure Python: bit-stable."""
+        """P(satisfied) for one record's signals. Pure Python, so stream and batch agree to the bit."""
         z = self.intercept
-        for name, c, m, s in zip(self.features, self.coef, self.mean, self.scale, strict=True):
-            z += c * (float(signals.get(name, 0.0)) - m) / s
+        for name, c, m, s, f in zip(self.features, self.coef, self.mean, self.scale, self.fill, strict=True):
+            z += c * (float(signals.get(name, f)) - m) / s
         z = min(35.0, max(-35.0, z))
         return 1.0 / (1.0 + math.exp(-z))
 
@@ -90,6 +99,7 @@ class LogisticModel:
             "intercept": self.intercept,
             "mean": list(self.mean),
             "scale": list(self.scale),
+            "fill": list(self.fill),
         }
 
     @classmethod
@@ -100,6 +110,7 @@ class LogisticModel:
             float(raw["intercept"]),
             tuple(raw["mean"]),
             tuple(raw["scale"]),
+            tuple(raw["fill"]),
         )
 
 

@@ -10,6 +10,7 @@ recompute can run over exactly what the stream saw.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from flywheel.bus import Outgoing, make_producer
 from flywheel.contract import Event, GenerationRecord
 from flywheel.lake import write_partitioned
 from flywheel.settings import Settings
+from signals.events import FeedbackEvent, GenerationInfo
 
 
 def generation_event(
@@ -284,3 +286,87 @@ def lake_events_from_topic(settings: Settings, *, write: bool = True) -> pl.Data
     if write:
         write_partitioned(df, settings.lake_dir / "events", "synthetic-ingest", ts_column="ts")
     return df
+
+
+# ---------------------------------------------------------------- users whose satisfaction is known
+
+# The true model of the synthetic users: logit P(satisfied) = TRUE_INTERCEPT + sum coef * signal.
+TRUE_INTERCEPT = -0.4
+TRUE_COEF = {
+    "accepted": 1.2,
+    "accepted_fraction": 1.0,
+    "rejected": -1.0,
+    "undone": -2.0,
+    "edit_ratio": -1.5,
+    "retention": 1.6,
+    "followup_sentiment": 1.2,
+    "copied": 0.8,
+    "regenerated": -1.2,
+}
+
+
+@dataclass(frozen=True)
+class KnownUser:
+    generation_id: str
+    signals: dict[str, float]
+    true_p: float  # P(satisfied) the user really had
+    satisfied: bool
+    thumbs: bool  # whether this user also gave a thumbs vote (= satisfied)
+    events: list[FeedbackEvent]
+    gen: GenerationInfo
+
+
+def known_users(n: int, *, seed: int = 0, thumbs_share: float = 0.4) -> list[KnownUser]:
+    """Users who react with implicit signals, are satisfied with a known probability, and sometimes vote."""
+    from signals.reward import DEFAULT_DEFINITION
+
+    rng = random.Random(seed)
+    s = 1_000_000
+    out = []
+    for i in range(n):
+        gid = f"k{seed}-{i:06d}"
+        gen = GenerationInfo(gid, ts_us=0, user_id=f"u{i % 97}", completion_chars=20)
+        evs = [FeedbackEvent(f"{gid}-shown", "shown", s // 10)]
+        r = rng.random()
+        if r < 0.55:
+            evs.append(
+                FeedbackEvent(
+                    f"{gid}-acc", "accepted", s, {"accepted_chars": rng.randint(4, 20), "total_chars": 20}
+                )
+            )
+            if rng.random() < 0.15:
+                evs.append(FeedbackEvent(f"{gid}-undo", "undone", 2 * s, {"seconds_after_accept": 1.0}))
+            elif rng.random() < 0.7:
+                evs.append(
+                    FeedbackEvent(
+                        f"{gid}-ret",
+                        "retained",
+                        31 * s,
+                        {"seconds_after_accept": 30, "fraction_present": rng.random()},
+                    )
+                )
+            if rng.random() < 0.3:
+                evs.append(
+                    FeedbackEvent(f"{gid}-edit", "edited", 5 * s, {"edit_distance": rng.randint(1, 10)})
+                )
+        else:
+            evs.append(FeedbackEvent(f"{gid}-dec", "rejected" if r < 0.85 else "ignored", s))
+        if rng.random() < 0.3:
+            text = rng.choice(["thanks, works great", "that is wrong", "ok next", "perfect", "broken again"])
+            evs.append(FeedbackEvent(f"{gid}-fu", "followup", 40 * s, {"text": text}))
+        for kind in ("copied", "regenerated"):
+            if rng.random() < 0.1:
+                evs.append(FeedbackEvent(f"{gid}-{kind}", kind, 3 * s))
+        signals = DEFAULT_DEFINITION.extract(gen, evs, 600 * s)
+        logit = TRUE_INTERCEPT + sum(
+            c * signals.get(k, 0.5 if k == "retention" else 0.0) for k, c in TRUE_COEF.items()
+        )
+        true_p = 1.0 / (1.0 + math.exp(-logit))
+        satisfied = rng.random() < true_p
+        thumbs = rng.random() < thumbs_share
+        if thumbs:
+            evs.append(
+                FeedbackEvent(f"{gid}-thumbs", "thumbs", 50 * s, {"value": "up" if satisfied else "down"})
+            )
+        out.append(KnownUser(gid, signals, true_p, satisfied, thumbs, evs, gen))
+    return out
