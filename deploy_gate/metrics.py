@@ -58,36 +58,38 @@ class ArmMetrics(BaseModel):
     arms: list[ArmSummary]
 
 
-def latest_rewards(settings: Settings, *, reward_version: str | None = None, since: datetime | None = None):
+def latest_rewards(
+    settings: Settings, *, reward_version: str | None = None, since: datetime | None = None
+) -> tuple[pl.DataFrame | None, str | None]:
     """The rewards that count (latest revision each), for one reward definition; (frame, version)."""
     lf = scan(settings.lake_dir / "rewards")
     if lf is None:
         return None, reward_version
     if reward_version is None:
-        newest = lf.sort("emitted_at").select(pl.col("reward_version").last()).collect()
+        # arg_max, not a sort: this runs over the whole table on every dashboard load.
+        newest = lf.select(pl.col("reward_version").get(pl.col("emitted_at").arg_max())).collect()
         if newest.is_empty() or newest.item() is None:
             return None, None
         reward_version = str(newest.item())
     lf = lf.filter(pl.col("reward_version") == reward_version)
     if since is not None:
         lf = lf.filter(pl.col("window_start") >= since)
-    keys = ["generation_id", "reward_version"]
+    columns = [
+        "generation_id",
+        "revision",
+        "emitted_at",
+        "window_start",
+        "arm",
+        "model_version",
+        "reward",
+        "label_source",
+    ]
+    # Eager sort + unique(keep="last") was 2-4x faster here than any lazy form (bench/gate_metrics.py).
     df = (
-        lf.select(
-            "generation_id",
-            "reward_version",
-            "revision",
-            "emitted_at",
-            "window_start",
-            "arm",
-            "model_version",
-            "reward",
-            "label_source",
-        )
-        .sort("revision", "emitted_at")
-        .group_by(keys)
-        .agg(pl.all().last())
+        lf.select(columns)
         .collect()
+        .sort("revision", "emitted_at")
+        .unique(subset=["generation_id"], keep="last")
     )
     return df, reward_version
 

@@ -18,6 +18,7 @@ from scipy import stats
 
 from deploy_gate.app import create_app
 from deploy_gate.gate import DeployGate
+from deploy_gate.metrics import arm_metrics
 from deploy_gate.stats import RewardStats
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage, RewardRecord
@@ -130,7 +131,7 @@ def client(gate_settings: Settings, tmp_path: Path) -> Iterator[TestClient]:
 
 
 def test_metrics_per_arm_match_a_numpy_reference(
-    client: TestClient, rewards_written: dict[tuple[str, str, int], list[float]]
+    client: TestClient, gate_settings: Settings, rewards_written: dict[tuple[str, str, int], list[float]]
 ) -> None:
     body = client.get("/api/metrics/arms?bucket=1h").json()
     assert body["reward_version"] == "r1" and body["confidence"] == 0.95
@@ -157,6 +158,14 @@ def test_metrics_per_arm_match_a_numpy_reference(
                     pytest.approx(lo, abs=1e-9),
                     pytest.approx(hi, abs=1e-9),
                 )
+
+    recent = client.get("/api/metrics/arms?since_hours=1").json()  # T0 lies long in the past
+    assert recent["arms"] == []
+    later = arm_metrics(gate_settings, since=T0 + timedelta(hours=2))
+    assert {b.start for a in later.arms for b in a.buckets} == {
+        T0 + timedelta(hours=2),
+        T0 + timedelta(hours=3),
+    }
 
     old = client.get("/api/metrics/arms?reward_version=r0").json()
     assert [(a["arm"], a["n"], a["mean"]) for a in old["arms"]] == [("champion", 1, -100.0)]
