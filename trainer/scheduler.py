@@ -1,0 +1,158 @@
+"""Run training cycles on a schedule, one at a time across every replica.
+
+- APScheduler interval job (`settings.train_interval_s`), stored in a SQLAlchemy job store
+  (SQLite under data_dir by default), so a restarted trainer keeps its next run time.
+- Missed runs (the process was down) coalesce into one run; one instance at a time per process.
+- A Redis lock (renewed while the cycle runs) makes replicas skip while another one trains;
+  each replica keeps its own job store, the lock is what they share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, JobExecutionEvent
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from flywheel.connections import redis_client
+from flywheel.settings import Settings
+from trainer.config import TrainerConfig
+from trainer.cycle import CycleResult
+
+log = logging.getLogger(__name__)
+JOB_ID = "flywheel-trainer-cycle"
+DEFAULT_CYCLE = "trainer.cycle:run_cycle"
+# Secrets the trainer never needs are kept out of the persisted job arguments.
+_NOT_PERSISTED = {"write_keys", "approval_token"}
+
+
+def lock_key(settings: Settings) -> str:
+    return f"{settings.redis_prefix}trainer:cycle-lock"
+
+
+@contextlib.contextmanager
+def cycle_lock(client: redis.Redis, key: str, lease_s: float = 60.0) -> Iterator[bool]:
+    """Yield True while holding the replica-wide lock, False when another holder has it.
+
+    The lease is renewed every lease/3 seconds while held, so a long cycle keeps it and a
+    crashed replica's lock expires by itself after `lease_s`.
+    """
+    lock = client.lock(key, timeout=lease_s, blocking=False, thread_local=False)
+    if not lock.acquire():
+        yield False
+        return
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(lease_s / 3):
+            try:
+                lock.reacquire()
+            except redis.RedisError:
+                log.warning("could not renew the trainer lock %s", key, exc_info=True)
+
+    renewer = threading.Thread(target=renew, name="trainer-lock-renewal", daemon=True)
+    renewer.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        renewer.join()
+        with contextlib.suppress(redis.exceptions.LockError):  # expired meanwhile: nothing to release
+            lock.release()
+
+
+def _resolve(ref: str) -> Any:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def guarded_cycle(settings: Settings, config: TrainerConfig, cycle: str = DEFAULT_CYCLE) -> CycleResult:
+    """One cycle under the replica-wide lock; skipped (with the reason) when another replica trains."""
+    with cycle_lock(redis_client(settings), lock_key(settings)) as held:
+        if not held:
+            return CycleResult("skipped", "another replica is training right now")
+        result: CycleResult = _resolve(cycle)(settings, config, progress=False)
+    log.info("trainer cycle %s: %s", result.status, result.reason)
+    return result
+
+
+def scheduled_cycle(
+    settings: dict[str, Any], config: dict[str, Any], cycle: str = DEFAULT_CYCLE
+) -> CycleResult:
+    """The job APScheduler stores and runs (plain arguments, so the job store can persist them)."""
+    return guarded_cycle(Settings(**settings), TrainerConfig.from_dict(config), cycle)
+
+
+class TrainerScheduler:
+    """The interval job that runs `guarded_cycle`, with a persistent job store."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        config: TrainerConfig | None = None,
+        *,
+        interval_s: float | None = None,
+        jobstore_url: str | None = None,
+        cycle: str = DEFAULT_CYCLE,
+    ) -> None:
+        self.interval_s = float(interval_s or settings.train_interval_s)
+        if jobstore_url is None:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            jobstore_url = f"sqlite:///{(settings.data_dir / 'trainer-schedule.db').resolve()}"
+        self._kwargs = {
+            "settings": settings.model_dump(mode="json", exclude=_NOT_PERSISTED),
+            "config": (config or TrainerConfig()).to_dict(),
+            "cycle": cycle,
+        }
+        self._scheduler = BackgroundScheduler(
+            jobstores={"default": SQLAlchemyJobStore(url=jobstore_url)},
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+            timezone="UTC",
+        )
+        self.results: list[CycleResult] = []
+        self._scheduler.add_listener(self._on_job, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
+
+    def _on_job(self, event: JobExecutionEvent) -> None:
+        if event.exception is not None:
+            log.error("trainer cycle failed: %r", event.exception)
+        elif isinstance(event.retval, CycleResult):
+            self.results.append(event.retval)
+
+    def start(self) -> datetime | None:
+        """Start; an existing job keeps its next run time (a restart does not reset the clock)."""
+        self._scheduler.start(paused=True)
+        job = self._scheduler.get_job(JOB_ID)
+        trigger = IntervalTrigger(seconds=self.interval_s, timezone="UTC")
+        if job is None:
+            job_ref = "trainer.scheduler:scheduled_cycle"
+            self._scheduler.add_job(job_ref, trigger, id=JOB_ID, name="training cycle", kwargs=self._kwargs)
+        else:
+            job.modify(kwargs=self._kwargs)  # new settings / config apply from the next run on
+            if getattr(job.trigger, "interval", None) != trigger.interval:
+                job.reschedule(trigger)  # a changed interval starts a new clock
+        self._scheduler.resume()
+        return self.next_run_time()
+
+    def next_run_time(self) -> datetime | None:
+        job = self._scheduler.get_job(JOB_ID)
+        return job.next_run_time if job else None
+
+    def run_now(self) -> None:
+        """Move the next run to now (a manual trigger that still goes through the lock)."""
+        job = self._scheduler.get_job(JOB_ID)
+        if job is None:
+            raise RuntimeError("the scheduler is not started")
+        job.modify(next_run_time=datetime.now(UTC))
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._scheduler.running:
+            self._scheduler.shutdown(wait=wait)
