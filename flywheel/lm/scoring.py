@@ -28,7 +28,7 @@ def token_logprobs(
     Each sample is scored with its own forward pass of exactly `prompt + completion` tokens.
     Why not one padded forward: on CPU float32 a padded batch is *not* bit-identical to the
     same sample alone (other matmul shapes pick other kernel blockings and accumulation
-    orders; tests/test_lm.py measures it), and the trainer must reproduce the logged
+    orders; bench/lm_logprob_agreement.py measures it), and the trainer must reproduce the logged
     behaviour log-probs exactly. Sequences here are short (prompt + a line of completion),
     so the per-sample loop costs little next to the backward pass.
     """
