@@ -30,6 +30,10 @@ from signals.sink import read_rewards, records_frame, write_rewards
 _NEVER = 2**62
 
 
+def _prop(key: str, default: str) -> pl.Expr:
+    return pl.col("properties").str.json_path_match(f"$.{key}").fill_null(default).alias(key)
+
+
 def load_events(settings: Settings) -> pl.DataFrame | None:
     lf = scan(settings.lake_dir / "events")
     if lf is None:
@@ -81,9 +85,12 @@ def plan_windows(
             "generation_id",
             "user_id",
             "ts_us",
-            "properties",
             "kafka_partition",
             pl.col("pos").alias("gen_pos"),
+            # only what GenerationInfo reads, parsed in bulk (prompt and token ids are most of the JSON)
+            *[_prop(k, "") for k in ("model_version", "arm", "experiment")],
+            _prop("finish_reason", "stop"),
+            _prop("completion", "").str.len_chars().alias("completion_chars"),
             (pl.col("ts_us") + window_us).alias("window_end"),
         )
         .sort("window_end")
@@ -148,11 +155,21 @@ def recompute_records(
     on_time: dict[str, list[FeedbackEvent]] = defaultdict(list)
     late: dict[str, list[FeedbackEvent]] = defaultdict(list)
     for gid, eid, typ, ts_us, props, rank in feedback.iter_rows():
-        fe = FeedbackEvent(eid, typ, ts_us, parse_properties(props))
+        fe = FeedbackEvent(eid, typ, ts_us, {} if props in ("{}", None) else parse_properties(props))
         (late if rank else on_time)[gid].append(fe)
     out: list[RewardRecord] = []
-    for gid, user, ts_us, props, _p, _gen_pos, window_end, _close in gens.iter_rows():
-        gen = GenerationInfo.from_properties(gid, ts_us, user, parse_properties(props))
+    for row in gens.iter_rows(named=True):
+        gid, window_end = row["generation_id"], row["window_end"]
+        gen = GenerationInfo(
+            gid,
+            row["ts_us"],
+            row["user_id"],
+            row["model_version"],
+            row["arm"],
+            row["experiment"],
+            row["finish_reason"],
+            row["completion_chars"],
+        )
         evs = on_time.get(gid, [])
         out.append(definition.record(gen, evs, window_end_us=window_end, emitted_at=now))
         for k, fe in enumerate(late.get(gid, []), start=1):
