@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from mlflow.entities import Metric, Param, RunTag
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flywheel.contract import ModelLineage
-from flywheel.lm import load_policy
+from flywheel.lm import Policy, load_policy
 from flywheel.settings import Settings
 from model_registry import ModelRegistry
 from model_registry.registry import ensure_experiment
@@ -40,6 +40,7 @@ from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samp
 from trainer.scoring import scorer_for
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TRAINER_EXPERIMENT = "flywheel-trainer"
 _METRIC_FLUSH_EVERY = 20
 
@@ -68,36 +69,28 @@ def run_cycle(
     progress: bool = True,
     on_step: Callable[[StepStats], None] | None = None,
 ) -> CycleResult:
-    """Train one candidate from the champion on the rewards since the watermark and register it."""
+    """Train one candidate from the champion on the rewards since the watermark and register it.
+
+    Under torchrun, process 0 decides (champion, samples, or a skip) and sends the plan to the
+    others, so every process trains on exactly the same samples or skips together.
+    """
     config = config or TrainerConfig()
-    rank, world = _dist_rank_world()
+    rank, world = distributed_rank_world()
     torch.manual_seed(config.seed)
     registry = ModelRegistry(settings)
-    champion = registry.alias("champion")
-    if champion is None:
-        return CycleResult("skipped", "no champion: register a model and set the 'champion' alias first")
-    quarantined = {v.version for v in registry.versions() if v.gate_state == "quarantined"}
-    mark = watermark(registry)
-
-    with _rank_zero_first(rank, world):
-        checkpoint = registry.fetch(champion)
-    policy = load_policy(checkpoint, device=_local_device(config.device), dtype=config.dtype)
-    selection = load_selection(
-        settings, config, watermark=mark, quarantined=quarantined,
-        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1),
-    )  # fmt: skip
-    minimum = config.min_samples if config.min_samples is not None else settings.min_train_samples
-    tracker = _Tracker(settings, config, champion, mark, enabled=rank == 0)
-    if len(selection.samples) < minimum:
-        reason = (
-            f"too little new data: {len(selection.samples)} eligible samples since "
-            f"{mark.isoformat() if mark else 'the beginning'}, need {minimum} "
-            f"({selection.reward_rows} new rewards; left out: {selection.describe_drops()})"
+    plan: tuple[str | None, Selection | None, str] = (None, None, "")
+    policy = None
+    if rank == 0:
+        plan, policy = _plan(settings, config, registry)
+    champion, selection, reason = broadcast_from_zero(plan, world)
+    if champion is None or selection is None:
+        return CycleResult("skipped", reason, parent_version=champion)
+    if policy is None:  # other processes: process 0 has verified and cached the checkpoint
+        policy = load_policy(
+            registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype
         )
-        tracker.skipped(reason)
-        log.info("trainer cycle skipped: %s", reason)
-        return CycleResult("skipped", reason, parent_version=champion, run_id=tracker.run_id)
-
+    tracker = _Tracker(settings, config, champion, selection.window.start if selection.window else None,
+                       enabled=rank == 0)  # fmt: skip
     try:
         result = _train_and_register(
             settings, config, registry, policy, selection, champion, tracker, rank, world, progress, on_step
@@ -108,11 +101,38 @@ def run_cycle(
     return result
 
 
+def _plan(
+    settings: Settings, config: TrainerConfig, registry: ModelRegistry
+) -> tuple[tuple[str | None, Selection | None, str], Policy | None]:
+    """(champion, selection, "") to train, or (champion or None, None, reason) to skip."""
+    champion = registry.alias("champion")
+    if champion is None:
+        return (None, None, "no champion: register a model and set the 'champion' alias first"), None
+    quarantined = {v.version for v in registry.versions() if v.gate_state == "quarantined"}
+    mark = watermark(registry)
+    policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
+    selection = load_selection(
+        settings, config, watermark=mark, quarantined=quarantined,
+        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1),
+    )  # fmt: skip
+    minimum = config.min_samples if config.min_samples is not None else settings.min_train_samples
+    if len(selection.samples) < minimum:
+        reason = (
+            f"too little new data: {len(selection.samples)} eligible samples since "
+            f"{mark.isoformat() if mark else 'the beginning'}, need {minimum} "
+            f"({selection.reward_rows} new rewards; left out: {selection.describe_drops()})"
+        )
+        _Tracker(settings, config, champion, mark, enabled=True).skipped(reason)
+        log.info("trainer cycle skipped: %s", reason)
+        return (champion, None, reason), None
+    return (champion, selection, ""), policy
+
+
 def _train_and_register(
     settings: Settings,
     config: TrainerConfig,
     registry: ModelRegistry,
-    policy,  # flywheel.lm.Policy
+    policy: Policy,
     selection: Selection,
     champion: str,
     tracker: _Tracker,
@@ -263,7 +283,8 @@ def _progress_bar(enabled: bool, total: int, samples: int) -> Iterator[Callable[
         yield advance
 
 
-def _dist_rank_world() -> tuple[int, int]:
+def distributed_rank_world() -> tuple[int, int]:
+    """(rank, world size); joins the torchrun process group (gloo on CPU, NCCL on CUDA) under torchrun."""
     if not (dist.is_available() and dist.is_initialized()):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and dist.is_available():
@@ -279,19 +300,18 @@ def _local_device(device: str) -> str:
     return device
 
 
+def broadcast_from_zero(obj: T, world: int) -> T:
+    """Process 0's `obj` on every process (identity when not distributed)."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _barrier(world: int) -> None:
     if world > 1:
         dist.barrier()
-
-
-@contextlib.contextmanager
-def _rank_zero_first(rank: int, world: int) -> Iterator[None]:
-    """Process 0 does the work first (e.g. downloads into the shared cache); the others reuse it."""
-    if rank != 0:
-        _barrier(world)
-    yield
-    if rank == 0:
-        _barrier(world)
 
 
 def _scratch(settings: Settings) -> Path:
