@@ -70,8 +70,12 @@ def parse_json(body: bytes) -> Any:
         raise BodyError(400, f"body is not JSON: {exc}") from None
 
 
+# One encoder for every item: json.dumps with options builds a new encoder per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
+
 def _item_bytes(item: Any) -> bytes:
-    return json.dumps(item, separators=(",", ":"), default=str).encode()
+    return _ENCODER.encode(item).encode()
 
 
 def _item_id(item: Any, key: str) -> str | None:
