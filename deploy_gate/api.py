@@ -95,7 +95,10 @@ def list_versions(gate: Gate) -> list[VersionView]:
 def get_version(version: str, gate: Gate) -> VersionDetail:
     for v in gate.status().versions:
         if v.version == version:
-            history = [GateChangeView(**vars(c)) for c in gate.registry.gate_history(version)]
+            history = [
+                GateChangeView(state=c.state, previous=c.previous, by=c.by, at=c.at, reason=c.reason)
+                for c in gate.registry.gate_history(version)
+            ]
             return VersionDetail(**v.model_dump(), history=history)
     raise UnknownVersion(f"no model version {version!r} in the registry")
 

@@ -16,19 +16,30 @@ from flywheel.settings import Settings
 
 
 class VersionLike(Protocol):
-    version: str
-    created_at: datetime
-    lineage: ModelLineage
-    gate_state: str
-    aliases: Sequence[str]
+    # Read-only properties, so frozen dataclasses and list-typed fields both satisfy it.
+    @property
+    def version(self) -> str: ...
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def lineage(self) -> ModelLineage: ...
+    @property
+    def gate_state(self) -> str: ...
+    @property
+    def aliases(self) -> Sequence[str]: ...
 
 
 class GateChangeLike(Protocol):
-    state: str
-    previous: str
-    by: str
-    at: datetime
-    reason: str
+    @property
+    def state(self) -> str: ...
+    @property
+    def previous(self) -> str: ...
+    @property
+    def by(self) -> str: ...
+    @property
+    def at(self) -> datetime: ...
+    @property
+    def reason(self) -> str: ...
 
 
 class GateRegistry(Protocol):
