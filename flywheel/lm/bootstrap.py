@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
-import sysconfig
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -24,7 +22,8 @@ from typing import Literal
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-EOT = "<|endoftext|>"
+from flywheel.lm.corpus import stdlib_corpus, token_stream, train_tokenizer
+
 METADATA_FILE = "flywheel_bootstrap.json"
 
 
@@ -74,7 +73,7 @@ PRESETS: dict[str, Preset] = {
         peak_lr=1e-2,
         warmup_steps=8,
         n_files=40,
-        max_file_chars=20_000,
+        max_file_chars=12_000,
         num_threads=1,
     ),
     # About 2.6M parameters, trained for `max_seconds` (default 180 s) by `flywheel up`. Wider
@@ -91,65 +90,11 @@ PRESETS: dict[str, Preset] = {
         max_steps=100_000,
         peak_lr=3e-3,
         warmup_steps=30,
-        n_files=400,
-        max_file_chars=60_000,
+        n_files=200,
+        max_file_chars=30_000,
     ),
 }
 DEFAULT_SECONDS = 180.0
-
-
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"})
-
-
-def stdlib_corpus(n_files: int, max_chars: int, seed: int) -> list[str]:
-    """A deterministic sample of the standard library's .py files (sorted, then seeded sample)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files: list[Path] = []
-    for folder, subdirs, names in os.walk(root):
-        # Pruned while walking: site-packages and the test suites are most of the tree.
-        subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
-        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
-    files.sort()
-    if not files:
-        raise RuntimeError(f"no .py files under {root}; the bootstrap corpus is the Python standard library.")
-    chosen = random.Random(seed).sample(files, min(n_files, len(files)))
-    texts = [f.read_text(encoding="utf-8", errors="replace")[:max_chars] for f in chosen]
-    return [t for t in texts if t.strip()]
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, context: int):  # -> PreTrainedTokenizerFast
-    """Byte-level BPE (GPT-2 style) with one special token as BOS, EOS and padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    # Every encoded text starts with EOT, as every training document does, so a prompt is
-    # scored as "the start of a file" and an empty prompt still has a token to condition on.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B", special_tokens=[(EOT, tok.token_to_id(EOT))]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, model_max_length=context
-    )
-
-
-def _token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
-    """All documents as one stream, each preceded by EOT (the tokenizer adds it)."""
-    ids: list[int] = []
-    # The raw `tokenizers` object: fast, batched, and no "longer than the model" warning.
-    for encoded in tokenizer.backend_tokenizer.encode_batch(texts):
-        ids.extend(encoded.ids)
-    ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def _lr_at(step: int, preset: Preset) -> float:
@@ -175,8 +120,8 @@ def _deterministic(seed: int, num_threads: int | None) -> Iterator[None]:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    # save_pretrained draws its own tqdm bar; ours is the only one the user should see.
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' own tqdm bars (loading/saving shards): they clutter logs and ours."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -243,7 +188,7 @@ def bootstrap_model(
     started = time.perf_counter()
     texts = stdlib_corpus(cfg.n_files, cfg.max_file_chars, seed)
     tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.context)
-    stream = _token_stream(tokenizer, texts)  # (n_tokens,)
+    stream = token_stream(tokenizer, texts)  # (n_tokens,)
     eot = tokenizer.eos_token_id
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -307,7 +252,7 @@ def bootstrap_model(
     tmp = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with _quiet_transformers():
+    with quiet_transformers():
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     metadata = {

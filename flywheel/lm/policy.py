@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from flywheel.lm.bootstrap import quiet_transformers
 from flywheel.lm.scoring import token_logprobs
 
 if TYPE_CHECKING:
@@ -170,8 +171,9 @@ class Policy:
         """Write the model (safetensors) and tokenizer to `path` in HF format."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        with quiet_transformers():
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
         return path
 
 
@@ -191,8 +193,9 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: str = "float32") -
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use device='cpu'.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=True)
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{path} could not be loaded as a causal LM checkpoint: {exc}") from exc
     if tokenizer.pad_token is None:  # GPT-2-style tokenizers have none; padding is never scored

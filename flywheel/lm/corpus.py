@@ -1,0 +1,65 @@
+"""The bootstrap corpus (the Python standard library's own source) and its BPE tokenizer."""
+
+from __future__ import annotations
+
+import os
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+
+EOT = "<|endoftext|>"
+
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"})
+
+
+def stdlib_corpus(n_files: int, max_chars: int, seed: int) -> list[str]:
+    """A deterministic sample of the standard library's .py files (sorted, then seeded sample)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    for folder, subdirs, names in os.walk(root):
+        # Pruned while walking: site-packages and the test suites are most of the tree.
+        subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
+        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
+    files.sort()
+    if not files:
+        raise RuntimeError(f"no .py files under {root}; the bootstrap corpus is the Python standard library.")
+    chosen = random.Random(seed).sample(files, min(n_files, len(files)))
+    texts = [f.read_text(encoding="utf-8", errors="replace")[:max_chars] for f in chosen]
+    return [t for t in texts if t.strip()]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, context: int):  # -> PreTrainedTokenizerFast
+    """Byte-level BPE (GPT-2 style) with one special token as BOS, EOS and padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    # Every encoded text starts with EOT, as every training document does, so a prompt is
+    # scored as "the start of a file" and an empty prompt still has a token to condition on.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B", special_tokens=[(EOT, tok.token_to_id(EOT))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, model_max_length=context
+    )
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All documents as one stream, each preceded by EOT (the tokenizer adds it)."""
+    ids: list[int] = []
+    # The raw `tokenizers` object: fast, batched, and no "longer than the model" warning.
+    for encoded in tokenizer.backend_tokenizer.encode_batch(texts):
+        ids.extend(encoded.ids)
+    ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
