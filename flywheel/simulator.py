@@ -134,7 +134,7 @@ class UserSimulator:
         def ev(type_: str, **props: Any) -> dict[str, Any]:
             return {**base, "type": type_, "properties": props}
 
-        out = [ev("shown", chars=len(text))]
+        out = [ev("shown", chars=len(text), training_consent=True)]  # simulated users all opted in
         happy = rng.random() < self.preference.p_satisfied(n_tokens, choice["finish_reason"])
         if happy:
             out.append(ev("accepted", accepted_chars=len(text), total_chars=len(text)))

@@ -84,7 +84,9 @@ class Running:
 
 
 def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Running]:
-    env = {**os.environ, **settings_env(settings), **extra_env, "PYTHONUNBUFFERED": "1"}
+    # Six processes share the machine: one math thread each avoids oversubscribing the cores.
+    env = {**os.environ, **settings_env(settings), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **extra_env, "PYTHONUNBUFFERED": "1"}
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     running = []
