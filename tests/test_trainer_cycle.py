@@ -77,7 +77,7 @@ def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
     tsettings: Settings, champion: str
 ) -> None:
     registry = ModelRegistry(tsettings)
-    config = TrainerConfig(learning_rate=1e-3, batch_size=8, epochs=2, kl_coef=0.05)
+    config = TrainerConfig(learning_rate=2e-3, batch_size=8, epochs=2, kl_coef=0.05)
     v1 = load_policy(registry.fetch(champion))
     simulate_feedback(tsettings, v1, PROMPTS, _ends_early, model_version=champion, n=48, seed=1, users=USERS)
 
@@ -100,10 +100,12 @@ def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
 
     lineage = registry.lineage(second.version)
     assert lineage.parent_version == first.version and lineage.sample_count == 48
-    assert lineage.trainer_config["learning_rate"] == 1e-3 and lineage.data_window is not None
+    assert lineage.trainer_config["learning_rate"] == 2e-3 and lineage.data_window is not None
     assert lineage.data_window.start == registry.lineage(first.version).data_window.end
-    # Serving and trainer share device, dtype and scoring function: their log-probs agree exactly.
-    assert lineage.metrics["mismatch_max_abs"] == 0.0 and lineage.metrics["mismatch_tokens"] > 0
+    # Same device and dtype: serving's scoring function reproduces the logged log-probs exactly,
+    # and the batched training scorer stays within float32 rounding of them.
+    assert lineage.metrics["exact_mismatch_max_abs"] == 0.0 and lineage.metrics["exact_mismatch_tokens"] > 0
+    assert lineage.metrics["mismatch_max_abs"] < 1e-4 and lineage.metrics["mismatch_tokens"] > 0
     run = MlflowClient(tsettings.resolved_mlflow_uri).get_run(second.run_id)
     assert run.info.status == "FINISHED" and run.data.params["objective"] == "pg"
     for key in ("loss", "kl", "ratio_mean", "clip_fraction", "mean_reward", "mismatch_mean_abs"):

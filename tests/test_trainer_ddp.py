@@ -87,7 +87,7 @@ def test_two_gloo_processes_train_like_one_process_on_the_same_global_batches(
     config = TrainerConfig(**{**per_process, "batch_size": 8})
     samples = load_selection(tsettings, config, watermark=None, quarantined=set(),
                              encode_prompt=lambda t: policy.encode_prompt(t, 1)).samples  # fmt: skip
-    scorer = scorer_for(True)
+    scorer = scorer_for(config.exact_logprobs)
     start = {k: v.clone() for k, v in policy.model.state_dict().items()}
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, 8)
     train_policy(policy.model, samples, reference, config, scorer, policy.pad_id)

@@ -27,9 +27,11 @@ class TrainerConfig:
     Optimisation
         learning_rate, weight_decay, batch_size (per process), epochs, max_steps (0 = no cap),
         grad_clip (0 = off), seed, device ("cpu", "cuda", "cuda:1"), dtype ("float32", "bfloat16").
-        exact_logprobs: score each sample in its own forward pass, bit-identical to serving's
-            behaviour log-probs (train / inference mismatch exactly 0 on the same device and
-            dtype); False scores a padded batch in one pass (faster, ~1e-6 mismatch).
+        exact_logprobs: train with per-sample forward passes, bit-identical to serving's behaviour
+            log-probs (ratio exactly 1 on unchanged weights) but ~5x slower on CPU; the default
+            scores each batch in one padded pass (~1e-6 apart from serving in fp32, reported).
+        exact_check_samples: samples (served by the champion) re-scored per sample before training
+            to check serving and trainer agree exactly (`exact_mismatch_*` metrics; 0 = skip).
     Data
         reward_version: train on this reward definition ("" = the most recently emitted one).
         min_samples: skip the cycle below this many eligible samples (None = settings.min_train_samples).
@@ -62,7 +64,8 @@ class TrainerConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    exact_logprobs: bool = True
+    exact_logprobs: bool = False
+    exact_check_samples: int = 64
 
     reward_version: str = ""
     min_samples: int | None = None
@@ -114,6 +117,8 @@ class TrainerConfig:
             errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
         if self.require_consent and not self.consent_property.strip():
             errors.append("consent_property is empty; name the event property that carries consent")
+        if self.exact_check_samples < 0:
+            errors.append(f"exact_check_samples={self.exact_check_samples}: must be >= 0 (0 skips the check)")
         if self.mismatch_threshold <= 0:
             errors.append(f"mismatch_threshold={self.mismatch_threshold}: must be > 0")
         if errors:

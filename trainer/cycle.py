@@ -145,16 +145,25 @@ def _train_and_register(
     scorer = scorer_for(config.exact_logprobs)
     started = time.monotonic()
     # The starting weights are the champion: their log-probs are both the KL reference and the
-    # trainer's side of the train / inference comparison.
+    # trainer's side of the train / inference comparison (with the scorer training uses).
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
     mismatch = mismatch_report(samples, reference, champion, config.mismatch_threshold)
-    tracker.log_metrics(mismatch.metrics(), step=0)
+    # Serving's own scoring function, per sample, must reproduce the logged numbers exactly;
+    # anything else means a different device, dtype, kernel or checkpoint between the two.
+    checked = [s for s in samples if s.model_version == champion and not s.prompt_redacted]
+    checked = checked[: config.exact_check_samples]
+    exact = mismatch_report(
+        checked, score_samples(policy.model, checked, scorer_for(True), policy.pad_id, config.batch_size),
+        champion, config.mismatch_threshold,
+    )  # fmt: skip
+    mismatch_metrics = {**mismatch.metrics(), **{f"exact_{k}": v for k, v in exact.metrics().items()}}
+    tracker.log_metrics(mismatch_metrics, step=0)
     if rank == 0:
-        log.info(
-            "train/inference mismatch on %d tokens served by v%s: mean %.3g, max %.3g, %.1f%% over %g",
-            mismatch.tokens, champion, mismatch.mean_abs, mismatch.max_abs,
-            100 * mismatch.share_over_threshold, mismatch.threshold,
-        )  # fmt: skip
+        for name, m in (("training scorer", mismatch), ("serving's scorer", exact)):
+            log.info(
+                "train/inference mismatch (%s), %d tokens served by v%s: mean %.3g, max %.3g, %.1f%% > %g",
+                name, m.tokens, champion, m.mean_abs, m.max_abs, 100 * m.share_over_threshold, m.threshold,
+            )  # fmt: skip
     model = policy.model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -182,7 +191,7 @@ def _train_and_register(
         "train_seconds": time.monotonic() - started,
         "replay_samples": float(sum(s.replay for s in samples)),
         "tokens": float(tokens),
-        **{k: v for k, v in mismatch.metrics().items() if not math.isnan(v)},
+        **{k: v for k, v in mismatch_metrics.items() if not math.isnan(v)},
     }
     tracker.log_metrics(metrics, step=len(history))
     if rank != 0:

@@ -9,6 +9,7 @@ signals write them (notes/interfaces.md, "Lake tables").
 from __future__ import annotations
 
 import json
+import random
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -83,11 +84,12 @@ def simulate_feedback(
 ) -> list[tuple[Generation, float]]:
     """Sample `n` completions, write their generation events and rewards; returns them."""
     emitted_at = emitted_at or datetime.now(UTC)
+    ids = random.Random(seed)  # seeded ids: the trainer orders samples by id, so runs repeat exactly
     events, rewards, out = [], [], []
     for i in range(n):
         prompt = prompts[i % len(prompts)]
         gen = policy.generate(prompt, max_tokens=max_tokens, temperature=1.0, seed=seed * 100_003 + i)
-        gid = uuid.uuid4().hex
+        gid = uuid.UUID(int=ids.getrandbits(128)).hex
         user = users[i % len(users)]
         record = GenerationRecord(
             prompt=prompt, prompt_token_ids=gen.prompt_token_ids, completion=gen.completion,
