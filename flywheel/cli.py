@@ -31,6 +31,9 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
         level=logging.DEBUG if verbose else logging.INFO,
         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
     )
+    if not verbose:  # client libraries narrate every connection and request at INFO
+        for chatty in ("kafka", "httpx", "mlflow", "alembic", "apscheduler.executors"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 for _name, _module, _help in _COMPONENTS:
