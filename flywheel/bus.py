@@ -7,6 +7,7 @@ chosen with `FLYWHEEL_KAFKA_CLIENT=confluent`. Components only ever see
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -178,10 +179,8 @@ def ensure_topics(settings: Settings, names: Sequence[str] | None = None) -> Non
         existing = set(admin.list_topics())
         missing = [n for n in names if n not in existing]
         if missing:
-            try:
+            with contextlib.suppress(TopicAlreadyExistsError):
                 admin.create_topics([NewTopic(n, settings.topic_partitions, 1) for n in missing])
-            except TopicAlreadyExistsError:
-                pass
             log.info("created topics %s with %d partitions", missing, settings.topic_partitions)
     finally:
         admin.close()

@@ -49,7 +49,7 @@ for _name, _module, _help in _COMPONENTS:
 @app.command()
 def up(
     users: int = typer.Option(8, help="Simulated users driving traffic."),
-    bootstrap_seconds: float = typer.Option(120.0, help="CPU seconds to pretrain the embedded model, if none is given."),
+    bootstrap_seconds: float = typer.Option(120.0, help="CPU seconds to pretrain the embedded model."),
     train_interval: float = typer.Option(120.0, help="Seconds between training cycles (production: hours)."),
     auto_approve: bool = typer.Option(True, help="Approve candidates automatically (demo only)."),
     duration: float = typer.Option(None, help="Stop after this many seconds (default: run until Ctrl-C)."),

@@ -123,7 +123,9 @@ class GenerationRecord(BaseModel):
     prompt_token_ids: list[int]
     completion: str
     completion_token_ids: list[int]
-    behaviour_logprobs: list[float] = Field(description="Log-prob of each completion token under the policy that sampled it.")
+    behaviour_logprobs: list[float] = Field(
+        description="Log-prob of each completion token under the policy that sampled it."
+    )
     model_version: str
     experiment: str = ""
     arm: Literal["champion", "challenger"] = "champion"

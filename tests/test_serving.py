@@ -97,7 +97,8 @@ def test_challenger_is_picked_up_without_restart_and_routing_is_sticky(
         assert "2" in pool.loaded_versions
 
         def served(u: str) -> dict[str, str]:
-            return client.post("/v1/completions", json={"prompt": "x = ", "user": u, "max_tokens": 2}).json()["flywheel"]
+            body = client.post("/v1/completions", json={"prompt": "x = ", "user": u, "max_tokens": 2}).json()
+            return body["flywheel"]
 
         second = {u: served(u) for u in users}
         again = {u: served(u) for u in users}
