@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=3, help="Best of this many timings of each loop.")
+    ap.add_argument("--repeats", type=int, default=2, help="Best of this many timings of each loop.")
     ap.add_argument("--mismatch-samples", type=int, default=24)
     args = ap.parse_args()
 
