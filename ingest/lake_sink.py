@@ -7,7 +7,6 @@ partition and offset, so after a crash the lake itself says which records are in
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ import polars as pl
 from flywheel.bus import Record
 from flywheel.contract import Event
 from flywheel.lake import parquet_files, write_partitioned
+from ingest.fast_validate import event_row
 
 EVENTS_SCHEMA = {
     "event_id": pl.String,
@@ -41,21 +41,15 @@ def events_table(lake_dir: Path) -> Path:
 
 
 def events_frame(rows: Sequence[tuple[Record, Event]]) -> pl.DataFrame:
-    columns: dict[str, list[object]] = {name: [] for name in EVENTS_SCHEMA}
-    for record, e in rows:
-        columns["event_id"].append(e.event_id)
-        columns["type"].append(e.type.value)
-        columns["schema_version"].append(e.schema_version)
-        columns["generation_id"].append(e.generation_id)
-        columns["user_id"].append(e.user_id)
-        columns["session_id"].append(e.session_id)
-        columns["ts"].append(e.ts)
-        columns["received_at"].append(e.received_at)
-        columns["source"].append(e.source)
-        columns["properties"].append(json.dumps(e.properties, separators=(",", ":")))
-        columns["kafka_topic"].append(record.topic)
-        columns["kafka_partition"].append(record.partition)
-        columns["kafka_offset"].append(record.offset)
+    return rows_frame([event_row(e, record) for record, e in rows])
+
+
+def rows_frame(rows: Sequence[tuple[object, ...]]) -> pl.DataFrame:
+    """Lake rows (`ingest.fast_validate.LakeRow`, in `EVENTS_SCHEMA` order) as a frame, built column-wise."""
+    if not rows:
+        return pl.DataFrame(schema=EVENTS_SCHEMA)
+    # zip(*rows) transposes in C; polars then converts each column in one go.
+    columns = dict(zip(EVENTS_SCHEMA, (list(c) for c in zip(*rows, strict=True)), strict=True))
     return pl.DataFrame(columns, schema=EVENTS_SCHEMA)
 
 

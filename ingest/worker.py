@@ -3,7 +3,7 @@
 One batch at a time (`run_once`):
 
 1. poll a batch (consumer group, offsets committed by hand);
-2. validate each record against the contract; a failure goes to the dead-letter topic
+2. validate each record against the contract (`ingest.fast_validate`); a failure goes to the dead-letter topic
    with its bytes, the reason and `kafka:<topic>/<partition>/<offset>`;
 3. de-duplicate by `event_id` (within the batch, then across batches with
    `EventIdLedger`; redelivered records are checked against the lake's positions);
@@ -36,13 +36,13 @@ from flywheel.bus import (
 )
 from flywheel.bus import next_offsets as offsets_after
 from flywheel.connections import redis_client
-from flywheel.contract import Event, InvalidEvent
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.collector import kafka_reachable
 from ingest.dead_letters import dead_letter
 from ingest.dedup import Claim, EventIdLedger
-from ingest.lake_sink import events_frame, events_table, positions_in_lake, write_events
+from ingest.fast_validate import LakeRow, validate_records
+from ingest.lake_sink import events_table, positions_in_lake, rows_frame, write_events
 
 log = logging.getLogger(__name__)
 
@@ -138,22 +138,20 @@ class IngestWorker:
     def _process(self, records: list[Record]) -> BatchResult:
         assert self._consumer is not None and self._producer is not None
         metrics.EVENTS_IN.labels("worker", "kafka").inc(len(records))
-        valid: list[tuple[Record, Event]] = []
-        letters = []
-        for record in records:
-            try:
-                valid.append((record, Event.from_bytes(record.value)))
-            except InvalidEvent as exc:
-                source = f"kafka:{record.topic}/{record.partition}/{record.offset}"
-                letters.append(
-                    dead_letter(str(exc), source, record.value).outgoing(self.settings.dead_letter_topic)
-                )
+        # msgspec fast path, pydantic for anything it does not accept (same reasons as before).
+        valid, refused = validate_records(records)
+        letters = [
+            dead_letter(reason, f"kafka:{r.topic}/{r.partition}/{r.offset}", r.value).outgoing(
+                self.settings.dead_letter_topic
+            )
+            for r, reason in refused
+        ]
 
         keep, duplicates, in_lake = self._deduplicate(valid)
         if letters:
             self._producer.send_all(letters)
         if keep:
-            write_events(self._table, events_frame(keep))
+            write_events(self._table, rows_frame([row for _, row in keep]))
         if self.pause_before_commit_s:
             time.sleep(self.pause_before_commit_s)
         self._consumer.commit(offsets_after(records))
@@ -165,12 +163,12 @@ class IngestWorker:
         metrics.SKIPPED_IN_LAKE.inc(in_lake)
         return BatchResult(len(records), len(keep), len(letters), duplicates, in_lake)
 
-    def _deduplicate(self, valid: list[tuple[Record, Event]]) -> tuple[list[tuple[Record, Event]], int, int]:
-        first: dict[str, tuple[Record, Event]] = {}
+    def _deduplicate(self, valid: list[tuple[Record, LakeRow]]) -> tuple[list[tuple[Record, LakeRow]], int, int]:
+        first: dict[str, tuple[Record, LakeRow]] = {}
         for pair in valid:
-            first.setdefault(pair[1].event_id, pair)
+            first.setdefault(pair[1][0], pair)  # row[0] is the event_id
         unique = list(first.values())
-        claims = self._ledger.claim([(e.event_id, f"{r.topic}/{r.partition}/{r.offset}") for r, e in unique])
+        claims = self._ledger.claim([(row[0], f"{r.topic}/{r.partition}/{r.offset}") for r, row in unique])
         keep = [pair for pair, c in zip(unique, claims, strict=True) if c is Claim.NEW]
         replayed = [pair for pair, c in zip(unique, claims, strict=True) if c is Claim.REDELIVERED]
         in_lake = 0

@@ -1,0 +1,102 @@
+"""The msgspec fast path agrees with pydantic: it accepts only what pydantic accepts, with the same row.
+
+Pure functions, no broker: every case goes through `validate_records` and through
+`Event.from_bytes` + `event_row`, and both must give the same row or the same refusal.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flywheel.bus import Record
+from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
+from ingest.fast_validate import _fast_row, event_row, validate_records
+
+BASE = {
+    "event_id": "e1",
+    "type": "accepted",
+    "schema_version": 1,
+    "generation_id": "g1",
+    "user_id": "u1",
+    "session_id": "s1",
+    "ts": "2026-01-02T03:04:05.123456Z",
+    "received_at": "2026-01-02T03:04:06Z",
+    "source": "native",
+    "properties": {"accepted_chars": 3, "x": [1.5, "é", None, 10**30]},
+}
+
+
+def _with(**changes: object) -> bytes:
+    doc = {**BASE, **changes}
+    return json.dumps({k: v for k, v in doc.items() if v is not _DROP}).encode()
+
+
+_DROP = object()
+
+CASES = [
+    _with(),
+    Event(type="shown", generation_id="g", user_id="u").to_bytes(),
+    _with(ts="2026-01-02T03:04:05.1234567Z"),  # pydantic truncates, msgspec would round
+    _with(ts="2026-01-02T03:04:05"),  # naive: UTC
+    _with(ts="2026-01-02T03:04:05+02:00"),
+    _with(ts="2026-01-02 03:04:05Z"),
+    _with(ts="2026-01-02"),
+    _with(ts="2026-13-02T03:04:05Z"),
+    _with(ts="2026-01-02T03:04:60Z"),
+    _with(ts=1767323045),
+    _with(ts="yesterday"),
+    _with(event_id=_DROP),
+    _with(received_at=_DROP),
+    _with(event_id=""),
+    _with(event_id="x" * 129),
+    _with(user_id="é" * 256),  # lengths are in characters
+    _with(user_id="é" * 257),
+    _with(type="nope"),
+    _with(type="generation"),
+    _with(schema_version=2),
+    _with(schema_version="1"),
+    _with(schema_version=1.0),
+    _with(schema_version=True),
+    _with(user_id=7),
+    _with(session_id=None),
+    _with(properties=None),
+    _with(properties=[1]),
+    _with(extra="field"),
+    b'{"event_id":"a","event_id":"b","type":"accepted","generation_id":"g","user_id":"u",'
+    b'"ts":"2026-01-02T03:04:05Z","received_at":"2026-01-02T03:04:05Z"}',
+    b"not json",
+    b"\xff\xfe",
+    b'{"type":"accepted","user_id":"\\ud800","generation_id":"g"}',
+    b"[]",
+    _with(properties={"big": "x" * MAX_EVENT_BYTES}),
+]
+
+
+@pytest.mark.parametrize("raw", CASES)
+def test_fast_path_matches_pydantic(raw: bytes) -> None:
+    record = Record("events", 0, 7, None, raw, 0)
+    try:
+        expected: tuple[object, ...] | str = event_row(Event.from_bytes(raw), record)
+    except InvalidEvent as exc:
+        expected = str(exc)
+    fast = _fast_row(raw, record)
+    if isinstance(expected, str):
+        assert fast is None, "the fast path accepted what the contract refuses"
+    elif fast is not None:
+        assert fast == expected
+    valid, refused = validate_records([record])
+    if isinstance(expected, str):
+        assert valid == [] and refused == [(record, expected)]
+    else:
+        # Events without an id or time get fresh defaults: compare the rest.
+        ((_, row),) = valid
+        assert refused == []
+        if b'"event_id"' in raw and b'"received_at"' in raw and b'"ts"' in raw:
+            assert row == expected
+
+
+def test_ordinary_events_take_the_fast_path() -> None:
+    record = Record("events", 0, 7, None, _with(), 0)
+    assert _fast_row(record.value, record) is not None
