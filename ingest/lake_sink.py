@@ -50,7 +50,9 @@ def rows_frame(rows: Sequence[tuple[object, ...]]) -> pl.DataFrame:
         return pl.DataFrame(schema=EVENTS_SCHEMA)
     # zip(*rows) transposes in C; polars then converts each column in one go.
     columns = dict(zip(EVENTS_SCHEMA, (list(c) for c in zip(*rows, strict=True)), strict=True))
-    return pl.DataFrame(columns, schema=EVENTS_SCHEMA)
+    # Times arrive as microseconds since the epoch: an Int64 column cast to Datetime costs nothing.
+    schema = {k: pl.Int64 if v == pl.Datetime("us", "UTC") else v for k, v in EVENTS_SCHEMA.items()}
+    return pl.DataFrame(columns, schema=schema).cast(EVENTS_SCHEMA)
 
 
 def write_events(table_dir: Path, df: pl.DataFrame) -> list[Path]:

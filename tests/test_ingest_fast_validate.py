@@ -100,3 +100,12 @@ def test_fast_path_matches_pydantic(raw: bytes) -> None:
 def test_ordinary_events_take_the_fast_path() -> None:
     record = Record("events", 0, 7, None, _with(), 0)
     assert _fast_row(record.value, record) is not None
+
+
+@pytest.mark.parametrize(
+    "properties", [{}, {"a": "é\n\u2028", "b": [1, 2.5, None, True, 10**30], "c": {"d": float("nan")}}]
+)
+def test_properties_column_is_json_dumps(properties: dict[str, object]) -> None:
+    from ingest.fast_validate import properties_json
+
+    assert properties_json(properties) == json.dumps(properties, separators=(",", ":"))
