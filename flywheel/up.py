@@ -187,7 +187,7 @@ def run_up(
     stack: EmbeddedStack = start_embedded(settings)
     s = stack.settings.model_copy(update={"train_interval_s": train_interval_s})
     running: list[Running] = []
-    users: list[threading.Thread] = []
+    user_threads: list[threading.Thread] = []
     stop = threading.Event()
     try:
         ensure_topics(s)
@@ -204,7 +204,7 @@ def run_up(
         console.print(f"logs: {s.data_dir / 'logs'}   approve a candidate: flywheel gate approve VERSION --by YOU")
         sim = UserSimulator(f"{base}:{s.serving_port}", f"{base}:{s.collector_port}",
                             sorted(s.write_key_set)[0], n_users=users)
-        users = sim.start(stop)
+        user_threads = sim.start(stop)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         started = time.monotonic()
         with Live(progress_table(sim, s, started), console=console, refresh_per_second=1) as live:
@@ -222,7 +222,7 @@ def run_up(
         console.print("stopping ...")
     finally:
         stop.set()
-        for t in users:  # let simulated users finish their last request before their services go
+        for t in user_threads:  # let simulated users finish their last request before their services go
             t.join(timeout=30)
         for r in running:
             r.proc.send_signal(signal.SIGTERM)
