@@ -4,7 +4,7 @@ Both apps are driven in-process over ASGI (httpx.ASGITransport) with the same Se
 batch body; the collector validates, maps, produces to the embedded broker and waits
 for Kafka's acknowledgement before answering.
 
-    python bench/ingest_collector.py [--requests N] [--batch M]
+    python bench/ingest_collector.py [--requests N] [--batch M] [--clients kafka-python,confluent]
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--clients", default="kafka-python,confluent", help="Kafka clients the collector produces with")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-collector-"))
     port = free_port()
@@ -84,13 +85,13 @@ def main() -> None:
         ensure_topics(settings)
         bodies = [body(args.batch, i * args.batch) for i in range(args.requests + 1)]
         events = args.requests * args.batch
-        bare_s = asyncio.run(drive(bare_app(), bodies))
-        app = create_app(settings)
-        collector_s = asyncio.run(drive(app, bodies))
-        app.state.producer_holder.close()
-        bare, coll = events / bare_s, events / collector_s
+        bare = events / asyncio.run(drive(bare_app(), bodies))
         print(f"/v1/batch, {args.batch} events per request, {len(bodies[0])} bytes per body")
-        print(f"bare parse {bare:,.0f} ev/s | collector {coll:,.0f} ev/s | ratio {coll / bare:.2f}")
+        for client in args.clients.split(","):
+            app = create_app(settings.model_copy(update={"kafka_client": client}))
+            coll = events / asyncio.run(drive(app, bodies))
+            app.state.producer_holder.close()
+            print(f"{client:>13}: bare parse {bare:,.0f} ev/s | collector {coll:,.0f} ev/s | ratio {coll / bare:.2f}")
     finally:
         broker.terminate()
         broker.wait(timeout=10)

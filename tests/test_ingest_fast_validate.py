@@ -115,3 +115,29 @@ def test_properties_column_is_json_dumps(properties: dict[str, object]) -> None:
     from ingest.fast_validate import properties_json
 
     assert properties_json(properties) == json.dumps(properties, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("item", [{"a": "é", "b": [1, 2.5, None, float("nan")], "c": {"d": True}}, [1, "x"], "s", 5])
+def test_refused_item_bytes_are_the_compact_json_of_the_item(item: object) -> None:
+    from ingest.intake import _item_bytes
+
+    assert _item_bytes(item) == json.dumps(item, separators=(",", ":"), default=str).encode()
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"a":[1,2.5,-0.0,1e300,123456789012345678901234567890,"\\u00e9"]}', b"[NaN]", b'["\\ud800"]', b"[1e400]"]
+)
+def test_body_parse_matches_json_loads(body: bytes) -> None:
+    from ingest.intake import parse_json
+
+    assert repr(parse_json(body)) == repr(json.loads(body))
+
+
+def test_body_that_is_not_json_keeps_its_reason() -> None:
+    from ingest.intake import BodyError, parse_json
+
+    with pytest.raises(BodyError) as err:
+        parse_json(b"{nope")
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(b"{nope")
+    assert err.value.reason == f"body is not JSON: {expected.value}"
