@@ -247,7 +247,11 @@ def test_dashboard_renders_in_a_browser(
     thread.start()
     try:
         with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=str(CHROMIUM))
+            browser = pw.chromium.launch(
+                executable_path=str(CHROMIUM),
+                args=["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            )
             page = browser.new_page()
             for _ in range(50):  # wait for the server to accept connections
                 try:
