@@ -4,13 +4,14 @@
 - `redis_url`: the machine's Redis when it answers, else an embedded Valkey server.
   Every test gets its own key prefix, so tests never see each other's keys.
 - `settings`: Settings pointing at all of the above, with a fresh data dir (lake,
-  SQLite MLflow) and fresh topic names per test.
+  SQLite MLflow copied from a session template) and fresh topic names per test.
 - `tiny_model_dir`: a tiny Hugging Face-format causal LM, bootstrapped once per session.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,9 +49,23 @@ def redis_url() -> Iterator[str]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow SQLite store with its tables made (creating them takes seconds): tests copy it."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    uri = f"sqlite:///{path}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.search_experiments()
+    client.search_registered_models()
+    return path
+
+
 @pytest.fixture
-def settings(broker: str, redis_url: str, tmp_path: Path) -> Iterator[Settings]:
+def settings(broker: str, redis_url: str, mlflow_template: Path, tmp_path: Path) -> Iterator[Settings]:
     tag = uuid.uuid4().hex[:8]
+    shutil.copyfile(mlflow_template, tmp_path / "mlflow.db")
     s = Settings(
         data_dir=tmp_path / "data",
         kafka_bootstrap_servers=broker,
