@@ -168,6 +168,7 @@ class DeployGate:
                 lambda: self.registry.set_gate_state(old, "approved", by=by, reason=f"superseded by {new}"),
             ),
             Step(f"traffic: {new} serves 100% as champion", lambda: self._put(after)),
+            Step("registry: alias challenger removed", lambda: self.registry.delete_alias("challenger")),
         )
         return Plan("promote", new, by, reason, split, after, steps)
 
@@ -199,6 +200,7 @@ class DeployGate:
                 f"registry: gate state of {version} -> rolled_back",
                 lambda: self.registry.set_gate_state(version, "rolled_back", by=by, reason=reason),
             ),
+            Step("registry: alias challenger removed", lambda: self.registry.delete_alias("challenger")),
         )
         return Plan("rollback", version, by, reason, split, after, steps)
 

@@ -205,6 +205,11 @@ class ModelRegistry:
         self._version(version)
         self._client.set_registered_model_alias(self._name, alias, str(version))
 
+    def delete_alias(self, alias: str) -> None:
+        """Remove `alias` (no error when it is not set)."""
+        if self.alias(alias) is not None:
+            self._client.delete_registered_model_alias(self._name, alias)
+
     def alias(self, alias: str) -> str | None:
         try:
             return str(self._client.get_model_version_by_alias(self._name, alias).version)

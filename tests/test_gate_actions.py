@@ -153,6 +153,7 @@ def test_rollback_returns_all_traffic_to_the_champion(
     assert {split.version_for(split.arm_for(f"user-{i}")) for i in range(400)} == {champion}
     assert registry.gate_state(candidate) == "rolled_back"
     assert registry.gate_history(candidate)[-1].by == "oncall"
+    assert registry.alias("challenger") is None
     with pytest.raises(NoChallenger):
         gate.rollback(by="oncall", reason="twice")
     # After a rollback the next candidate can be approved.
@@ -176,6 +177,7 @@ def test_promote_makes_the_challenger_the_champion(
     )
     assert split.state == "promoted"
     assert registry.alias("champion") == candidate
+    assert registry.alias("challenger") is None
     assert registry.gate_state(candidate) == "champion"
     assert registry.gate_state(champion) == "approved"
 
