@@ -170,8 +170,11 @@ def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: s
     assert [v.version for v in ModelRegistry(tsettings).versions()] == [champion]
 
 
-def _row(gid: str, user: str, *, version: str = "1", prompt: str = "x = ", completion: str = " 1\n") -> Event:
+def _row(
+    gid: str, user: str, *, version: str = "1", prompt: str = "x = ", completion: str = " 1\n", temperature: float = 1.0
+) -> Event:
     record = GenerationRecord(
+        temperature=temperature,
         prompt=prompt,
         prompt_token_ids=[5, 6],
         completion=completion,
@@ -191,6 +194,7 @@ def test_eligibility_consent_quarantine_scrubbing_and_latest_revision(tsettings:
         _row("quarantined", "alice", version="7"),
         _row("secret", "alice", completion=" 'AKIAABCDEFGHIJKLMNOP'\n"),
         _row("pii-prompt", "alice", prompt="mail bob@example.com\nx = "),
+        _row("hot", "alice", temperature=0.7),
         *consent_events(["alice", "carol"]),
     ]
     write_events(tsettings, events)
@@ -205,7 +209,7 @@ def test_eligibility_consent_quarantine_scrubbing_and_latest_revision(tsettings:
             emitted_at=now + timedelta(seconds=revision),
         )  # fmt: skip
 
-    gids = ["ok", "no-consent", "revoked", "quarantined", "secret", "pii-prompt", "no-event"]
+    gids = ["ok", "no-consent", "revoked", "quarantined", "secret", "pii-prompt", "hot", "no-event"]
     write_rewards(tsettings, [reward(g, 0.5) for g in gids] + [reward("ok", -1.0, revision=1)])
     selection = load_selection(tsettings, TrainerConfig(), watermark=None, quarantined={"7"},
                                encode_prompt=lambda text: [len(text)])  # fmt: skip
@@ -218,6 +222,7 @@ def test_eligibility_consent_quarantine_scrubbing_and_latest_revision(tsettings:
     assert selection.dropped == {
         "without consent": 2, "from quarantined versions": 1, "without a generation event": 1,
         "with secrets or personal data in the completion": 1, "prompts redacted (kept)": 1,
+        "sampled at a temperature other than 1": 1,
     }  # fmt: skip
     assert selection.window and selection.window.end == now + timedelta(seconds=1)
     # Nothing new after the window's end.

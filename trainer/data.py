@@ -182,6 +182,11 @@ def _eligible(
     if record.model_version in quarantined:
         dropped["from quarantined versions"] += 1
         return None
+    if record.temperature != 1.0:
+        # Serving logs log-probs of the untempered policy; a sample drawn at another temperature
+        # came from a different behaviour distribution, so its importance ratio would be wrong.
+        dropped["sampled at a temperature other than 1"] += 1
+        return None
     if scrub(record.completion)[1]:
         dropped["with secrets or personal data in the completion"] += 1
         return None
