@@ -68,6 +68,7 @@ class Settings(BaseSettings):
     serving_port: int = 8000
     collector_port: int = 8001
     gate_port: int = 8002
+    trainer_port: int = 8003
     write_keys: str = Field(
         default="dev-write-key",
         description="Comma-separated write keys the collector accepts (HTTP basic auth user).",

@@ -76,3 +76,28 @@ def test_guarded_cycle_skips_while_the_lock_is_held(settings: Settings) -> None:
         guarded_cycle(settings, TrainerConfig(), cycle="test_trainer_scheduler:recording_cycle").reason
         == "recorded"
     )
+
+
+def test_the_api_triggers_a_cycle_now_only_with_the_token(settings: Settings, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer.api import create_app
+
+    scheduler = TrainerScheduler(settings, interval_s=3600, jobstore_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+                                 cycle="test_trainer_scheduler:recording_cycle")  # fmt: skip
+    planned = scheduler.start()
+    try:
+        client = TestClient(create_app(settings, scheduler))
+        assert client.post("/api/run").status_code == 401
+        assert client.post("/api/run", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert scheduler.next_run_time() == planned and scheduler.results == []
+        resp = client.post("/api/run", headers={"Authorization": f"Bearer {settings.approval_token}"})
+        assert resp.status_code == 202
+        deadline = time.monotonic() + 20
+        while not scheduler.results and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = client.get("/api/status").json()
+    finally:
+        scheduler.shutdown()
+    assert [r["reason"] for r in status["recent"]] == ["recorded"]
+    assert status["interval_s"] == 3600

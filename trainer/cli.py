@@ -82,6 +82,9 @@ def schedule(
         None, help="Seconds between cycles (default: FLYWHEEL_TRAIN_INTERVAL_S)."
     ),
     now: bool = typer.Option(False, "--now", help="Also run a cycle right away."),
+    port: int | None = typer.Option(
+        None, help="Serve the status / manual-trigger API on 127.0.0.1:PORT (default FLYWHEEL_TRAINER_PORT; 0: none)."
+    ),
 ) -> None:
     """Run cycles every interval until stopped; a restart keeps the schedule."""
     settings = get_settings()
@@ -91,9 +94,19 @@ def schedule(
         scheduler.run_now()
         next_run = scheduler.next_run_time()
     console.print(f"trainer scheduled every {scheduler.interval_s:.0f}s; next cycle at {next_run}")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    port = settings.trainer_port if port is None else port
+    if port:
+        import uvicorn
+
+        from trainer.api import create_app
+
+        console.print(f"trainer API on http://127.0.0.1:{port}/api/status (POST /api/run to train now)")
+        # uvicorn handles SIGINT / SIGTERM and returns when asked to stop.
+        uvicorn.run(create_app(settings, scheduler), host="127.0.0.1", port=port, log_level="warning")
+    else:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
     scheduler.shutdown(wait=True)
     console.print("trainer scheduler stopped")
