@@ -1,8 +1,8 @@
 """Ingest pipeline throughput over the raw consume rate of the same Kafka client.
 
 For each client (kafka-python, confluent-kafka), against the embedded broker, from the
-same pre-filled topic: (a) a bare consumer that only polls batches, (b) the ingest
-worker (consume, validate, de-duplicate with Redis, write the lake, commit). Both are
+same pre-filled topic: (a) a bare consumer that only polls batches (`poll_columns`, as the
+worker does), (b) the ingest worker (consume, validate, de-duplicate, write the lake, commit). Both are
 timed from their first record, so the group join is not counted.
 
     python bench/ingest_pipeline.py [--events N] [--clients kafka-python,confluent]
@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from flywheel.bus import Consumer, Outgoing, Record, ensure_topics, make_consumer
+from flywheel.bus import Consumer, Outgoing, Record, RecordBatch, ensure_topics, make_consumer
 from flywheel.bus_confluent import ConfluentProducer
 from flywheel.contract import Event
 from flywheel.embedded import free_port, redis_answers, start_broker
@@ -40,6 +40,13 @@ class TimedConsumer:
             self.first_at, self.first_batch = time.perf_counter(), len(records)
         self.count += len(records)
         return records
+
+    def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
+        batch = self.inner.poll_columns(max_records, timeout_s)
+        if len(batch) and self.first_at is None:
+            self.first_at, self.first_batch = time.perf_counter(), len(batch)
+        self.count += len(batch)
+        return batch
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
@@ -76,7 +83,7 @@ def bench_client(settings: Settings, client: str, n: int, batch: int) -> tuple[f
     tag = uuid.uuid4().hex[:6]
     raw = TimedConsumer(make_consumer(s, [s.events_topic], f"raw-{client}-{tag}"))
     while raw.count < n:
-        raw.poll_batch(batch, 0.5)
+        raw.poll_columns(batch, 0.5)  # the same columnar poll the worker uses: the baseline is as cheap
     raw_rate = rate(raw, time.perf_counter())
     raw.inner.close()
 

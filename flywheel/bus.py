@@ -2,7 +2,8 @@
 
 kafka-python is the default (the user's choice); confluent-kafka (librdkafka) is
 chosen with `FLYWHEEL_KAFKA_CLIENT=confluent`. Components only ever see
-`Producer`, `Consumer` and `Record`.
+`Producer`, `Consumer` and `Record` (or `RecordBatch`, the same records column-wise, for
+consumers that handle whole batches and cannot afford one object per record).
 """
 
 from __future__ import annotations
@@ -33,6 +34,41 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordBatch:
+    """Polled records column-wise: element i of every list belongs to the same record."""
+
+    topics: list[str]
+    partitions: list[int]
+    offsets: list[int]
+    values: list[bytes]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @classmethod
+    def from_records(cls, records: Sequence[Record]) -> RecordBatch:
+        return cls(
+            [r.topic for r in records], [r.partition for r in records], [r.offset for r in records],
+            [r.value for r in records],
+        )
+
+    def next_offsets(self) -> dict[tuple[str, int], int]:
+        """The offsets to commit after processing the batch (last offset + 1 per partition)."""
+        out: dict[tuple[str, int], int] = {}
+        for key, offset in zip(zip(self.topics, self.partitions, strict=True), self.offsets, strict=True):
+            if offset >= out.get(key, 0):
+                out[key] = offset + 1
+        return out
+
+    def first_offsets(self) -> dict[tuple[str, int], int]:
+        out: dict[tuple[str, int], int] = {}
+        for key, offset in zip(zip(self.topics, self.partitions, strict=True), self.offsets, strict=True):
+            if offset < out.get(key, offset + 1):
+                out[key] = offset
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Outgoing:
     topic: str
     value: bytes
@@ -49,6 +85,13 @@ class Producer(Protocol):
 
 class Consumer(Protocol):
     def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]: ...
+
+    def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
+        """Like `poll_batch`, column-wise and without keys or timestamps (no object per record)."""
+
+    def assignment_epoch(self) -> int:
+        """A number that changes whenever the group hands this consumer partitions: state kept per partition
+        since the last change may be stale (another member may have owned the partition meanwhile)."""
 
     def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
         """Commit, per (topic, partition), the offset of the next record to read."""
@@ -107,10 +150,19 @@ class KafkaPythonProducer:
 
 class KafkaPythonConsumer:
     def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, **config: object) -> None:
-        from kafka import KafkaConsumer
+        from kafka import ConsumerRebalanceListener, KafkaConsumer
+
+        self._epoch = 0
+        consumer = self
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked: object) -> None:
+                pass
+
+            def on_partitions_assigned(self, assigned: object) -> None:
+                consumer._epoch += 1
 
         self._c = KafkaConsumer(
-            *topics,
             bootstrap_servers=bootstrap.split(","),
             group_id=group_id,
             enable_auto_commit=False,
@@ -121,6 +173,7 @@ class KafkaPythonConsumer:
             max_poll_records=config.pop("max_poll_records", 2000),
             **config,
         )
+        self._c.subscribe(list(topics), listener=_Listener())
 
     def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
         polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
@@ -129,6 +182,16 @@ class KafkaPythonConsumer:
             for m in msgs:
                 out.append(Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp))
         return out
+
+    def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
+        polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        msgs = [m for batch in polled.values() for m in batch]
+        return RecordBatch(
+            [m.topic for m in msgs], [m.partition for m in msgs], [m.offset for m in msgs], [m.value for m in msgs]
+        )
+
+    def assignment_epoch(self) -> int:
+        return self._epoch
 
     def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
         from kafka.structs import OffsetAndMetadata, TopicPartition

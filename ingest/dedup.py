@@ -1,91 +1,131 @@
-"""De-duplication by `event_id` across batches, workers and restarts (Redis).
+"""De-duplication by `event_id` and skipping of replayed records, per Kafka partition, in memory.
 
-Each accepted event claims its id in Redis *before* the lake write, with the Kafka
-position of the record that carries it as the value (`SET NX EX`, one Lua call per
-batch). A later claim of the same id answers:
+The lake is the source of truth; this module only remembers, per (topic, partition)
+this worker owns, what the lake holds for it:
 
-- `NEW`: first time seen, write it;
-- `REDELIVERED`: claimed by this very record before (a crash or a rebalance replayed
-  it): it is in the lake only if the write finished, so the caller checks the lake;
-- `DUPLICATE`: another record carried this id: drop it.
+- the event ids of its rows written within the window (`window_s`, by write time:
+  file modification time on load, batch time after), to drop a later record that
+  carries an id already written from this partition (`duplicates`);
+- the offsets, with their event ids, of its rows at or after the offset this worker
+  started reading the partition from, to skip a record whose very position is already
+  in the lake (`already_in_lake`).
 
-Claiming first and checking the lake for redeliveries is what makes the lake exactly
-once: a crash between the claim and the write cannot lose the event, and a crash
-after the write cannot duplicate it. Claims expire after `ttl_s`: duplicates further
-apart than that are not recognised.
+The state of a partition is loaded from the lake the first time a batch holds it after
+`reset()`; the worker resets on every new assignment (`Consumer.assignment_epoch`) and
+after a failed batch, so the state is never older than the last time someone else could
+have written the partition.
+
+Why this is exactly once in the lake (at-least-once from Kafka):
+
+1. Offsets are committed only after the lake write, so everything below the committed
+   offset of a partition is in the lake (or dead-lettered, or a duplicate), and a
+   record at or above it may or may not be: a previous owner may have written part of a
+   batch (one file per date/hour, each atomic) and died before committing.
+2. A consumer that gets a partition starts reading at the committed offset `c`, so the
+   rows the lake holds at offsets >= `c` (loaded by position, whatever their age) are
+   exactly the records of that unfinished batch already written: they are skipped by
+   (offset, event_id), each written once. Matching the event id too means a topic
+   recreated from offset 0 is never mistaken for a replay.
+3. The group hands a partition to one member at a time: with the eager protocol a member
+   gives up its partitions only inside its own poll, i.e. between batches, so no batch
+   of the old owner is in flight when the new owner loads the lake (a member that stops
+   heartbeating for the session timeout is dead or frozen; a frozen one that wakes up
+   fails its commit, and may have written a batch the new owner also writes: the one
+   case not covered, as with any Kafka consumer that has no fencing token).
+4. Duplicates by event id are recognised among records of the same partition. The
+   collector keys every event by its `generation_id`, part of the event, so a client's
+   retry of an event lands in the partition of the first copy; records produced with
+   other keys that repeat an event id across partitions are not de-duplicated.
+
+Memory: about 100 bytes an event id, for one to two windows of a partition's events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from enum import IntEnum
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import redis
+import polars as pl
 
-# The batch travels as three strings rather than 2n arguments: redis-py packs and parses
-# every argument and reply element in Python (~20 us an event), a few long strings cost
-# next to nothing. ARGV: ttl, key prefix, the event ids concatenated (UTF-8), their byte
-# lengths ("3,12,..."), the positions joined by newlines (topic names hold no newline).
-# The answer is one string, one digit (a `Claim`) per event. The keys are built inside
-# the script, which standalone Redis allows (a cluster would refuse cross-slot batches anyway).
-_CLAIM = """
-local ttl, prefix, ids = ARGV[1], ARGV[2], ARGV[3]
-local positions = {}
-for position in string.gmatch(ARGV[5], "[^\\n]+") do
-  positions[#positions + 1] = position
-end
-local out, start, i = {}, 1, 0
-for len in string.gmatch(ARGV[4], "%d+") do
-  i = i + 1
-  local stop = start + tonumber(len)
-  local key = prefix .. string.sub(ids, start, stop - 1)
-  start = stop
-  local position = positions[i]
-  if redis.call('SET', key, position, 'NX', 'EX', ttl) then
-    out[i] = '0'
-  elseif redis.call('GET', key) == position then
-    out[i] = '1'
-  else
-    out[i] = '2'
-  end
-end
-return table.concat(out)
-"""
+from flywheel.lake import parquet_files
 
 
-class Claim(IntEnum):
-    NEW = 0
-    REDELIVERED = 1
-    DUPLICATE = 2
+@dataclass(slots=True)
+class _PartitionState:
+    ids: set[str]
+    older_ids: set[str] = field(default_factory=set)  # the previous window, still checked
+    rotated_at: float = field(default_factory=time.time)
+    in_lake: dict[int, str] = field(default_factory=dict)  # offset -> event_id, from `start` on
 
 
-class EventIdLedger:
-    """`claim([(event_id, position), ...]) -> [Claim, ...]`, one round trip per call."""
-
-    def __init__(self, client: redis.Redis, prefix: str, ttl_s: int = 7 * 24 * 3600) -> None:
-        self._client = client
-        self._prefix = f"{prefix}ingest:event:"
-        self._ttl_s = ttl_s
-        self._script = client.register_script(_CLAIM)
-
-    def claim(self, items: Sequence[tuple[str, str]], chunk: int = 50_000) -> list[Claim]:
-        out: list[Claim] = []
-        for start in range(0, len(items), chunk):
-            part = items[start : start + chunk]
-            ids = [event_id.encode() for event_id, _ in part]
-            answer = self._script(
-                keys=[],
-                args=[
-                    self._ttl_s,
-                    self._prefix,
-                    b"".join(ids),
-                    ",".join([str(len(i)) for i in ids]),
-                    "\n".join([position for _, position in part]),
-                ],
-            )
-            out.extend([_CLAIMS[digit] for digit in answer])
-        return out
+@dataclass(frozen=True, slots=True)
+class Selection:
+    keep: list[int]  # indices into the input, in order
+    duplicates: int
+    already_in_lake: int
 
 
-# One reply character -> Claim, whether the client decodes replies (str) or not (bytes).
-_CLAIMS: dict[int | str, Claim] = {**{str(int(c)): c for c in Claim}, **{ord(str(int(c))): c for c in Claim}}
+class LakeDedup:
+    """`select(topics, partitions, offsets, event_ids) -> Selection`, in memory after a load per partition."""
+
+    def __init__(self, table_dir: Path, window_s: float = 7 * 24 * 3600) -> None:
+        self._table = table_dir
+        self._window_s = window_s
+        self._states: dict[tuple[str, int], _PartitionState] = {}
+
+    def reset(self) -> None:
+        """Forget everything: the next batch of each partition reloads it from the lake."""
+        self._states.clear()
+
+    def select(
+        self,
+        topics: list[str],
+        partitions: list[int],
+        offsets: list[int],
+        event_ids: list[str],
+        first_offsets: dict[tuple[str, int], int],
+    ) -> Selection:
+        """Which records to write. `first_offsets`: per partition, the first offset of the whole polled batch
+        (where reading resumed), which bounds the positions that may already be in the lake."""
+        now = time.time()
+        states = self._states
+        for key in set(zip(topics, partitions, strict=True)):
+            state = states.get(key)
+            if state is None:
+                states[key] = self._load(key, first_offsets[key])
+            elif now - state.rotated_at > self._window_s:
+                state.older_ids, state.ids, state.rotated_at = state.ids, set(), now
+        keep: list[int] = []
+        duplicates = in_lake = 0
+        keys = zip(topics, partitions, strict=True)
+        for i, (key, offset, event_id) in enumerate(zip(keys, offsets, event_ids, strict=True)):
+            state = states[key]
+            if state.in_lake and state.in_lake.get(offset) == event_id:
+                in_lake += 1
+            elif event_id in state.ids or event_id in state.older_ids:
+                duplicates += 1
+            else:
+                state.ids.add(event_id)
+                keep.append(i)
+        return Selection(keep, duplicates, in_lake)
+
+    def _load(self, key: tuple[str, int], start: int) -> _PartitionState:
+        topic, partition = key
+        files = list(parquet_files(self._table))
+        if not files:
+            return _PartitionState(set())
+        mine = (pl.col("kafka_topic") == topic) & (pl.col("kafka_partition") == partition)
+        # Positions: every file (row-group statistics on kafka_offset skip most of them), whatever its age.
+        positions = (
+            pl.scan_parquet(files)
+            .filter(mine & (pl.col("kafka_offset") >= start))
+            .select("kafka_offset", "event_id")
+            .collect()
+        )
+        cutoff = time.time() - self._window_s
+        recent = [f for f in files if f.stat().st_mtime >= cutoff]
+        ids: set[str] = set()
+        if recent:
+            ids = set(pl.scan_parquet(recent).filter(mine).select("event_id").collect()["event_id"].to_list())
+        return _PartitionState(ids, in_lake=dict(positions.iter_rows()))

@@ -2,16 +2,16 @@
 
 One batch at a time (`run_once`):
 
-1. poll a batch (consumer group, offsets committed by hand);
-2. validate each record against the contract (`ingest.fast_validate`); a failure goes to the dead-letter topic
-   with its bytes, the reason and `kafka:<topic>/<partition>/<offset>`;
-3. de-duplicate by `event_id` (within the batch, then across batches with
-   `EventIdLedger`; redelivered records are checked against the lake's positions);
+1. poll a batch column-wise (`Consumer.poll_columns`; consumer group, offsets committed by hand);
+2. validate it against the contract (`ingest.fast_validate.validate_batch`); a failure goes to the
+   dead-letter topic with its bytes, the reason and `kafka:<topic>/<partition>/<offset>`;
+3. de-duplicate by `event_id` and skip records whose Kafka position is already in the lake
+   (`ingest.dedup.LakeDedup`: in memory per partition, loaded from the lake on assignment);
 4. write the lake (files visible only when complete), then commit the offsets.
 
-A crash anywhere replays the batch from the last commit; the ledger and the lake's
-Kafka positions turn the replay into a no-op for what was already written. Run it
-with `python -m ingest.worker` or `flywheel ingest worker` (settings from the env).
+A crash anywhere replays the batch from the last commit; the lake's Kafka positions turn
+the replay into a no-op for what was already written (the argument is in `ingest.dedup`).
+Run it with `python -m ingest.worker` or `flywheel ingest worker` (settings from the env).
 """
 
 from __future__ import annotations
@@ -29,20 +29,18 @@ from flywheel.bus import (
     BrokerUnavailable,
     Consumer,
     Producer,
-    Record,
+    RecordBatch,
     ensure_topics,
     make_consumer,
     make_producer,
 )
-from flywheel.bus import next_offsets as offsets_after
-from flywheel.connections import redis_client
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.collector import kafka_reachable
 from ingest.dead_letters import dead_letter
-from ingest.dedup import Claim, EventIdLedger
-from ingest.fast_validate import LakeRow, validate_records
-from ingest.lake_sink import events_table, positions_in_lake, rows_frame, write_events
+from ingest.dedup import LakeDedup
+from ingest.fast_validate import validate_batch
+from ingest.lake_sink import events_table, write_events
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +69,6 @@ class IngestWorker:
         pause_before_commit_s: float = 0.0,
         consumer: Consumer | None = None,
         producer: Producer | None = None,
-        redis: redis.Redis | None = None,
     ) -> None:
         self.settings = settings
         self.group_id = group_id
@@ -82,8 +79,9 @@ class IngestWorker:
         self.pause_before_commit_s = pause_before_commit_s
         self._consumer = consumer
         self._producer = producer
-        self._ledger = EventIdLedger(redis or redis_client(settings), settings.redis_prefix, dedup_ttl_s)
         self._table = events_table(settings.lake_dir)
+        self._dedup = LakeDedup(self._table, window_s=dedup_ttl_s)
+        self._epoch: int | None = None
 
     # ------------------------------------------------------------ connecting
 
@@ -122,75 +120,75 @@ class IngestWorker:
     def run_once(self) -> BatchResult:
         self.connect()
         assert self._consumer is not None
-        records = self._consumer.poll_batch(max_records=self.batch_size, timeout_s=self.poll_timeout_s)
-        if not records:
+        batch = self._poll()
+        if not len(batch):
             return BatchResult()
         started = time.perf_counter()
         try:
-            result = self._process(records)
+            result = self._process(batch)
         except BaseException:
-            # Not committed: go back so this process retries the batch instead of skipping it.
-            self._rewind(records)
+            # Not committed: go back so this process retries the batch instead of skipping it, and forget
+            # what the de-duplication state learnt from it (part of it may be written): the lake says.
+            self._dedup.reset()
+            self._rewind(batch)
             raise
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
         return result
 
-    def _process(self, records: list[Record]) -> BatchResult:
-        assert self._consumer is not None and self._producer is not None
-        metrics.EVENTS_IN.labels("worker", "kafka").inc(len(records))
-        # msgspec fast path, pydantic for anything it does not accept (same reasons as before).
-        valid, refused = validate_records(records)
-        letters = [
-            dead_letter(reason, f"kafka:{r.topic}/{r.partition}/{r.offset}", r.value).outgoing(
-                self.settings.dead_letter_topic
-            )
-            for r, reason in refused
-        ]
+    def _poll(self) -> RecordBatch:
+        assert self._consumer is not None
+        poll_columns = getattr(self._consumer, "poll_columns", None)
+        if poll_columns is not None:
+            batch = poll_columns(max_records=self.batch_size, timeout_s=self.poll_timeout_s)
+        else:
+            batch = RecordBatch.from_records(self._consumer.poll_batch(self.batch_size, self.poll_timeout_s))
+        epoch_of = getattr(self._consumer, "assignment_epoch", None)
+        epoch = epoch_of() if epoch_of is not None else None
+        if epoch != self._epoch:
+            # New partitions: someone else may have written them since we last did; reload from the lake.
+            self._epoch = epoch
+            self._dedup.reset()
+        return batch
 
-        keep, duplicates, in_lake = self._deduplicate(valid)
+    def _process(self, batch: RecordBatch) -> BatchResult:
+        assert self._consumer is not None and self._producer is not None
+        metrics.EVENTS_IN.labels("worker", "kafka").inc(len(batch))
+        valid, refused = validate_batch(batch)
+        letters = [
+            dead_letter(
+                reason, f"kafka:{batch.topics[i]}/{batch.partitions[i]}/{batch.offsets[i]}", batch.values[i]
+            ).outgoing(self.settings.dead_letter_topic)
+            for i, reason in refused
+        ]
+        selection = self._dedup.select(
+            valid["kafka_topic"].to_list(),
+            valid["kafka_partition"].to_list(),
+            valid["kafka_offset"].to_list(),
+            valid["event_id"].to_list(),
+            batch.first_offsets(),
+        )
         if letters:
             self._producer.send_all(letters)
-        if keep:
-            write_events(self._table, rows_frame([row for _, row in keep]))
+        written = len(selection.keep)
+        if written:
+            keep = valid if written == valid.height else valid[selection.keep]
+            write_events(self._table, keep.drop("_i"))
         if self.pause_before_commit_s:
             time.sleep(self.pause_before_commit_s)
-        self._consumer.commit(offsets_after(records))
+        self._consumer.commit(batch.next_offsets())
 
-        metrics.EVENTS_ACCEPTED.labels("worker").inc(len(keep))
+        metrics.EVENTS_ACCEPTED.labels("worker").inc(written)
         metrics.EVENTS_REFUSED.labels("worker").inc(len(letters))
         metrics.DEAD_LETTERED.labels("worker").inc(len(letters))
-        metrics.DEDUPLICATED.inc(duplicates)
-        metrics.SKIPPED_IN_LAKE.inc(in_lake)
-        return BatchResult(len(records), len(keep), len(letters), duplicates, in_lake)
+        metrics.DEDUPLICATED.inc(selection.duplicates)
+        metrics.SKIPPED_IN_LAKE.inc(selection.already_in_lake)
+        return BatchResult(len(batch), written, len(letters), selection.duplicates, selection.already_in_lake)
 
-    def _deduplicate(self, valid: list[tuple[Record, LakeRow]]) -> tuple[list[tuple[Record, LakeRow]], int, int]:
-        first: dict[str, tuple[Record, LakeRow]] = {}
-        for pair in valid:
-            first.setdefault(pair[1][0], pair)  # row[0] is the event_id
-        unique = list(first.values())
-        claims = self._ledger.claim([(row[0], f"{r.topic}/{r.partition}/{r.offset}") for r, row in unique])
-        keep = [pair for pair, c in zip(unique, claims, strict=True) if c is Claim.NEW]
-        replayed = [pair for pair, c in zip(unique, claims, strict=True) if c is Claim.REDELIVERED]
-        in_lake = 0
-        if replayed:
-            present = positions_in_lake(self._table, [r for r, _ in replayed])
-            for r, e in replayed:
-                if (r.topic, r.partition, r.offset) in present:
-                    in_lake += 1
-                else:
-                    keep.append((r, e))
-        duplicates = len(valid) - len(unique) + sum(c is Claim.DUPLICATE for c in claims)
-        return keep, duplicates, in_lake
-
-    def _rewind(self, records: list[Record]) -> None:
+    def _rewind(self, batch: RecordBatch) -> None:
         if self._consumer is None:
             return
-        firsts: dict[tuple[str, int], int] = {}
-        for r in records:
-            key = (r.topic, r.partition)
-            firsts[key] = min(firsts.get(key, r.offset), r.offset)
         try:
-            for (topic, partition), offset in firsts.items():
+            for (topic, partition), offset in batch.first_offsets().items():
                 self._consumer.seek(topic, partition, offset)
         except Exception:  # a partition revoked meanwhile: its new owner replays from the commit
             log.warning("could not rewind after a failed batch", exc_info=True)

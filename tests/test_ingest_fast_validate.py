@@ -141,3 +141,39 @@ def test_body_that_is_not_json_keeps_its_reason() -> None:
     with pytest.raises(json.JSONDecodeError) as expected:
         json.loads(b"{nope")
     assert err.value.reason == f"body is not JSON: {expected.value}"
+
+
+BATCH_EXTRA = [
+    _with(ts="2026-02-30T00:00:00Z"),  # the plain pattern, no such day: pydantic refuses
+    _with(ts="2028-02-29T23:59:59.5Z"),
+    json.dumps({**BASE, "properties": {"a": 1, "b": "x y", "c": None, "d": True}}, separators=(",", ":")).encode(),
+    json.dumps({**BASE, "properties": {"a": 1.5}}, separators=(",", ":")).encode(),
+    json.dumps({**BASE, "properties": {"a": "é"}}, separators=(",", ":"), ensure_ascii=False).encode(),
+    json.dumps({**BASE, "properties": {"a": {"b": [1]}}}, separators=(",", ":")).encode(),
+    json.dumps({**BASE, "properties": "text"}, separators=(",", ":")).encode(),
+    json.dumps({**BASE, "properties": {}}, separators=(",", ":")).encode(),
+]
+
+
+def test_batch_path_matches_pydantic_row_for_row() -> None:
+    """Every case in one batch: the same rows (in order) or the same refusals as `Event.from_bytes`."""
+    from flywheel.bus import RecordBatch
+    from ingest.fast_validate import validate_batch
+    from ingest.lake_sink import rows_frame
+
+    raws = [*CASES, *BATCH_EXTRA]
+    batch = RecordBatch(["events"] * len(raws), [0] * len(raws), list(range(len(raws))), raws)
+    valid, refused = validate_batch(batch)
+    expected_rows, expected_refused = [], []
+    for i, raw in enumerate(raws):
+        try:
+            expected_rows.append((i, event_row(Event.from_bytes(raw), Record("events", 0, i, None, raw, 0))))
+        except InvalidEvent as exc:
+            expected_refused.append((i, str(exc)))
+    assert refused == expected_refused
+    assert valid["_i"].to_list() == [i for i, _ in expected_rows]
+    # Events without an id or time get fresh defaults: compare those that carry them.
+    carry = (b'"event_id"', b'"ts"', b'"received_at"')
+    fixed = [k for k, (i, _) in enumerate(expected_rows) if all(f in raws[i] for f in carry)]
+    want = rows_frame([expected_rows[k][1] for k in fixed])
+    assert valid.drop("_i")[fixed].to_dicts() == want.to_dicts()
