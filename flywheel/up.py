@@ -61,7 +61,13 @@ def ensure_champion(settings: Settings, *, bootstrap_seconds: float = 120.0, pro
         registry.set_gate_state(version, "champion", by="flywheel", reason="initial champion")
         console.print(f"registered [bold]{path}[/] as champion, version {version}")
     split = store.get()
-    if split is None or split.champion_version != version and not split.challenger_version:
+    known = {v.version for v in registry.versions()}
+    stale = split is not None and not {split.champion_version, split.challenger_version or version} <= known
+    if stale:
+        # Redis outlived the registry it was written against (a new data dir, another MLflow).
+        console.print(f"[yellow]the traffic split in Redis names versions this registry lacks ({split}); "
+                      f"resetting it to champion v{version}[/]")
+    if split is None or stale or (split.champion_version != version and not split.challenger_version):
         store.put(TrafficSplit(champion_version=version, changed_by="flywheel", reason="initial champion"))
     return version
 

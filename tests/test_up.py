@@ -14,6 +14,7 @@ import redis
 
 from flywheel.embedded import free_port
 from flywheel.lake import scan
+from flywheel.settings import Settings
 
 
 @pytest.mark.slow
@@ -52,3 +53,22 @@ def test_up_serves_simulated_users_and_lands_their_events_in_the_lake(
     assert events is not None, "ingest wrote nothing to the lake"
     counts = dict(events.group_by("type").agg(pl.len()).collect().iter_rows())
     assert counts.get("generation", 0) > 0 and counts.get("shown", 0) > 0, counts
+
+
+def test_a_split_left_in_redis_by_another_registry_is_reset_to_the_champion(
+    settings: Settings, tiny_model_dir: Path
+) -> None:
+    from flywheel.connections import redis_client
+    from flywheel.contract import TrafficSplit
+    from flywheel.traffic import TrafficSplitStore
+    from flywheel.up import ensure_champion
+
+    store = TrafficSplitStore(redis_client(settings), settings)
+    store.put(TrafficSplit(champion_version="9", challenger_version="10", challenger_share=0.2, state="running"))
+    version = ensure_champion(settings.model_copy(update={"model_path": str(tiny_model_dir)}), progress=False)
+    split = store.get()
+    assert split is not None
+    assert (split.champion_version, split.challenger_version, split.challenger_share) == (version, None, 0.0)
+    # A second start keeps the champion and the split as they are.
+    assert ensure_champion(settings, progress=False) == version
+    assert store.get() == split
