@@ -68,6 +68,13 @@ class UnknownVersion(LookupError):
     """The registry holds no such version."""
 
 
+def _run_of(mv: ModelVersion) -> str:
+    """The run holding a version's artifacts; every version `register` writes names one."""
+    if mv.run_id is None:  # made outside this registry (e.g. by hand in the MLflow UI)
+        raise ArtifactIntegrityError(f"version {mv.version} has no MLflow run, so no artifacts to fetch")
+    return mv.run_id
+
+
 def ensure_experiment(client: MlflowClient, settings: Settings, name: str) -> str:
     """The id of experiment `name`, created with the configured artifact location when missing."""
     exp = client.get_experiment_by_name(name)
@@ -235,7 +242,7 @@ class ModelRegistry:
         self._cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self._cache_dir))
         try:
-            local = Path(self._client.download_artifacts(mv.run_id, ARTIFACT_DIR, str(staging)))
+            local = Path(self._client.download_artifacts(_run_of(mv), ARTIFACT_DIR, str(staging)))
             try:
                 verify(local, manifest)
             except ArtifactIntegrityError as exc:
@@ -253,7 +260,7 @@ class ModelRegistry:
 
     def _manifest(self, mv: ModelVersion) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(self._client.download_artifacts(mv.run_id, MANIFEST_ARTIFACT, tmp))
+            path = Path(self._client.download_artifacts(_run_of(mv), MANIFEST_ARTIFACT, tmp))
             raw = path.read_bytes()
         if hashlib.sha256(raw).hexdigest() != mv.tags.get(TAG_MANIFEST_SHA):
             raise ArtifactIntegrityError(

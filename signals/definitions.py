@@ -9,6 +9,7 @@ after Redis is gone. The built-in `rules-v1` always exists.
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import redis
 
@@ -32,7 +33,8 @@ class DefinitionStore:
     def put(self, definition: RewardDefinition) -> None:
         """Store a new version. A version is immutable: storing a different spec under it is refused."""
         spec = json.dumps(definition.to_spec(), sort_keys=True)
-        existing = self._r.hget(self._hash, definition.version)
+        # The client is made without decode_responses, so replies are bytes (the stubs say bytes | str).
+        existing = cast(bytes | None, self._r.hget(self._hash, definition.version))
         if definition.version == DEFAULT_DEFINITION.version and definition != DEFAULT_DEFINITION:
             raise ValueError(f"{definition.version} is built in; give your definition a new version")
         if existing is not None and existing.decode() != spec:
@@ -58,13 +60,13 @@ class DefinitionStore:
         return definition
 
     def versions(self) -> list[str]:
-        stored = {k.decode() for k in self._r.hkeys(self._hash)}
+        stored = {k.decode() for k in cast(list[bytes], self._r.hkeys(self._hash))}
         if self._dir.exists():
             stored |= {p.stem for p in self._dir.glob("*.json")}
         return sorted(stored | {DEFAULT_DEFINITION.version})
 
     def active_version(self) -> str:
-        raw = self._r.get(self._active)
+        raw = cast(bytes | None, self._r.get(self._active))
         return raw.decode() if raw else DEFAULT_DEFINITION.version
 
     def active(self) -> RewardDefinition:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -162,7 +162,8 @@ class StateStore:
         return wms, due, states
 
     def outbox_entries(self, keys: Keys, partition: int) -> list[bytes]:
-        return list(self._r.lrange(keys.outbox(partition), 0, -1))
+        # Replies are bytes (no decode_responses); the stubs say bytes | str.
+        return cast(list[bytes], self._r.lrange(keys.outbox(partition), 0, -1))
 
     def pop_outbox(self, keys: Keys, partition: int) -> None:
         self._r.lpop(keys.outbox(partition))

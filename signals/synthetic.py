@@ -15,14 +15,17 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Literal
 
 import polars as pl
 
 from flywheel.bus import Outgoing, make_producer
-from flywheel.contract import Event, GenerationRecord
+from flywheel.contract import Event, EventType, GenerationRecord
 from flywheel.lake import write_partitioned
 from flywheel.settings import Settings
 from signals.events import FeedbackEvent, GenerationInfo
+
+Arm = Literal["champion", "challenger"]
 
 
 def generation_event(
@@ -31,7 +34,7 @@ def generation_event(
     *,
     user_id: str = "u1",
     model_version: str = "1",
-    arm: str = "champion",
+    arm: Arm = "champion",
     completion: str = "return x + 1\n",
     received_at: datetime | None = None,
     experiment: str = "default",
@@ -45,11 +48,11 @@ def generation_event(
         behaviour_logprobs=[] if declined else [-0.5, -0.7],
         model_version=model_version,
         arm=arm,
-        experiment=experiment,  # type: ignore[arg-type]
+        experiment=experiment,
         finish_reason="declined" if declined else "stop",
     )
     return Event(
-        type="generation",
+        type=EventType.GENERATION,
         generation_id=gid,
         user_id=user_id,
         ts=ts,
@@ -61,7 +64,7 @@ def generation_event(
 
 def feedback_event(
     gid: str,
-    type_: str,
+    type_: EventType | str,
     ts: datetime,
     *,
     user_id: str = "u1",
@@ -69,10 +72,10 @@ def feedback_event(
     **properties: object,
 ) -> Event:
     return Event(
-        type=type_,
+        type=EventType(type_),
         generation_id=gid,
         user_id=user_id,
-        ts=ts,  # type: ignore[arg-type]
+        ts=ts,
         received_at=received_at or ts,
         properties=properties,
     )
@@ -155,7 +158,7 @@ def history(
     declined_share: float = 0.1,
     silent_share: float = 0.1,
     window_s: float = 2.0,
-    arms: Sequence[str] = ("champion", "challenger"),
+    arms: Sequence[Arm] = ("champion", "challenger"),
     prefix: str = "g",
 ) -> History:
     """Generations every `spacing_s` from `start`, each with a user's reaction.
@@ -236,20 +239,20 @@ def events_frame(rows: Iterable[tuple[Event, str, int, int]]) -> pl.DataFrame:
         }
         for e, topic, p, o in rows
     ]
-    schema = {
-        "event_id": pl.String,
-        "type": pl.String,
-        "schema_version": pl.Int64,
-        "generation_id": pl.String,
-        "user_id": pl.String,
-        "session_id": pl.String,
+    schema: dict[str, pl.DataType] = {
+        "event_id": pl.String(),
+        "type": pl.String(),
+        "schema_version": pl.Int64(),
+        "generation_id": pl.String(),
+        "user_id": pl.String(),
+        "session_id": pl.String(),
         "ts": dt,
         "received_at": dt,
-        "source": pl.String,
-        "properties": pl.String,
-        "kafka_topic": pl.String,
-        "kafka_partition": pl.Int32,
-        "kafka_offset": pl.Int64,
+        "source": pl.String(),
+        "properties": pl.String(),
+        "kafka_topic": pl.String(),
+        "kafka_partition": pl.Int32(),
+        "kafka_offset": pl.Int64(),
     }
     return pl.DataFrame(data, schema=schema)
 

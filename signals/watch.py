@@ -13,20 +13,20 @@ import polars as pl
 from flywheel.settings import Settings
 from signals.sink import read_rewards
 
-TREND_SCHEMA = {
+TREND_SCHEMA: dict[str, pl.DataType] = {
     "bucket": pl.Datetime("us", "UTC"),
-    "arm": pl.String,
-    "model_version": pl.String,
-    "reward_version": pl.String,
-    "generations": pl.UInt32,
-    "share_declined": pl.Float64,
-    "share_shown": pl.Float64,
-    "accept_rate": pl.Float64,
-    "thumbs_votes": pl.UInt32,
-    "thumbs_up_rate": pl.Float64,
-    "mean_reward": pl.Float64,
-    "share_explicit": pl.Float64,
-    "share_default": pl.Float64,
+    "arm": pl.String(),
+    "model_version": pl.String(),
+    "reward_version": pl.String(),
+    "generations": pl.UInt32(),
+    "share_declined": pl.Float64(),
+    "share_shown": pl.Float64(),
+    "accept_rate": pl.Float64(),
+    "thumbs_votes": pl.UInt32(),
+    "thumbs_up_rate": pl.Float64(),
+    "mean_reward": pl.Float64(),
+    "share_explicit": pl.Float64(),
+    "share_default": pl.Float64(),
 }
 
 

@@ -164,7 +164,7 @@ def _train_and_register(
                 "train/inference mismatch (%s), %d tokens served by v%s: mean %.3g, max %.3g, %.1f%% > %g",
                 name, m.tokens, champion, m.mean_abs, m.max_abs, 100 * m.share_over_threshold, m.threshold,
             )  # fmt: skip
-    model = policy.model
+    model: torch.nn.Module = policy.model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     steps_per_epoch = math.ceil(len(samples) / (config.batch_size * world))

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import cast
 
 import polars as pl
 
@@ -87,7 +88,7 @@ def load_selection(
     new = latest.filter(is_new)
     if new.is_empty():
         return Selection(samples=[], window=None)
-    end = new["emitted_at"].max()
+    end = cast(datetime, new["emitted_at"].max())  # a Datetime column, and `new` is not empty
     old = latest.filter(~is_new)
     rows = new.with_columns(pl.lit(False).alias("replay"))
     if config.replay_fraction > 0 and not old.is_empty():

@@ -17,15 +17,15 @@ from datetime import UTC, datetime, timedelta
 import polars as pl
 
 from flywheel import lake
-from flywheel.contract import Event, GenerationRecord, RewardRecord
+from flywheel.contract import Event, EventType, GenerationRecord, RewardRecord
 from flywheel.lm import Generation, Policy
 from flywheel.settings import Settings
 
-EVENT_SCHEMA = {
-    "event_id": pl.String, "type": pl.String, "schema_version": pl.Int64, "generation_id": pl.String,
-    "user_id": pl.String, "session_id": pl.String, "ts": pl.Datetime("us", "UTC"),
-    "received_at": pl.Datetime("us", "UTC"), "source": pl.String, "properties": pl.String,
-    "kafka_topic": pl.String, "kafka_partition": pl.Int32, "kafka_offset": pl.Int64,
+EVENT_SCHEMA: dict[str, pl.DataType] = {
+    "event_id": pl.String(), "type": pl.String(), "schema_version": pl.Int64(), "generation_id": pl.String(),
+    "user_id": pl.String(), "session_id": pl.String(), "ts": pl.Datetime("us", "UTC"),
+    "received_at": pl.Datetime("us", "UTC"), "source": pl.String(), "properties": pl.String(),
+    "kafka_topic": pl.String(), "kafka_partition": pl.Int32(), "kafka_offset": pl.Int64(),
 }  # fmt: skip
 
 
@@ -63,7 +63,7 @@ def write_rewards(settings: Settings, records: Sequence[RewardRecord]) -> None:
 def consent_events(users: Sequence[str], consent: bool = True, prop: str = "training_consent") -> list[Event]:
     """One `shown` event per user stating their training consent (any event type may carry it)."""
     return [
-        Event(type="shown", generation_id=f"consent-{u}", user_id=u, properties={prop: consent})
+        Event(type=EventType.SHOWN, generation_id=f"consent-{u}", user_id=u, properties={prop: consent})
         for u in users
     ]
 
@@ -97,7 +97,7 @@ def simulate_feedback(
             model_version=model_version, finish_reason=gen.finish_reason,
         )  # fmt: skip
         ts = emitted_at - timedelta(minutes=10)
-        events.append(Event(type="generation", generation_id=gid, user_id=user, ts=ts, received_at=ts,
+        events.append(Event(type=EventType.GENERATION, generation_id=gid, user_id=user, ts=ts, received_at=ts,
                             source="serving", properties=record.model_dump()))  # fmt: skip
         r = reward(gen)
         rewards.append(RewardRecord(

@@ -215,7 +215,8 @@ def bootstrap_model(
             raise RuntimeError(
                 f"the corpus has only {stream.numel()} tokens; it needs more than {cfg.seq_len}."
             )
-        step, recent_losses, train_started = 0, deque(maxlen=20), time.perf_counter()
+        recent_losses: deque[float] = deque(maxlen=20)
+        step, train_started = 0, time.perf_counter()
         with _progress(progress) as bar:
             task = (
                 bar.add_task("pretrain", total=max_seconds or step_cap, step=0, loss=float("nan"), tps=0.0)
@@ -237,7 +238,7 @@ def bootstrap_model(
                 optimizer.step()
                 step += 1
                 recent_losses.append(loss.item())
-                if bar is not None:
+                if bar is not None and task is not None:
                     elapsed = time.perf_counter() - train_started
                     bar.update(
                         task,

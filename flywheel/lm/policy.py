@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
@@ -16,7 +16,7 @@ from flywheel.lm.bootstrap import quiet_transformers
 from flywheel.lm.scoring import token_logprobs
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FALLBACK_CONTEXT = 2048
@@ -48,7 +48,7 @@ class Policy:
     """A loaded HF causal LM + tokenizer on one device, in eval mode."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, device: torch.device
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -162,7 +162,8 @@ class Policy:
         return Generation(
             prompt_token_ids=prompt_ids,
             completion_token_ids=completion_ids,
-            completion=self.tokenizer.decode(completion_ids, skip_special_tokens=True),
+            # decode of one flat id list is a str; the stubs also allow list[str] for batches
+            completion=cast(str, self.tokenizer.decode(completion_ids, skip_special_tokens=True)),
             logprobs=logprobs[0].tolist(),
             finish_reason=finish,
         )
@@ -200,6 +201,6 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: str = "float32") -
         raise CheckpointError(f"{path} could not be loaded as a causal LM checkpoint: {exc}") from exc
     if tokenizer.pad_token is None:  # GPT-2-style tokenizers have none; padding is never scored
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(target)
+    model.to(target)  # type: ignore[arg-type]  # transformers wraps .to with functools.wraps; the stub drops self
     model.eval()
     return Policy(model, tokenizer, target)
