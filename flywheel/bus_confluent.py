@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Record, RecordBatch
 
@@ -115,7 +116,9 @@ class ConfluentConsumer:
                 # Partition EOF and transient broker errors are reported in-band; librdkafka retries itself.
                 log.debug("consumer event: %s", m.error())
                 continue
-            out.append(Record(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.timestamp()[1]))
+            # A message without an error always has topic, partition, offset and value.
+            out.append(Record(cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset()), m.key(),
+                              cast(bytes, m.value()), m.timestamp()[1]))
         return out
 
     def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
@@ -126,9 +129,10 @@ class ConfluentConsumer:
                 if m.error() is not None:
                     log.debug("consumer event: %s", m.error())
             msgs = [m for m in msgs if m.error() is None]
+        # Messages without an error always have topic, partition, offset and value.
         return RecordBatch(
-            [m.topic() for m in msgs], [m.partition() for m in msgs], [m.offset() for m in msgs],
-            [m.value() for m in msgs],
+            cast(list[str], [m.topic() for m in msgs]), cast(list[int], [m.partition() for m in msgs]),
+            cast(list[int], [m.offset() for m in msgs]), cast(list[bytes], [m.value() for m in msgs]),
         )
 
     def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:

@@ -13,7 +13,6 @@ would have built (tests/test_ingest_fast_validate.py checks both on edge cases).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -24,6 +23,7 @@ import polars as pl
 
 from flywheel.bus import Record, RecordBatch
 from flywheel.contract import MAX_EVENT_BYTES, SUPPORTED_SCHEMA_VERSIONS, Event, EventType, InvalidEvent
+from ingest.compact_json import compact_json_encoder
 
 # (event_id, type, schema_version, generation_id, user_id, session_id, ts, received_at (both as
 #  microseconds since the epoch, UTC), source,
@@ -38,24 +38,12 @@ _FAST_TYPES = frozenset(t.value for t in EventType) - {EventType.GENERATION.valu
 # a body with such a time anywhere takes the pydantic path.
 _LONG_FRACTION = re.compile(rb":\d\d\.\d{7}")
 
-# The properties column holds `json.dumps(properties, separators=(",", ":"))`. json.dumps (and
-# JSONEncoder.encode) build a new C encoder on every call, most of the cost for small dicts:
-# build the very encoder `encode` would build, once. Same output; pure Python where the C
-# accelerator is missing.
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
-_C_ENCODER = (
-    json.encoder.c_make_encoder(
-        None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True
-    )
-    if json.encoder.c_make_encoder is not None
-    else None
-)
+# The properties column holds `json.dumps(properties, separators=(",", ":"))`.
+_encode_properties = compact_json_encoder()
 
 
 def properties_json(properties: dict[str, Any]) -> str:
-    if _C_ENCODER is None:
-        return _ENCODER.encode(properties)
-    return "".join(_C_ENCODER(properties, 0))
+    return _encode_properties(properties)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -157,12 +145,12 @@ _PlainTime = Annotated[str, msgspec.Meta(pattern=_PLAIN_TIME)]
 # stored as they came; anything else is parsed and written back by `properties_json`.
 _JSON_STR = r'"[ !#-\[\]-~]*"'
 _CANONICAL_PROPERTIES = rf"^\{{(?:{_JSON_STR}:(?:{_JSON_STR}|-?(?:0|[1-9]\d*)|true|false|null)(?:,|\}}$))*\}}?$"
-_FAST_TYPE_LITERAL = Literal[tuple(sorted(_FAST_TYPES))]  # type: ignore[valid-type]
+_FAST_TYPE_LITERAL = Literal[tuple(sorted(_FAST_TYPES))]  # type: ignore[valid-type]  # built at import time
 
 
 class _PlainEnvelope(msgspec.Struct, forbid_unknown_fields=True):
     event_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-    type: _FAST_TYPE_LITERAL
+    type: _FAST_TYPE_LITERAL  # type: ignore[valid-type]  # a Literal built from _FAST_TYPES
     generation_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     user_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     ts: _PlainTime

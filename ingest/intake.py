@@ -17,6 +17,7 @@ import msgspec
 from pydantic import ValidationError
 
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent, describe_validation_error
+from ingest.compact_json import compact_json_encoder
 from ingest.segment import track_to_event
 
 _MSGSPEC_JSON = msgspec.json.Decoder()
@@ -80,20 +81,11 @@ def parse_json(body: bytes) -> Any:
         raise BodyError(400, f"body is not JSON: {exc}") from None
 
 
-# One encoder for every item: json.dumps with options builds a new encoder per call, and so
-# does JSONEncoder.encode (its C encoder): build the one `encode` would build, once. Same output.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
-_C_ENCODER = (
-    json.encoder.c_make_encoder(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
-    if json.encoder.c_make_encoder is not None
-    else None
-)
+_encode_item = compact_json_encoder(default=str)
 
 
 def _item_bytes(item: Any) -> bytes:
-    if _C_ENCODER is None or not isinstance(item, dict | list):  # `encode` special-cases bare strings
-        return _ENCODER.encode(item).encode()
-    return "".join(_C_ENCODER(item, 0)).encode()
+    return _encode_item(item).encode()
 
 
 def _item_id(item: Any, key: str) -> str | None:

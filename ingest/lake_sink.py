@@ -19,21 +19,23 @@ from flywheel.contract import Event
 from flywheel.lake import parquet_files, write_partitioned
 from ingest.fast_validate import event_row
 
-EVENTS_SCHEMA = {
-    "event_id": pl.String,
-    "type": pl.String,
-    "schema_version": pl.Int32,
-    "generation_id": pl.String,
-    "user_id": pl.String,
-    "session_id": pl.String,
-    "ts": pl.Datetime("us", "UTC"),
-    "received_at": pl.Datetime("us", "UTC"),
-    "source": pl.String,
-    "properties": pl.String,
-    "kafka_topic": pl.String,
-    "kafka_partition": pl.Int32,
-    "kafka_offset": pl.Int64,
-}
+EVENTS_SCHEMA = pl.Schema(
+    {
+        "event_id": pl.String(),
+        "type": pl.String(),
+        "schema_version": pl.Int32(),
+        "generation_id": pl.String(),
+        "user_id": pl.String(),
+        "session_id": pl.String(),
+        "ts": pl.Datetime("us", "UTC"),
+        "received_at": pl.Datetime("us", "UTC"),
+        "source": pl.String(),
+        "properties": pl.String(),
+        "kafka_topic": pl.String(),
+        "kafka_partition": pl.Int32(),
+        "kafka_offset": pl.Int64(),
+    }
+)
 
 
 def events_table(lake_dir: Path) -> Path:
@@ -51,7 +53,7 @@ def rows_frame(rows: Sequence[tuple[object, ...]]) -> pl.DataFrame:
     # zip(*rows) transposes in C; polars then converts each column in one go.
     columns = dict(zip(EVENTS_SCHEMA, (list(c) for c in zip(*rows, strict=True)), strict=True))
     # Times arrive as microseconds since the epoch: an Int64 column cast to Datetime costs nothing.
-    schema = {k: pl.Int64 if v == pl.Datetime("us", "UTC") else v for k, v in EVENTS_SCHEMA.items()}
+    schema = pl.Schema({k: pl.Int64() if v == pl.Datetime("us", "UTC") else v for k, v in EVENTS_SCHEMA.items()})
     return pl.DataFrame(columns, schema=schema).cast(EVENTS_SCHEMA)
 
 
@@ -59,30 +61,6 @@ def write_events(table_dir: Path, df: pl.DataFrame) -> list[Path]:
     """One file per event date/hour, each visible only when complete."""
     name = f"part-{int(time.time() * 1000)}-{uuid.uuid4().hex[:12]}"
     return write_partitioned(df, table_dir, name, ts_column="ts")
-
-
-def positions_in_lake(table_dir: Path, records: Sequence[Record]) -> set[tuple[str, int, int]]:
-    """Which of `records` (by topic, partition, offset) already have a row in the lake."""
-    files = list(parquet_files(table_dir))
-    if not files or not records:
-        return set()
-    wanted = pl.DataFrame(
-        {
-            "kafka_topic": [r.topic for r in records],
-            "kafka_partition": [r.partition for r in records],
-            "kafka_offset": [r.offset for r in records],
-        },
-        schema={k: EVENTS_SCHEMA[k] for k in ("kafka_topic", "kafka_partition", "kafka_offset")},
-    )
-    lo, hi = min(r.offset for r in records), max(r.offset for r in records)
-    found = (
-        pl.scan_parquet(files)
-        .select("kafka_topic", "kafka_partition", "kafka_offset")
-        .filter(pl.col("kafka_offset").is_between(lo, hi))  # row-group statistics skip most files
-        .join(wanted.lazy(), on=["kafka_topic", "kafka_partition", "kafka_offset"], how="semi")
-        .collect()
-    )
-    return set(found.iter_rows())
 
 
 def read_events(lake_dir: Path) -> pl.DataFrame:

@@ -69,7 +69,8 @@ def track_to_event(msg: Any, *, received_at: datetime, batch_sent_at: Any = None
     if not isinstance(properties, dict):
         raise InvalidEvent("properties: must be a JSON object")
     properties = dict(properties)
-    context = msg.get("context") if isinstance(msg.get("context"), dict) else {}
+    raw_context = msg.get("context")
+    context: dict[str, Any] = raw_context if isinstance(raw_context, dict) else {}
     generation_id = properties.pop("generation_id", None)
     if generation_id is None:
         raise InvalidEvent("properties.generation_id: required, it says which generation the event is about")
@@ -84,7 +85,7 @@ def track_to_event(msg: Any, *, received_at: datetime, batch_sent_at: Any = None
     try:
         return Event(
             event_id=str(message_id),
-            type=event_type,
+            type=EventType(event_type),
             generation_id=str(generation_id),
             user_id=str(user_id),
             session_id=str(session_id),
