@@ -35,6 +35,8 @@ class SignalsConfig(BaseSettings):
         default=200, ge=10, description="Explicit labels needed before the satisfaction model is used."
     )
     refit_every_s: float = Field(
-        default=0.0, ge=0, description="Worker refits the satisfaction model this often; 0: never."
+        default=900.0,
+        ge=0,
+        description="The worker refits the satisfaction model on the labels so far this often; 0: never.",
     )
     mlflow_experiment: str = "flywheel-signals"

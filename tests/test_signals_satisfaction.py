@@ -91,3 +91,25 @@ def _thumbs_up(user):  # noqa: ANN001, ANN202
     from signals.events import FeedbackEvent
 
     return [FeedbackEvent(f"{user.generation_id}-up", "thumbs", 60_000_000, {"value": "up"})]
+
+
+def test_a_running_worker_refits_as_labels_accumulate(settings: Settings) -> None:
+    import threading
+    import time
+
+    from flywheel.bus import ensure_topics
+    from signals.worker import SignalsWorker
+
+    ensure_topics(settings)
+    store = DefinitionStore(settings, redis_client(settings))
+    _write_labelled_history(settings, 300, seed=5)
+    worker = SignalsWorker(settings, SignalsConfig(refit_every_s=0.5, min_labels=200, poll_timeout_s=0.2))
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while store.active_version() == DEFAULT_DEFINITION.version and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    thread.join(timeout=30)
+    assert store.active_version().startswith("sat-300-"), "the worker fitted and activated a model on its own"
