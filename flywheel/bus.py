@@ -100,6 +100,10 @@ class Consumer(Protocol):
 
     def seek(self, topic: str, partition: int, offset: int) -> None: ...
 
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Per assigned (topic, partition): records between this consumer's position and the partition end
+        (never negative). Asks the broker: call it every few seconds, not per batch."""
+
     def close(self) -> None: ...
 
 
@@ -206,6 +210,16 @@ class KafkaPythonConsumer:
         from kafka.structs import TopicPartition
 
         self._c.seek(TopicPartition(topic, partition), offset)
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        parts = list(self._c.assignment())
+        if not parts:
+            return {}
+        ends = self._c.end_offsets(parts, timeout_ms=5000)
+        # Clamped: a broker whose end offset trails the true end (the embedded Tansu may) must not read negative.
+        return {
+            (tp.topic, tp.partition): max(0, ends[tp] - self._c.position(tp, timeout_ms=5000)) for tp in parts
+        }
 
     def close(self) -> None:
         self._c.close(autocommit=False)

@@ -155,5 +155,23 @@ class ConfluentConsumer:
 
         self._c.seek(TopicPartition(topic, partition, offset))
 
+    def lag(self) -> dict[tuple[str, int], int]:
+        parts = self._c.assignment()
+        if not parts:
+            return {}
+        positions = {(tp.topic, tp.partition): tp.offset for tp in self._c.position(parts)}
+        # Nothing fetched yet on a partition: the group starts from its commit.
+        unknown = [tp for tp in parts if positions[(tp.topic, tp.partition)] < 0]
+        if unknown:
+            for tp in self._c.committed(unknown, timeout=5):
+                positions[(tp.topic, tp.partition)] = tp.offset
+        out: dict[tuple[str, int], int] = {}
+        for tp in parts:
+            low, high = self._c.get_watermark_offsets(tp, timeout=5, cached=False)
+            position = positions[(tp.topic, tp.partition)]
+            # No commit either: auto.offset.reset is earliest. Clamped: the embedded Tansu's end may trail.
+            out[(tp.topic, tp.partition)] = max(0, high - (position if position >= 0 else low))
+        return out
+
     def close(self) -> None:
         self._c.close()

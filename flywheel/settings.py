@@ -69,6 +69,7 @@ class Settings(BaseSettings):
     collector_port: int = 8001
     gate_port: int = 8002
     trainer_port: int = 8003
+    ingest_metrics_port: int = Field(default=9101, ge=0, description="Ingest worker /metrics and health; 0 = off.")
     write_keys: str = Field(
         default="dev-write-key",
         description="Comma-separated write keys the collector accepts (HTTP basic auth user).",

@@ -31,19 +31,25 @@ def worker(
     group_id: str = typer.Option("flywheel-ingest", help="Consumer group of the ingest workers."),
     batch_size: int = typer.Option(5000, min=1, help="Most records per batch."),
     pause_before_commit_s: float = typer.Option(0.0, hidden=True, help="Fault injection for crash tests."),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", min=0, help="Serve /metrics, /healthz, /readyz on 127.0.0.1:PORT; default "
+        "settings.ingest_metrics_port (9101); 0 turns it off.",
+    ),
 ) -> None:
     """Run an ingest worker (Kafka events topic to the lake) until SIGTERM."""
     import signal
     import threading
 
-    from ingest.worker import IngestWorker
+    from ingest.worker import IngestWorker, run_worker
 
+    settings = get_settings()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    IngestWorker(
-        get_settings(), group_id=group_id, batch_size=batch_size, pause_before_commit_s=pause_before_commit_s
-    ).run(stop)
+    worker = IngestWorker(
+        settings, group_id=group_id, batch_size=batch_size, pause_before_commit_s=pause_before_commit_s
+    )
+    run_worker(worker, stop, settings.ingest_metrics_port if metrics_port is None else metrics_port)
 
 
 dead_letters = typer.Typer(help="List and replay dead letters.", no_args_is_help=True)

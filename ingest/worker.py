@@ -11,7 +11,8 @@ One batch at a time (`run_once`):
 
 A crash anywhere replays the batch from the last commit; the lake's Kafka positions turn
 the replay into a no-op for what was already written (the argument is in `ingest.dedup`).
-Run it with `python -m ingest.worker` or `flywheel ingest worker` (settings from the env).
+Run it with `python -m ingest.worker` or `flywheel ingest worker` (settings from the env); the process
+serves its metrics and health on 127.0.0.1:`settings.ingest_metrics_port` (`ingest.ops_http`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from ingest.lake_sink import events_table, write_events
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "flywheel-ingest"
+# Ready while the last poll is younger than this: a worker stuck in a batch or a retry loop is not ready.
+READY_POLL_AGE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ class IngestWorker:
         dedup_ttl_s: int = 7 * 24 * 3600,
         connect_attempts: int | None = None,
         pause_before_commit_s: float = 0.0,
+        lag_interval_s: float = 5.0,
         consumer: Consumer | None = None,
         producer: Producer | None = None,
     ) -> None:
@@ -82,6 +86,13 @@ class IngestWorker:
         self._table = events_table(settings.lake_dir)
         self._dedup = LakeDedup(self._table, window_s=dedup_ttl_s)
         self._epoch: int | None = None
+        # Lag asks the broker for every partition's end: every few seconds, not per batch.
+        self.lag_interval_s = lag_interval_s
+        self._lag_reported_at = float("-inf")
+        self._lag_labels: set[tuple[str, int]] = set()
+        # Read by the readiness endpoint from its own thread (plain attribute reads).
+        self._last_poll_at: float | None = None
+        self._last_error = ""
 
     # ------------------------------------------------------------ connecting
 
@@ -102,7 +113,8 @@ class IngestWorker:
     def _connect_once(self) -> None:
         bootstrap = self.settings.kafka_bootstrap_servers
         if not kafka_reachable(bootstrap):
-            raise BrokerUnavailable(f"Kafka at {bootstrap} does not answer; waiting for it")
+            self._last_error = f"Kafka at {bootstrap} does not answer; waiting for it"
+            raise BrokerUnavailable(self._last_error)
         try:
             ensure_topics(self.settings, [self.settings.events_topic, self.settings.dead_letter_topic])
             if self._producer is None:
@@ -112,7 +124,9 @@ class IngestWorker:
         except BrokerUnavailable:
             raise
         except Exception as exc:  # the client libraries raise their own errors while a broker starts
-            raise BrokerUnavailable(f"Kafka at {bootstrap} is not ready: {exc}") from exc
+            self._last_error = f"Kafka at {bootstrap} is not ready: {exc}"
+            raise BrokerUnavailable(self._last_error) from exc
+        self._last_error = ""
         log.info("ingest worker connected to %s, group %s", bootstrap, self.group_id)
 
     # ------------------------------------------------------------ one batch
@@ -121,6 +135,9 @@ class IngestWorker:
         self.connect()
         assert self._consumer is not None
         batch = self._poll()
+        self._last_poll_at = time.monotonic()
+        if time.monotonic() - self._lag_reported_at >= self.lag_interval_s:
+            self.report_lag()
         if not len(batch):
             return BatchResult()
         started = time.perf_counter()
@@ -149,6 +166,36 @@ class IngestWorker:
             self._epoch = epoch
             self._dedup.reset()
         return batch
+
+    # ------------------------------------------------------------ operational surface
+
+    def report_lag(self) -> None:
+        """Set the consumer-lag gauge per assigned partition (and drop partitions no longer assigned)."""
+        self._lag_reported_at = time.monotonic()
+        lag_of = getattr(self._consumer, "lag", None)
+        if lag_of is None:
+            return
+        try:
+            lag: dict[tuple[str, int], int] = lag_of()
+        except Exception as exc:  # a metric must never fail a batch; the next report retries
+            log.warning("could not measure consumer lag: %s", exc)
+            return
+        for topic, partition in self._lag_labels - lag.keys():
+            metrics.CONSUMER_LAG.remove(topic, str(partition))
+        for (topic, partition), behind in lag.items():
+            metrics.CONSUMER_LAG.labels(topic, str(partition)).set(behind)
+        self._lag_labels = set(lag)
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): connected to Kafka and polled within the last `READY_POLL_AGE_S` seconds."""
+        if self._consumer is None:
+            return False, self._last_error or "not connected to Kafka yet"
+        if self._last_poll_at is None:
+            return False, "connected to Kafka, not polled yet"
+        age = time.monotonic() - self._last_poll_at
+        if age > READY_POLL_AGE_S:
+            return False, f"last poll {age:.0f}s ago (limit {READY_POLL_AGE_S:.0f}s): {self._last_error or 'stuck'}"
+        return True, "connected and polling"
 
     def _process(self, batch: RecordBatch) -> BatchResult:
         assert self._consumer is not None and self._producer is not None
@@ -205,6 +252,7 @@ class IngestWorker:
                 if result.polled:
                     log.debug("batch %s", result)
             except (BrokerUnavailable, redis.RedisError, OSError) as exc:
+                self._last_error = f"batch failed: {exc}"
                 failures += 1
                 delay = min(5.0, 0.25 * 2**failures)
                 log.warning("batch failed (%s); retrying in %.1fs", exc, delay)
@@ -221,6 +269,25 @@ class IngestWorker:
         self._consumer = self._producer = None
 
 
+def run_worker(worker: IngestWorker, stop_event: threading.Event, metrics_port: int) -> None:
+    """Run `worker` until `stop_event`, serving metrics and health on 127.0.0.1:`metrics_port` (0: not served)."""
+    from ingest.ops_http import serve_ops
+
+    server = None
+    if metrics_port:
+        try:
+            server = serve_ops(metrics_port, worker.readiness)
+        except OSError as exc:  # another worker on this host holds the port: ingesting matters more
+            log.error("not serving metrics on 127.0.0.1:%d (%s); give each worker its own --metrics-port",
+                      metrics_port, exc)
+    try:
+        worker.run(stop_event)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
 def main() -> None:
     """Entry point for `python -m ingest.worker`: settings from the environment, stop on SIGTERM/SIGINT."""
     logging.basicConfig(
@@ -230,7 +297,8 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    IngestWorker(Settings()).run(stop)
+    settings = Settings()
+    run_worker(IngestWorker(settings), stop, settings.ingest_metrics_port)
 
 
 if __name__ == "__main__":
