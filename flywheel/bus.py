@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,13 +107,9 @@ class Consumer(Protocol):
     def close(self) -> None: ...
 
 
-def next_offsets(records: Iterable[Record]) -> dict[tuple[str, int], int]:
+def next_offsets(records: Sequence[Record]) -> dict[tuple[str, int], int]:
     """The offsets to commit after processing `records` (last offset + 1 per partition)."""
-    out: dict[tuple[str, int], int] = {}
-    for r in records:
-        key = (r.topic, r.partition)
-        out[key] = max(out.get(key, 0), r.offset + 1)
-    return out
+    return RecordBatch.from_records(records).next_offsets()
 
 
 # ---------------------------------------------------------------- kafka-python
