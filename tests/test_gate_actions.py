@@ -22,18 +22,9 @@ from flywheel.settings import Settings
 from model_registry import ModelRegistry
 
 
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    # One SQLite store per module (creating its tables takes seconds); each test gets its own
-    # registered model name below, so tests still never see each other's versions.
-    return f"sqlite:///{tmp_path_factory.mktemp('gate-mlflow') / 'mlflow.db'}"
-
-
 @pytest.fixture
-def gate_settings(settings: Settings, mlflow_uri: str) -> Settings:
-    return settings.model_copy(
-        update={"mlflow_tracking_uri": mlflow_uri, "registered_model_name": f"gate-{uuid.uuid4().hex[:8]}"}
-    )
+def gate_settings(settings: Settings) -> Settings:
+    return settings  # each test has its own MLflow store and Redis prefix (conftest)
 
 
 @pytest.fixture

@@ -19,21 +19,9 @@ from model_registry import ModelRegistry
 TOKEN = "s3cret-approval-token"
 
 
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    # One SQLite store per module (its tables take seconds to create); one model name per test.
-    return f"sqlite:///{tmp_path_factory.mktemp('gate-api-mlflow') / 'mlflow.db'}"
-
-
 @pytest.fixture
-def gate_settings(settings: Settings, mlflow_uri: str) -> Settings:
-    return settings.model_copy(
-        update={
-            "mlflow_tracking_uri": mlflow_uri,
-            "registered_model_name": f"gate-{uuid.uuid4().hex[:8]}",
-            "approval_token": TOKEN,
-        }
-    )
+def gate_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"approval_token": TOKEN})
 
 
 @pytest.fixture

@@ -104,17 +104,9 @@ def rewards_written(settings: Settings) -> dict[tuple[str, str, int], list[float
     return expected
 
 
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    # One SQLite store per module (its tables take seconds to create); one model name per test.
-    return f"sqlite:///{tmp_path_factory.mktemp('gate-metrics-mlflow') / 'mlflow.db'}"
-
-
 @pytest.fixture
-def gate_settings(settings: Settings, mlflow_uri: str) -> Settings:
-    return settings.model_copy(
-        update={"mlflow_tracking_uri": mlflow_uri, "registered_model_name": f"gate-{uuid.uuid4().hex[:8]}"}
-    )
+def gate_settings(settings: Settings) -> Settings:
+    return settings  # each test has its own MLflow store and Redis prefix (conftest)
 
 
 @pytest.fixture
