@@ -28,7 +28,9 @@ def collector(
 
 @app.command()
 def worker(
-    group_id: str = typer.Option("flywheel-ingest", help="Consumer group of the ingest workers."),
+    group_id: str | None = typer.Option(
+        None, help="Consumer group of the ingest workers (default: flywheel-ingest.<events topic>)."
+    ),
     batch_size: int = typer.Option(5000, min=1, help="Most records per batch."),
     pause_before_commit_s: float = typer.Option(0.0, hidden=True, help="Fault injection for crash tests."),
     metrics_port: int | None = typer.Option(

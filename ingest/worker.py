@@ -45,7 +45,7 @@ from ingest.lake_sink import events_table, write_events
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GROUP = "flywheel-ingest"
+DEFAULT_GROUP_PREFIX = "flywheel-ingest"
 # Ready while the last poll is younger than this: a worker stuck in a batch or a retry loop is not ready.
 READY_POLL_AGE_S = 30.0
 
@@ -64,7 +64,7 @@ class IngestWorker:
         self,
         settings: Settings,
         *,
-        group_id: str = DEFAULT_GROUP,
+        group_id: str | None = None,
         batch_size: int = 5000,
         poll_timeout_s: float = 0.5,
         dedup_ttl_s: int = 7 * 24 * 3600,
@@ -75,7 +75,9 @@ class IngestWorker:
         producer: Producer | None = None,
     ) -> None:
         self.settings = settings
-        self.group_id = group_id
+        # One group per events topic: deployments sharing a cluster (or tests sharing a broker) must not
+        # rebalance each other's workers.
+        self.group_id = group_id or f"{DEFAULT_GROUP_PREFIX}.{settings.events_topic}"
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
         self.connect_attempts = connect_attempts

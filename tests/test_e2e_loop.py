@@ -93,12 +93,16 @@ def test_feedback_becomes_a_served_model_version(settings: Settings, tiny_model_
         ingest, signals = IngestWorker(settings), SignalsWorker(settings)
         deadline = time.monotonic() + 90
         rewards = pl.DataFrame()
-        while time.monotonic() < deadline:
-            ingest.run_once()
-            signals.run_once()
-            rewards = read_rewards(settings, latest_only=True)
-            if not rewards.is_empty() and set(served) <= set(rewards["generation_id"]):
-                break
+        try:
+            while time.monotonic() < deadline:
+                ingest.run_once()
+                signals.run_once()
+                rewards = read_rewards(settings, latest_only=True)
+                if not rewards.is_empty() and set(served) <= set(rewards["generation_id"]):
+                    break
+        finally:
+            ingest.close()
+            signals.close()
         assert set(served) <= set(rewards["generation_id"].to_list()), "every reacted-to generation gets a reward"
         by_id = dict(zip(rewards["generation_id"], rewards["reward"], strict=True))
         assert min(by_id[g] for g, a in served.items() if a) > max(by_id[g] for g, a in served.items() if not a)
