@@ -82,28 +82,18 @@ def _fast_row(raw: bytes, record: Record) -> LakeRow | None:
         return None
     if e.type not in _FAST_TYPES or e.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
         return None
-    return (
-        e.event_id,
-        e.type,
-        e.schema_version,
-        e.generation_id,
-        e.user_id,
-        e.session_id,
-        epoch_us(e.ts),
-        epoch_us(e.received_at),
-        e.source,
-        properties_json(e.properties),
-        record.topic,
-        record.partition,
-        record.offset,
-    )
+    return _lake_row(e, e.type, record)
 
 
 def event_row(e: Event, record: Record) -> LakeRow:
     """The lake row of an event validated by pydantic."""
+    return _lake_row(e, e.type.value, record)
+
+
+def _lake_row(e: _Envelope | Event, type_: str, record: Record) -> LakeRow:
     return (
         e.event_id,
-        e.type.value,
+        type_,
         e.schema_version,
         e.generation_id,
         e.user_id,
