@@ -7,7 +7,6 @@ their properties; signals emit `RewardRecord`s; serving reads a `TrafficSplit`.
 
 from __future__ import annotations
 
-import json
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -216,10 +215,6 @@ def event_json_schema() -> dict[str, Any]:
     schema["title"] = f"Flywheel event envelope v{SCHEMA_VERSION}"
     schema.setdefault("$defs", {})["GenerationRecord"] = GenerationRecord.model_json_schema()
     return schema
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, default=str, sort_keys=True)
 
 
 class DataWindow(BaseModel):

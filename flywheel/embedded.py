@@ -7,12 +7,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,15 +106,6 @@ def start_embedded(settings: Settings, *, broker_port: int | None = None) -> Emb
         updates["mlflow_tracking_uri"] = settings.embedded_mlflow_uri
     stack.settings = settings.model_copy(update=updates)
     return stack
-
-
-@contextlib.contextmanager
-def embedded(settings: Settings, **kwargs: object) -> Iterator[Settings]:
-    stack = start_embedded(settings, **kwargs)  # type: ignore[arg-type]
-    try:
-        yield stack.settings
-    finally:
-        stack.stop()
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
