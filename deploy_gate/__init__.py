@@ -12,5 +12,6 @@ from deploy_gate.gate import DeployGate
 from deploy_gate.metrics import ArmMetrics, arm_metrics
 from deploy_gate.plan import Plan
 from deploy_gate.stats import RewardStats
+from deploy_gate.views import GateStatus
 
-__all__ = ["ArmMetrics", "DeployGate", "GateError", "Plan", "RewardStats", "arm_metrics"]
+__all__ = ["ArmMetrics", "DeployGate", "GateError", "GateStatus", "Plan", "RewardStats", "arm_metrics"]

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from deploy_gate import DeployGate, GateStatus
 from flywheel.bus import ensure_topics
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage, TrafficSplit
@@ -125,25 +126,23 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
             time.sleep(0.5)
 
 
-def auto_decide(settings: Settings) -> list[str]:
+def auto_decide(gate: DeployGate) -> list[str]:
     """Demo mode only (ML ops decide by hand in production): settle the live challenger, approve candidates.
 
     A live challenger whose mean reward is at least the champion's is promoted, otherwise rolled
     back, once a newer candidate is waiting; then the newest pending candidate is approved.
     """
-    from deploy_gate import DeployGate, GateError, arm_metrics
-    from model_registry import ModelRegistry
+    from deploy_gate import GateError, arm_metrics
 
-    gate = DeployGate.from_settings(settings)
     actor = "flywheel up --auto-approve"
-    pending = [v.version for v in ModelRegistry(settings).versions() if v.gate_state == "pending"]
+    status = gate.status()
+    pending = [v.version for v in status.pending]  # newest first
     if not pending:
         return []
     said = []
     try:
-        status = gate.status()
         if status.challenger:
-            means = {a.model_version: a.mean for a in arm_metrics(settings).arms if a.mean is not None}
+            means = {a.model_version: a.mean for a in arm_metrics(gate.settings).arms if a.mean is not None}
             challenger, champion = means.get(status.challenger), means.get(status.champion or "")
             if challenger is not None and champion is not None and challenger >= champion:
                 gate.promote(by=actor, reason=f"mean reward {challenger:.3f} >= {champion:.3f}")
@@ -160,9 +159,7 @@ def auto_decide(settings: Settings) -> list[str]:
     return said
 
 
-def progress_table(sim: UserSimulator, settings: Settings, started: float) -> Table:
-    from model_registry import ModelRegistry
-
+def progress_table(sim: UserSimulator, status: GateStatus, started: float) -> Table:
     table = Table(title=f"Flywheel loop, {time.monotonic() - started:.0f}s")
     table.add_column("arm")
     table.add_column("served", justify="right")
@@ -171,12 +168,12 @@ def progress_table(sim: UserSimulator, settings: Settings, started: float) -> Ta
     for arm in ("champion", "challenger"):
         s = sim.stats
         table.add_row(arm, str(s.served[arm]), str(s.declined[arm]), f"{s.satisfaction(arm):.3f}")
-    split = TrafficSplitStore(redis_client(settings), settings).get()
+    split = status.split
     if split:
         table.caption = (
             f"champion v{split.champion_version}, challenger v{split.challenger_version or '-'} "
             f"({split.challenger_share:.0%}), state {split.state}; "
-            f"versions: {', '.join(f'v{v.version}:{v.gate_state}' for v in ModelRegistry(settings).versions()[:6])}"
+            f"versions: {', '.join(f'v{v.version}:{v.gate_state}' for v in status.versions[:6])}"
         )
     return table
 
@@ -213,15 +210,16 @@ def run_up(
         user_threads = sim.start(stop)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         started = time.monotonic()
-        with Live(progress_table(sim, s, started), console=console, refresh_per_second=1) as live:
+        gate = DeployGate.from_settings(s)  # one registry and Redis connection for the whole run
+        with Live(progress_table(sim, gate.status(), started), console=console, refresh_per_second=1) as live:
             while not stop.wait(2.0):
                 for r in running:
                     if r.proc.poll() is not None:
                         raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
                 if auto_approve_candidates:
-                    for line in auto_decide(s):
+                    for line in auto_decide(gate):
                         console.print(f"[gate] {line}")
-                live.update(progress_table(sim, s, started))
+                live.update(progress_table(sim, gate.status(), started))
                 if duration_s is not None and time.monotonic() - started > duration_s:
                     break
     except KeyboardInterrupt:

@@ -73,3 +73,22 @@ def test_a_split_left_in_redis_by_another_registry_is_reset_to_the_champion(
     # A second start keeps the champion and the split as they are.
     assert ensure_champion(settings, progress=False) == version
     assert store.get() == split
+
+
+def test_demo_mode_approves_the_newest_candidate_and_rejects_older_ones(
+    settings: Settings, tiny_model_dir: Path
+) -> None:
+    from deploy_gate import DeployGate
+    from flywheel.contract import ModelLineage
+    from flywheel.up import auto_decide, ensure_champion
+    from model_registry import ModelRegistry
+
+    champion = ensure_champion(settings.model_copy(update={"model_path": str(tiny_model_dir)}), progress=False)
+    registry = ModelRegistry(settings)
+    older, newer = (registry.register(tiny_model_dir, ModelLineage(base="t", parent_version=champion))
+                    for _ in range(2))  # fmt: skip
+    gate = DeployGate.from_settings(settings)
+    assert auto_decide(gate) == [f"approved v{newer} as challenger"]
+    assert registry.gate_state(newer) == "approved" and registry.gate_state(older) == "rejected"
+    assert gate.status().challenger == newer
+    assert auto_decide(gate) == []  # nothing pending: nothing changes
