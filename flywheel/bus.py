@@ -52,20 +52,27 @@ class RecordBatch:
             [r.value for r in records],
         )
 
+    def offset_range(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """Per (topic, partition): the batch's first offset, and the offset to commit after it (last + 1)."""
+        if not self.offsets:
+            return {}
+        import polars as pl
+
+        frame = pl.DataFrame(
+            {"topic": self.topics, "partition": self.partitions, "offset": self.offsets},
+            schema={"topic": pl.String, "partition": pl.Int64, "offset": pl.Int64},
+        )
+        ranges = frame.group_by("topic", "partition").agg(
+            pl.col("offset").min().alias("first"), (pl.col("offset").max() + 1).alias("end")
+        )
+        return {(topic, partition): (first, end) for topic, partition, first, end in ranges.iter_rows()}
+
     def next_offsets(self) -> dict[tuple[str, int], int]:
         """The offsets to commit after processing the batch (last offset + 1 per partition)."""
-        out: dict[tuple[str, int], int] = {}
-        for key, offset in zip(zip(self.topics, self.partitions, strict=True), self.offsets, strict=True):
-            if offset >= out.get(key, 0):
-                out[key] = offset + 1
-        return out
+        return {key: end for key, (_, end) in self.offset_range().items()}
 
     def first_offsets(self) -> dict[tuple[str, int], int]:
-        out: dict[tuple[str, int], int] = {}
-        for key, offset in zip(zip(self.topics, self.partitions, strict=True), self.offsets, strict=True):
-            if offset < out.get(key, offset + 1):
-                out[key] = offset
-        return out
+        return {key: first for key, (first, _) in self.offset_range().items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,10 @@ class ConfluentConsumer:
                 "auto.offset.reset": "earliest",
                 "session.timeout.ms": 6000,
                 "heartbeat.interval.ms": 1000,
+                # With the default (1000 ms), a partition whose prefetch queue was full waits a whole second
+                # before its next fetch, and a consumer that drains fast stalls: measured 210k events/s
+                # sustained from the embedded broker with it, against the queue's ~1M/s.
+                "fetch.queue.backoff.ms": 10,
                 **_librdkafka_config(config),
             }
         )

@@ -61,13 +61,13 @@ class _PartitionState:
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    keep: list[int]  # indices into the input, in order
+    keep: pl.DataFrame  # the rows to write, in input order
     duplicates: int
     already_in_lake: int
 
 
 class LakeDedup:
-    """`select(topics, partitions, offsets, event_ids) -> Selection`, in memory after a load per partition."""
+    """`select(rows, first_offsets) -> Selection`, in memory after a load per partition."""
 
     def __init__(self, table_dir: Path, window_s: float = 7 * 24 * 3600) -> None:
         self._table = table_dir
@@ -78,37 +78,50 @@ class LakeDedup:
         """Forget everything: the next batch of each partition reloads it from the lake."""
         self._states.clear()
 
-    def select(
-        self,
-        topics: list[str],
-        partitions: list[int],
-        offsets: list[int],
-        event_ids: list[str],
-        first_offsets: dict[tuple[str, int], int],
-    ) -> Selection:
-        """Which records to write. `first_offsets`: per partition, the first offset of the whole polled batch
-        (where reading resumed), which bounds the positions that may already be in the lake."""
+    def select(self, rows: pl.DataFrame, first_offsets: dict[tuple[str, int], int]) -> Selection:
+        """Which of `rows` (with `kafka_topic`, `kafka_partition`, `kafka_offset`, `event_id`) to write.
+        `first_offsets`: per partition, the first offset of the whole polled batch (where reading resumed),
+        which bounds the positions that may already be in the lake."""
         now = time.time()
-        states = self._states
-        for key in set(zip(topics, partitions, strict=True)):
-            state = states.get(key)
+        keep: list[pl.Series] = []
+        duplicates = in_lake = 0
+        rows = rows.with_row_index("_row")
+        for (topic, partition), part in rows.partition_by("kafka_topic", "kafka_partition", as_dict=True).items():
+            key = (str(topic), int(partition))  # type: ignore[call-overload]  # polars types group keys loosely
+            state = self._states.get(key)
             if state is None:
-                states[key] = self._load(key, first_offsets[key])
+                state = self._states[key] = self._load(key, first_offsets[key])
             elif now - state.rotated_at > self._window_s:
                 state.older_ids, state.ids, state.rotated_at = state.ids, set(), now
-        keep: list[int] = []
-        duplicates = in_lake = 0
-        keys = zip(topics, partitions, strict=True)
-        for i, (key, offset, event_id) in enumerate(zip(keys, offsets, event_ids, strict=True)):
-            state = states[key]
-            if state.in_lake and state.in_lake.get(offset) == event_id:
-                in_lake += 1
-            elif event_id in state.ids or event_id in state.older_ids:
-                duplicates += 1
-            else:
-                state.ids.add(event_id)
-                keep.append(i)
-        return Selection(keep, duplicates, in_lake)
+            event_ids: list[str] = part["event_id"].to_list()
+            batch_ids = set(event_ids)
+            if (
+                not state.in_lake
+                and len(batch_ids) == len(event_ids)
+                and batch_ids.isdisjoint(state.ids)
+                and batch_ids.isdisjoint(state.older_ids)
+            ):  # the usual case: nothing seen before, set operations in C
+                state.ids |= batch_ids
+                keep.append(part["_row"])
+                continue
+            kept: list[int] = []
+            offsets: list[int] = part["kafka_offset"].to_list()
+            for row, offset, event_id in zip(part["_row"].to_list(), offsets, event_ids, strict=True):
+                if state.in_lake and state.in_lake.get(offset) == event_id:
+                    in_lake += 1
+                elif event_id in state.ids or event_id in state.older_ids:
+                    duplicates += 1
+                else:
+                    state.ids.add(event_id)
+                    kept.append(row)
+            keep.append(pl.Series(kept, dtype=pl.UInt32))
+            # Positions left by an unfinished batch lie between the commit and its end: once read past, done.
+            if state.in_lake and max(offsets) >= max(state.in_lake):
+                state.in_lake = {}
+        if sum(map(len, keep)) == rows.height:
+            return Selection(rows.drop("_row"), duplicates, in_lake)
+        chosen = pl.concat(keep).sort() if keep else pl.Series(dtype=pl.UInt32)
+        return Selection(rows.drop("_row")[chosen], duplicates, in_lake)
 
     def _load(self, key: tuple[str, int], start: int) -> _PartitionState:
         topic, partition = key

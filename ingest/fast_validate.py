@@ -1,20 +1,19 @@
 """Validate a batch of event envelopes from Kafka fast, with pydantic as the judge of anything unusual.
 
-The worker turns each valid record into one lake row (`LakeRow`, in `EVENTS_SCHEMA`
-order). Full pydantic validation (`Event.from_bytes`) costs ~60 us an event; most
-events are ordinary, so this module first decodes each one with a msgspec struct that
-accepts only the plain, unambiguous form of the envelope (every field present and of
-its exact JSON type, RFC 3339 times with at most microseconds, a known type and
-version, lengths within the contract). Whatever that fast path does not accept goes
-to `Event.from_bytes`, which either accepts it or refuses it with today's reason. So
-the fast path never refuses anything itself, and the row it builds is the one pydantic
-would have built (tests/test_ingest_fast_validate.py checks both on edge cases).
+The worker turns each valid record into one lake row (`lake_sink.EVENTS_SCHEMA`). Full
+pydantic validation (`Event.from_bytes`) costs ~60 us an event; most events are
+ordinary, so `validate_batch` first decodes each one with a msgspec struct that accepts
+only the plain, unambiguous form of the envelope (every field present and of its exact
+JSON type, a known type and version, lengths within the contract), then checks the rest
+column-wise in polars (times in plain UTC RFC 3339 with at most microseconds, properties
+already in the lake's JSON spelling). Whatever that plain path does not take goes to
+`Event.from_bytes`, which either accepts it or refuses it with today's reason. So the
+plain path never refuses anything itself, and the row it builds is the one pydantic would
+have built (tests/test_ingest_fast_validate.py checks both on edge cases).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -33,11 +32,6 @@ LakeRow = tuple[str, str, int, str, str, str, int, int, str, str, str, int, int]
 # `generation` events also need their GenerationRecord checked: pydantic does that.
 _FAST_TYPES = frozenset(t.value for t in EventType) - {EventType.GENERATION.value}
 
-# msgspec parses RFC 3339 times in C and accepts a subset of what pydantic accepts, to the same
-# instant, except that it rounds fractions longer than microseconds where pydantic truncates:
-# a body with such a time anywhere takes the pydantic path.
-_LONG_FRACTION = re.compile(rb":\d\d\.\d{7}")
-
 # The properties column holds `json.dumps(properties, separators=(",", ":"))`.
 _encode_properties = compact_json_encoder()
 
@@ -55,45 +49,11 @@ def epoch_us(value: datetime) -> int:
     return ((value if value.tzinfo else value.replace(tzinfo=UTC)) - _EPOCH) // _MICROSECOND
 
 
-class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
-    # Required here even where the contract has a default (event_id, ts, received_at):
-    # a missing one takes the pydantic path, which fills it exactly as today.
-    event_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-    type: str
-    generation_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-    user_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    ts: datetime
-    received_at: datetime
-    schema_version: int = 1
-    session_id: Annotated[str, msgspec.Meta(max_length=256)] = ""
-    source: Annotated[str, msgspec.Meta(max_length=128)] = "native"
-    properties: dict[str, Any] = msgspec.field(default_factory=dict)
-
-
-_DECODER = msgspec.json.Decoder(_Envelope)
-
-
-def _fast_row(raw: bytes, record: Record) -> LakeRow | None:
-    if len(raw) > MAX_EVENT_BYTES or _LONG_FRACTION.search(raw) is not None:
-        return None
-    try:
-        e = _DECODER.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    if e.type not in _FAST_TYPES or e.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
-        return None
-    return _lake_row(e, e.type, record)
-
-
 def event_row(e: Event, record: Record) -> LakeRow:
     """The lake row of an event validated by pydantic."""
-    return _lake_row(e, e.type.value, record)
-
-
-def _lake_row(e: _Envelope | Event, type_: str, record: Record) -> LakeRow:
     return (
         e.event_id,
-        type_,
+        e.type.value,
         e.schema_version,
         e.generation_id,
         e.user_id,
@@ -108,28 +68,12 @@ def _lake_row(e: _Envelope | Event, type_: str, record: Record) -> LakeRow:
     )
 
 
-def validate_records(records: Sequence[Record]) -> tuple[list[tuple[Record, LakeRow]], list[tuple[Record, str]]]:
-    """Valid records with their lake rows, and refused records with the contract's reason, in input order."""
-    valid: list[tuple[Record, LakeRow]] = []
-    refused: list[tuple[Record, str]] = []
-    for record in records:
-        row = _fast_row(record.value, record)
-        if row is None:
-            try:
-                row = event_row(Event.from_bytes(record.value), record)
-            except InvalidEvent as exc:
-                refused.append((record, str(exc)))
-                continue
-        valid.append((record, row))
-    return valid, refused
-
-
 # ---------------------------------------------------------------- whole batches, column-wise
 
 # The plain form of a time, the only one the batch path parses (in polars, vectorised): UTC, "Z",
 # at most microseconds. Anything else (offsets, other spellings) is judged by pydantic per record.
-_PLAIN_TIME = r"^\d{4}-\d\d-\d\dT([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?Z$"
-_PlainTime = Annotated[str, msgspec.Meta(pattern=_PLAIN_TIME)]
+_PLAIN_TIME = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?Z$"
+_TIME_FORMAT = "%+"  # RFC 3339; `_PLAIN_TIME` already held it to "Z" and at most microseconds
 # Properties whose JSON text is already what `properties_json` writes: a flat object of printable
 # ASCII strings (nothing json.dumps escapes), integers, booleans and nulls, no spaces. These are
 # stored as they came; anything else is parsed and written back by `properties_json`.
@@ -138,13 +82,14 @@ _CANONICAL_PROPERTIES = rf"^\{{(?:{_JSON_STR}:(?:{_JSON_STR}|-?(?:0|[1-9]\d*)|tr
 _FAST_TYPE_LITERAL = Literal[tuple(sorted(_FAST_TYPES))]  # type: ignore[valid-type]  # built at import time
 
 
-class _PlainEnvelope(msgspec.Struct, forbid_unknown_fields=True):
+class _PlainEnvelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     event_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     type: _FAST_TYPE_LITERAL  # type: ignore[valid-type]  # a Literal built from _FAST_TYPES
     generation_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     user_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    ts: _PlainTime
-    received_at: _PlainTime
+    # Strings here; their form is checked column-wise (`_PLAIN_TIME`), far cheaper than a msgspec pattern.
+    ts: Annotated[str, msgspec.Meta(max_length=32)]
+    received_at: Annotated[str, msgspec.Meta(max_length=32)]
     schema_version: Literal[tuple(sorted(SUPPORTED_SCHEMA_VERSIONS))] = 1  # type: ignore[valid-type]
     session_id: Annotated[str, msgspec.Meta(max_length=256)] = ""
     source: Annotated[str, msgspec.Meta(max_length=128)] = "native"
@@ -152,6 +97,36 @@ class _PlainEnvelope(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _PLAIN_DECODER = msgspec.json.Decoder(_PlainEnvelope)
+_PLAIN_LIST_DECODER = msgspec.json.Decoder(list[_PlainEnvelope])
+
+
+def _decode_plain(values: list[bytes]) -> tuple[list[_PlainEnvelope], list[int]]:
+    """The values that take the plain path, decoded, and the indices of those that do not.
+
+    Usually every value does: the whole batch is then decoded as one JSON array, which saves a Python
+    step per record. That is safe because the array has exactly one element per value only if each value
+    is one JSON object: a value holding two would add an element, and one holding none (empty, blanks)
+    would leave two commas in a row, which is no JSON. Otherwise, record by record.
+    """
+    if values and max(map(len, values)) <= MAX_EVENT_BYTES:
+        try:
+            plain = _PLAIN_LIST_DECODER.decode(b"[" + b",".join(values) + b"]")
+            if len(plain) == len(values):
+                return plain, []
+        except msgspec.DecodeError:
+            pass
+    decode = _PLAIN_DECODER.decode
+    plain = []
+    slow: list[int] = []
+    for i, raw in enumerate(values):
+        try:
+            if len(raw) <= MAX_EVENT_BYTES:
+                plain.append(decode(raw))
+                continue
+        except msgspec.DecodeError:
+            pass
+        slow.append(i)
+    return plain, slow
 _PROPERTIES_DECODER = msgspec.json.Decoder(dict[str, Any])
 
 
@@ -160,35 +135,30 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
     and refused records as (index, the contract's reason).
 
     Each value is decoded once by msgspec into `_PlainEnvelope` (strict types, lengths, literal type and
-    version, plain UTC times); columns are then built and checked in polars. A record the plain path does
-    not take goes to `Event.from_bytes`, which accepts it with the same row or refuses it with today's reason.
+    version); columns are then built and checked in polars (plain UTC times, canonical properties). A record
+    the plain path does not take goes to `Event.from_bytes`, which accepts it with the same row or refuses it
+    with today's reason.
     """
     from ingest.lake_sink import EVENTS_SCHEMA
 
     values = batch.values
-    decode = _PLAIN_DECODER.decode
-    plain: list[_PlainEnvelope] = []
-    plain_i: list[int] = []
-    slow: list[int] = []
-    for i, raw in enumerate(values):
-        if len(raw) > MAX_EVENT_BYTES:
-            slow.append(i)
-            continue
-        try:
-            plain.append(decode(raw))
-            plain_i.append(i)
-        except msgspec.DecodeError:
-            slow.append(i)
+    plain, slow = _decode_plain(values)
 
     frames: list[pl.DataFrame] = []
     if plain:
-        time_format = "%Y-%m-%dT%H:%M:%S%.fZ"
         topics, partitions, offsets = batch.topics, batch.partitions, batch.offsets
+        plain_i = list(range(len(values)))
+        if slow:  # rare: keep the records that took the plain path
+            skip = set(slow)
+            plain_i = [i for i in plain_i if i not in skip]
+            topics = [topics[i] for i in plain_i]
+            partitions = [partitions[i] for i in plain_i]
+            offsets = [offsets[i] for i in plain_i]
         df = pl.DataFrame(
             {
                 "event_id": [e.event_id for e in plain],
                 "type": [e.type for e in plain],
-                "schema_version": [e.schema_version for e in plain],
+                "schema_version": pl.Series([e.schema_version for e in plain], dtype=pl.Int32),
                 "generation_id": [e.generation_id for e in plain],
                 "user_id": [e.user_id for e in plain],
                 "session_id": [e.session_id for e in plain],
@@ -196,21 +166,25 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
                 "received_at": [e.received_at for e in plain],
                 "source": [e.source for e in plain],
                 "properties": pl.Series([bytes(e.properties) for e in plain], dtype=pl.Binary),
-                "kafka_topic": [topics[i] for i in plain_i],
-                "kafka_partition": [partitions[i] for i in plain_i],
-                "kafka_offset": [offsets[i] for i in plain_i],
-                "_i": plain_i,
+                "kafka_topic": topics,
+                "kafka_partition": pl.Series(partitions, dtype=pl.Int32),
+                "kafka_offset": pl.Series(offsets, dtype=pl.Int64),
+                "_i": pl.Series(plain_i, dtype=pl.Int64),
             },
         ).with_columns(
-            pl.col("ts", "received_at").str.to_datetime(time_format, time_unit="us", time_zone="UTC", strict=False),
+            # A time not in the plain form, or in it yet no date (February 30th), is null: pydantic says why.
+            pl.when(pl.col(c).str.contains(_PLAIN_TIME))
+            .then(pl.col(c).str.to_datetime(_TIME_FORMAT, time_unit="us", time_zone="UTC", strict=False))
+            .alias(c)
+            for c in ("ts", "received_at")
+        ).with_columns(
             # Valid UTF-8 already (msgspec checked the whole document).
             pl.col("properties").cast(pl.String),
         )
-        # A time that matched the pattern yet is no date (February 30th): pydantic says why.
-        bad_time = df.filter(pl.col("ts").is_null() | pl.col("received_at").is_null())
-        if bad_time.height:
-            slow.extend(bad_time["_i"].to_list())
-            df = df.filter(pl.col("ts").is_not_null() & pl.col("received_at").is_not_null())
+        bad_time = pl.col("ts").is_null() | pl.col("received_at").is_null()
+        if df.select(bad_time.any()).item():
+            slow.extend(df.filter(bad_time)["_i"].to_list())
+            df = df.filter(~bad_time)
         canonical = df["properties"].str.contains(_CANONICAL_PROPERTIES)
         if not canonical.all():
             rewritten: list[str | None] = []
@@ -227,7 +201,7 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
             if gone.height:
                 slow.extend(gone["_i"].to_list())
                 df = df.filter(pl.col("properties").is_not_null())
-        frames.append(df.cast({**EVENTS_SCHEMA, "_i": pl.Int64}))  # type: ignore[dict-item]
+        frames.append(df.select(*EVENTS_SCHEMA, "_i"))
 
     refused: list[tuple[int, str]] = []
     if slow:

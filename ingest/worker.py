@@ -209,22 +209,16 @@ class IngestWorker:
             ).outgoing(self.settings.dead_letter_topic)
             for i, reason in refused
         ]
-        selection = self._dedup.select(
-            valid["kafka_topic"].to_list(),
-            valid["kafka_partition"].to_list(),
-            valid["kafka_offset"].to_list(),
-            valid["event_id"].to_list(),
-            batch.first_offsets(),
-        )
+        ranges = batch.offset_range()
+        selection = self._dedup.select(valid.drop("_i"), {key: first for key, (first, _) in ranges.items()})
         if letters:
             self._producer.send_all(letters)
-        written = len(selection.keep)
+        written = selection.keep.height
         if written:
-            keep = valid if written == valid.height else valid[selection.keep]
-            write_events(self._table, keep.drop("_i"))
+            write_events(self._table, selection.keep)
         if self.pause_before_commit_s:
             time.sleep(self.pause_before_commit_s)
-        self._consumer.commit(batch.next_offsets())
+        self._consumer.commit({key: end for key, (_, end) in ranges.items()})
 
         metrics.EVENTS_ACCEPTED.labels("worker").inc(written)
         metrics.EVENTS_REFUSED.labels("worker").inc(len(letters))

@@ -1,6 +1,6 @@
-"""The msgspec fast path agrees with pydantic: it accepts only what pydantic accepts, with the same row.
+"""The plain batch path agrees with pydantic: it accepts only what pydantic accepts, with the same row.
 
-Pure functions, no broker: every case goes through `validate_records` and through
+Pure functions, no broker: every case goes through `validate_batch` and through
 `Event.from_bytes` + `event_row`, and both must give the same row or the same refusal.
 """
 
@@ -10,9 +10,10 @@ import json
 
 import pytest
 
-from flywheel.bus import Record
+from flywheel.bus import Record, RecordBatch
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
-from ingest.fast_validate import _fast_row, event_row, validate_records
+from ingest.fast_validate import event_row, validate_batch
+from ingest.lake_sink import rows_frame
 
 BASE = {
     "event_id": "e1",
@@ -80,32 +81,35 @@ CASES = [
 ]
 
 
+def _one(raw: bytes) -> RecordBatch:
+    return RecordBatch(["events"], [0], [7], [raw])
+
+
 @pytest.mark.parametrize("raw", CASES)
-def test_fast_path_matches_pydantic(raw: bytes) -> None:
+def test_batch_path_matches_pydantic(raw: bytes) -> None:
     record = Record("events", 0, 7, None, raw, 0)
     try:
         expected: tuple[object, ...] | str = event_row(Event.from_bytes(raw), record)
     except InvalidEvent as exc:
         expected = str(exc)
-    fast = _fast_row(raw, record)
+    valid, refused = validate_batch(_one(raw))
     if isinstance(expected, str):
-        assert fast is None, "the fast path accepted what the contract refuses"
-    elif fast is not None:
-        assert fast == expected
-    valid, refused = validate_records([record])
-    if isinstance(expected, str):
-        assert valid == [] and refused == [(record, expected)]
+        assert valid.height == 0 and refused == [(0, expected)]
     else:
+        assert refused == [] and valid["_i"].to_list() == [0]
         # Events without an id or time get fresh defaults: compare the rest.
-        ((_, row),) = valid
-        assert refused == []
         if b'"event_id"' in raw and b'"received_at"' in raw and b'"ts"' in raw:
-            assert row == expected
+            assert valid.drop("_i").to_dicts() == rows_frame([expected]).to_dicts()
 
 
-def test_ordinary_events_take_the_fast_path() -> None:
-    record = Record("events", 0, 7, None, _with(), 0)
-    assert _fast_row(record.value, record) is not None
+def test_ordinary_events_take_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_pydantic(_raw: bytes) -> Event:
+        raise AssertionError("an ordinary event reached pydantic")
+
+    monkeypatch.setattr(Event, "from_bytes", staticmethod(no_pydantic))
+    raws = [Event(type="shown", generation_id=f"g{i}", user_id="u", properties={"n": i}).to_bytes() for i in range(3)]
+    valid, refused = validate_batch(RecordBatch(["events"] * 3, [0] * 3, [0, 1, 2], raws))
+    assert refused == [] and valid.height == 3
 
 
 @pytest.mark.parametrize(
@@ -157,10 +161,6 @@ BATCH_EXTRA = [
 
 def test_batch_path_matches_pydantic_row_for_row() -> None:
     """Every case in one batch: the same rows (in order) or the same refusals as `Event.from_bytes`."""
-    from flywheel.bus import RecordBatch
-    from ingest.fast_validate import validate_batch
-    from ingest.lake_sink import rows_frame
-
     raws = [*CASES, *BATCH_EXTRA]
     batch = RecordBatch(["events"] * len(raws), [0] * len(raws), list(range(len(raws))), raws)
     valid, refused = validate_batch(batch)
@@ -177,3 +177,13 @@ def test_batch_path_matches_pydantic_row_for_row() -> None:
     fixed = [k for k, (i, _) in enumerate(expected_rows) if all(f in raws[i] for f in carry)]
     want = rows_frame([expected_rows[k][1] for k in fixed])
     assert valid.drop("_i")[fixed].to_dicts() == want.to_dicts()
+
+
+def test_values_that_are_not_one_object_each_are_judged_alone() -> None:
+    """A batch is decoded as one JSON array when it can be: a value holding two events, or none, must not
+    shift the others onto the wrong records."""
+    a, b = _with(event_id="a"), _with(event_id="b")
+    raws = [a + b"," + b, b"", b" ", b]
+    valid, refused = validate_batch(RecordBatch(["events"] * 4, [0] * 4, [0, 1, 2, 3], raws))
+    assert valid["_i"].to_list() == [3] and valid["event_id"].to_list() == ["b"]
+    assert [i for i, _ in refused] == [0, 1, 2]
