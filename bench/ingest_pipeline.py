@@ -17,6 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
+from prometheus_client import REGISTRY
+
 from flywheel.bus import Consumer, Outgoing, Record, RecordBatch, ensure_topics, make_consumer
 from flywheel.bus_confluent import ConfluentProducer
 from flywheel.contract import Event
@@ -78,7 +80,16 @@ def rate(timed: TimedConsumer, done_at: float) -> float:
     return (timed.count - timed.first_batch) / max(done_at - timed.first_at, 1e-9)
 
 
-def bench_client(settings: Settings, client: str, n: int, batch: int) -> tuple[float, float]:
+STAGES = ("poll", "validate", "dedup", "dead_letter", "write", "commit")
+
+
+def stage_seconds() -> dict[str, float]:
+    """The worker's own per-stage clock (`flywheel_ingest_stage_seconds_total`), summed so far in this process."""
+    get = REGISTRY.get_sample_value
+    return {stage: get("flywheel_ingest_stage_seconds_total", {"stage": stage}) or 0.0 for stage in STAGES}
+
+
+def bench_client(settings: Settings, client: str, n: int, batch: int) -> tuple[float, float, dict[str, float]]:
     s = settings.model_copy(update={"kafka_client": client})
     tag = uuid.uuid4().hex[:6]
     raw = TimedConsumer(make_consumer(s, [s.events_topic], f"raw-{client}-{tag}"))
@@ -95,12 +106,17 @@ def bench_client(settings: Settings, client: str, n: int, batch: int) -> tuple[f
         poll_timeout_s=0.5,
     )
     written = 0
+    while consumer.count == 0:  # the group join: not timed
+        written += worker.run_once().written
+    before = stage_seconds()
     while consumer.count < n:
         written += worker.run_once().written
     pipe_rate = rate(consumer, time.perf_counter())
+    timed = consumer.count - consumer.first_batch
+    per_event = {stage: (spent - before[stage]) / timed for stage, spent in stage_seconds().items()}
     worker.close()
     assert written == n, f"the pipeline wrote {written} of {n}"
-    return raw_rate, pipe_rate
+    return raw_rate, pipe_rate, per_event
 
 
 def main() -> None:
@@ -134,11 +150,13 @@ def main() -> None:
         size = fill(settings, args.events)
         print(f"{args.events} events of {size} bytes in {settings.topic_partitions} partitions")
         for client in args.clients.split(","):
-            raw_rate, pipe_rate = bench_client(settings, client, args.events, args.batch)
+            raw_rate, pipe_rate, per_event = bench_client(settings, client, args.events, args.batch)
             print(
                 f"{client:>13}: raw consume {raw_rate:>10,.0f} ev/s | pipeline {pipe_rate:>10,.0f} ev/s "
                 f"| ratio {pipe_rate / raw_rate:.2f}"
             )
+            stages = ", ".join(f"{stage} {seconds * 1e6:.2f}" for stage, seconds in per_event.items() if seconds)
+            print(f"{'':>13}  pipeline time per event, us: {stages} (raw consume: {1e6 / raw_rate:.2f})")
     finally:
         import redis
 

@@ -2,12 +2,14 @@
 
 Layout: `<lake>/<table>/date=YYYY-MM-DD/hour=HH/<name>.parquet`. A file is written
 under a hidden temporary name and renamed into place (atomic on one filesystem),
-so readers never see a half-written file.
+so readers never see a half-written file. A writer killed before its rename leaves the
+temporary file behind: `sweep_temp_files` removes those once they are old.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
@@ -42,6 +44,29 @@ def write_partitioned(df: pl.DataFrame, table_dir: Path, name: str, ts_column: s
         write_atomic(part, table_dir / f"date={start:%Y-%m-%d}" / f"hour={start:%H}" / f"{name}.parquet")
         for start, part in parts
     ]
+
+
+# A temporary file older than this cannot belong to a writer still at work (a batch takes well under a second).
+STALE_TEMP_S = 3600.0
+
+
+def sweep_temp_files(table_dir: Path, older_than_s: float = STALE_TEMP_S) -> int:
+    """Delete temporary files left by writers killed before their rename; returns how many.
+
+    Only files older than `older_than_s` go: another process may be writing a fresh one right now.
+    """
+    if not table_dir.exists():
+        return 0
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for tmp in table_dir.rglob(".*.tmp"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+                removed += 1
+        except FileNotFoundError:  # renamed or swept by someone else meanwhile
+            continue
+    return removed
 
 
 def parquet_files(table_dir: Path) -> Iterator[Path]:

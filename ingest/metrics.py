@@ -41,3 +41,8 @@ BATCH_SECONDS = Histogram(
     "Time to validate, de-duplicate, write and commit one batch.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
+STAGE_SECONDS = Counter(
+    "flywheel_ingest_stage_seconds_total",
+    "Time the ingest workers spent per stage of their batches (poll, validate, dedup, write, commit).",
+    ["stage"],
+)

@@ -35,6 +35,7 @@ from flywheel.bus import (
     make_consumer,
     make_producer,
 )
+from flywheel.lake import STALE_TEMP_S, sweep_temp_files
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.collector import kafka_reachable
@@ -57,6 +58,18 @@ class BatchResult:
     dead_lettered: int = 0
     duplicates: int = 0
     already_in_lake: int = 0
+
+
+class _StageClock:
+    """Adds the time since the previous lap to `flywheel_ingest_stage_seconds_total{stage}`."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        metrics.STAGE_SECONDS.labels(stage).inc(now - self._last)
+        self._last = now
 
 
 class IngestWorker:
@@ -136,7 +149,9 @@ class IngestWorker:
     def run_once(self) -> BatchResult:
         self.connect()
         assert self._consumer is not None
+        polled_at = time.perf_counter()
         batch = self._poll()
+        metrics.STAGE_SECONDS.labels("poll").inc(time.perf_counter() - polled_at)
         self._last_poll_at = time.monotonic()
         if time.monotonic() - self._lag_reported_at >= self.lag_interval_s:
             self.report_lag()
@@ -202,6 +217,7 @@ class IngestWorker:
     def _process(self, batch: RecordBatch) -> BatchResult:
         assert self._consumer is not None and self._producer is not None
         metrics.EVENTS_IN.labels("worker", "kafka").inc(len(batch))
+        clock = _StageClock()
         valid, refused = validate_batch(batch)
         letters = [
             dead_letter(
@@ -209,16 +225,21 @@ class IngestWorker:
             ).outgoing(self.settings.dead_letter_topic)
             for i, reason in refused
         ]
+        clock.lap("validate")
         ranges = batch.offset_range()
         selection = self._dedup.select(valid.drop("_i"), {key: first for key, (first, _) in ranges.items()})
+        clock.lap("dedup")
         if letters:
             self._producer.send_all(letters)
+            clock.lap("dead_letter")
         written = selection.keep.height
         if written:
             write_events(self._table, selection.keep)
+            clock.lap("write")
         if self.pause_before_commit_s:
             time.sleep(self.pause_before_commit_s)
         self._consumer.commit({key: end for key, (_, end) in ranges.items()})
+        clock.lap("commit")
 
         metrics.EVENTS_ACCEPTED.labels("worker").inc(written)
         metrics.EVENTS_REFUSED.labels("worker").inc(len(letters))
@@ -241,7 +262,13 @@ class IngestWorker:
     def run(self, stop_event: threading.Event) -> None:
         """Process batches until `stop_event` is set; a failed batch is retried with backoff."""
         failures = 0
+        swept_at = float("-inf")
         while not stop_event.is_set():
+            if time.monotonic() - swept_at >= STALE_TEMP_S:
+                swept_at = time.monotonic()
+                removed = sweep_temp_files(self._table)
+                if removed:
+                    log.info("removed %d temporary file(s) left in the events lake by killed writers", removed)
             try:
                 result = self.run_once()
                 failures = 0

@@ -45,13 +45,14 @@ from flywheel.bus import (
 )
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, InvalidEvent, RewardRecord
+from flywheel.lake import sweep_temp_files
 from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.events import FeedbackEvent, GenerationInfo, to_us
 from signals.reward import RewardDefinition
-from signals.sink import produce_rewards, write_rewards
+from signals.sink import produce_rewards, rewards_dir, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,9 @@ class SignalsWorker:
 
     def run(self, stop_event: threading.Event) -> None:
         log.info("signals worker consuming %s as group %s", self.settings.events_topic, self.group_id)
+        removed = sweep_temp_files(rewards_dir(self.settings))
+        if removed:
+            log.info("removed %d temporary file(s) left in the rewards lake by killed writers", removed)
         try:
             while not stop_event.is_set():
                 try:
