@@ -11,6 +11,7 @@ timed from their first record, so the group join is not counted.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import tempfile
 import time
@@ -148,6 +149,7 @@ def main() -> None:
     try:
         ensure_topics(settings)
         size = fill(settings, args.events)
+        gc.freeze()  # as the service does at start-up (both sides of the ratio run after it)
         print(f"{args.events} events of {size} bytes in {settings.topic_partitions} partitions")
         for client in args.clients.split(","):
             raw_rate, pipe_rate, per_event = bench_client(settings, client, args.events, args.batch)

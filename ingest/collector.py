@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import gc
 import logging
 import socket
 import threading
@@ -107,6 +108,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
+        # Everything alive at start-up lives as long as the process: keep it out of the collector's way.
+        # Without this, each request's few thousand new objects make Python's cyclic GC walk all of it
+        # again; measured, half the time of mapping a Segment batch.
+        gc.freeze()
         yield
         await run_in_threadpool(holder.close)
 

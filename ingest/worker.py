@@ -17,6 +17,7 @@ serves its metrics and health on 127.0.0.1:`settings.ingest_metrics_port` (`inge
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -296,6 +297,9 @@ def run_worker(worker: IngestWorker, stop_event: threading.Event, metrics_port: 
     """Run `worker` until `stop_event`, serving metrics and health on 127.0.0.1:`metrics_port` (0: not served)."""
     from ingest.ops_http import serve_ops
 
+    # The process's start-up objects are permanent: frozen, the cyclic GC no longer walks them after every
+    # few thousand allocations of a batch (measured: the poll stage of the confluent client takes half the time).
+    gc.freeze()
     server = None
     if metrics_port:
         try:
