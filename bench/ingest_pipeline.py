@@ -122,7 +122,7 @@ def bench_client(settings: Settings, client: str, n: int, batch: int) -> tuple[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--events", type=int, default=300_000)
     parser.add_argument("--batch", type=int, default=10_000)
     parser.add_argument("--clients", default="kafka-python,confluent")
     args = parser.parse_args()
