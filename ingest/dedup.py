@@ -87,7 +87,7 @@ class LakeDedup:
         duplicates = in_lake = 0
         rows = rows.with_row_index("_row")
         for (topic, partition), part in rows.partition_by("kafka_topic", "kafka_partition", as_dict=True).items():
-            key = (str(topic), int(partition))  # type: ignore[call-overload]  # polars types group keys loosely
+            key = (str(topic), int(partition))
             state = self._states.get(key)
             if state is None:
                 state = self._states[key] = self._load(key, first_offsets[key])
