@@ -8,7 +8,8 @@
 
 Refused events are answered item by item and also produced to the dead-letter
 topic with their bytes, the reason and the endpoint. Unknown write key: 401 and
-nothing is produced. Kafka unreachable: 503 with Retry-After.
+nothing is produced. Kafka unreachable: 503 with Retry-After. Requests in flight at the
+same time share one send to Kafka (`ingest.group_send`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
+from ingest.group_send import GroupSender
 from ingest.intake import BodyError, Intake, decode_body, native_intake, parse_json, segment_intake
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class ProducerHolder:
         self._producer = producer
         self._lock = threading.Lock()
         self.send_timeout_s = send_timeout_s
+        self._group = GroupSender(lambda messages: self.get().send_all(messages, timeout_s=self.send_timeout_s))
 
     def get(self) -> Producer:
         with self._lock:
@@ -64,7 +67,8 @@ class ProducerHolder:
             return self._producer
 
     def send_all(self, messages: list[Outgoing]) -> None:
-        self.get().send_all(messages, timeout_s=self.send_timeout_s)
+        """Returns once Kafka acknowledged `messages`; concurrent requests share one send (`GroupSender`)."""
+        self._group.send_all(messages)
 
     def close(self) -> None:
         with self._lock:

@@ -160,3 +160,19 @@ def test_schema_and_metrics_are_served(client):
     client.post("/v1/batch", json={"batch": [track(0)]}, headers=auth())
     text = client.get("/metrics").text
     assert 'flywheel_ingest_events_accepted_total{stage="collector"}' in text
+
+
+def test_concurrent_requests_each_land_once(client, settings):
+    """Requests in flight at once share sends (`ingest.group_send`); each is answered only for its own events."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(k: int) -> int:
+        body = {"batch": [track(k * 10 + i) for i in range(10)]}
+        r = client.post("/v1/batch", json=body, headers=auth())
+        assert r.status_code == 200, r.text
+        return int(r.json()["accepted"])
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert sum(pool.map(post, range(24))) == 240
+    ids = [Event.from_bytes(r.value).event_id for r in read_topic(settings, settings.events_topic)]
+    assert sorted(ids) == sorted(f"m{i}" for i in range(240))
