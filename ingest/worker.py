@@ -24,7 +24,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import redis
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from flywheel.bus import (
@@ -275,7 +274,7 @@ class IngestWorker:
                 failures = 0
                 if result.polled:
                     log.debug("batch %s", result)
-            except (BrokerUnavailable, redis.RedisError, OSError) as exc:
+            except (BrokerUnavailable, OSError) as exc:
                 self._last_error = f"batch failed: {exc}"
                 failures += 1
                 delay = min(5.0, 0.25 * 2**failures)
