@@ -31,7 +31,7 @@ def worker(
     group_id: str | None = typer.Option(
         None, help="Consumer group of the ingest workers (default: flywheel-ingest.<events topic>)."
     ),
-    batch_size: int = typer.Option(5000, min=1, help="Most records per batch."),
+    batch_size: int = typer.Option(10_000, min=1, help="Most records per batch (one lake file per hour each)."),
     pause_before_commit_s: float = typer.Option(0.0, hidden=True, help="Fault injection for crash tests."),
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", min=0, help="Serve /metrics, /healthz, /readyz on 127.0.0.1:PORT; default "
