@@ -127,6 +127,8 @@ def _decode_plain(values: list[bytes]) -> tuple[list[_PlainEnvelope], list[int]]
             pass
         slow.append(i)
     return plain, slow
+
+
 _PROPERTIES_DECODER = msgspec.json.Decoder(dict[str, Any])
 
 
