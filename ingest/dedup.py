@@ -85,8 +85,9 @@ class LakeDedup:
         now = time.time()
         keep: list[pl.Series] = []
         duplicates = in_lake = 0
-        rows = rows.with_row_index("_row")
-        for (topic, partition), part in rows.partition_by("kafka_topic", "kafka_partition", as_dict=True).items():
+        # Split only the columns needed here: the rows themselves are picked at the end, once.
+        keys = rows.select("kafka_topic", "kafka_partition", "kafka_offset", "event_id").with_row_index("_row")
+        for (topic, partition), part in keys.partition_by("kafka_topic", "kafka_partition", as_dict=True).items():
             key = (str(topic), int(partition))
             state = self._states.get(key)
             if state is None:
@@ -119,9 +120,9 @@ class LakeDedup:
             if state.in_lake and max(offsets) >= max(state.in_lake):
                 state.in_lake = {}
         if sum(map(len, keep)) == rows.height:
-            return Selection(rows.drop("_row"), duplicates, in_lake)
+            return Selection(rows, duplicates, in_lake)
         chosen = pl.concat(keep).sort() if keep else pl.Series(dtype=pl.UInt32)
-        return Selection(rows.drop("_row")[chosen], duplicates, in_lake)
+        return Selection(rows[chosen], duplicates, in_lake)
 
     def _load(self, key: tuple[str, int], start: int) -> _PartitionState:
         topic, partition = key
