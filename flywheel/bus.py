@@ -100,8 +100,9 @@ class Consumer(Protocol):
         """A number that changes whenever the group hands this consumer partitions: state kept per partition
         since the last change may be stale (another member may have owned the partition meanwhile)."""
 
-    def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
-        """Commit, per (topic, partition), the offset of the next record to read."""
+    def commit(self, next_offsets: dict[tuple[str, int], int], *, wait: bool = True) -> None:
+        """Commit, per (topic, partition), the offset of the next record to read. `wait=False` sends the commit
+        and returns: it lands during later polls, or is lost with the process (a failed one is logged)."""
 
     def assignment(self) -> set[tuple[str, int]]: ...
 
@@ -200,11 +201,16 @@ class KafkaPythonConsumer:
     def assignment_epoch(self) -> int:
         return self._epoch
 
-    def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
+    def commit(self, next_offsets: dict[tuple[str, int], int], *, wait: bool = True) -> None:
         from kafka.structs import OffsetAndMetadata, TopicPartition
 
-        if next_offsets:
-            self._c.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in next_offsets.items()})
+        if not next_offsets:
+            return
+        offsets = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in next_offsets.items()}
+        if wait:
+            self._c.commit(offsets)
+        else:
+            self._c.commit_async(offsets, callback=_log_commit_failure)
 
     def assignment(self) -> set[tuple[str, int]]:
         return {(tp.topic, tp.partition) for tp in self._c.assignment()}
@@ -226,6 +232,11 @@ class KafkaPythonConsumer:
 
     def close(self) -> None:
         self._c.close(autocommit=False)
+
+
+def _log_commit_failure(offsets: object, response: object) -> None:
+    if isinstance(response, Exception):
+        log.warning("offset commit failed (the records are read again after a restart): %s", response)
 
 
 # ---------------------------------------------------------------- factories

@@ -84,6 +84,11 @@ class ConfluentProducer:
         self._p.flush(5)
 
 
+def _log_commit_failure(err: object, _partitions: object) -> None:
+    if err is not None:
+        log.warning("offset commit failed (the records are read again after a restart): %s", err)
+
+
 class ConfluentConsumer:
     def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, **config: object) -> None:
         from confluent_kafka import Consumer as RdConsumer
@@ -100,6 +105,7 @@ class ConfluentConsumer:
                 # before its next fetch, and a consumer that drains fast stalls: measured 210k events/s
                 # sustained from the embedded broker with it, against the queue's ~1M/s.
                 "fetch.queue.backoff.ms": 10,
+                "on_commit": _log_commit_failure,
                 **_librdkafka_config(config),
             }
         )
@@ -139,15 +145,17 @@ class ConfluentConsumer:
             cast(list[int], [m.offset() for m in msgs]), cast(list[bytes], [m.value() for m in msgs]),
         )
 
-    def commit(self, next_offsets: dict[tuple[str, int], int]) -> None:
+    def commit(self, next_offsets: dict[tuple[str, int], int], *, wait: bool = True) -> None:
         from confluent_kafka import KafkaException, TopicPartition
 
         if not next_offsets:
             return
         try:
-            self._c.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in next_offsets.items()], asynchronous=False
-            )
+            offsets = [TopicPartition(t, p, o) for (t, p), o in next_offsets.items()]
+            if wait:
+                self._c.commit(offsets=offsets, asynchronous=False)
+            else:
+                self._c.commit(offsets=offsets, asynchronous=True)
         except KafkaException as exc:
             raise BrokerUnavailable(f"commit failed: {exc}") from exc
 

@@ -20,12 +20,13 @@ Why this is exactly once in the lake (at-least-once from Kafka):
 1. Offsets are committed only after the lake write, so everything below the committed
    offset of a partition is in the lake (or dead-lettered, or a duplicate), and a
    record at or above it may or may not be: a previous owner may have written part of a
-   batch (one file per date/hour, each atomic) and died before committing.
+   batch (one file per date/hour, each atomic) and died before committing, or written
+   whole batches whose commits (sent without waiting) never landed.
 2. A consumer that gets a partition starts reading at the committed offset `c`, so the
    rows the lake holds at offsets >= `c` (loaded by position, whatever their age) are
-   exactly the records of that unfinished batch already written: they are skipped by
-   (offset, event_id), each written once. Matching the event id too means a topic
-   recreated from offset 0 is never mistaken for a replay.
+   exactly the records written since that commit: they are skipped by (offset,
+   event_id), each written once. Matching the event id too means a topic recreated
+   from offset 0 is never mistaken for a replay.
 3. The group hands a partition to one member at a time: with the eager protocol a member
    gives up its partitions only inside its own poll, i.e. between batches, so no batch
    of the old owner is in flight when the new owner loads the lake (a member that stops
@@ -116,7 +117,7 @@ class LakeDedup:
                     state.ids.add(event_id)
                     kept.append(row)
             keep.append(pl.Series(kept, dtype=pl.UInt32))
-            # Positions left by an unfinished batch lie between the commit and its end: once read past, done.
+            # Positions written after the last commit lie between it and their end: once read past, done.
             if state.in_lake and max(offsets) >= max(state.in_lake):
                 state.in_lake = {}
         if sum(map(len, keep)) == rows.height:

@@ -199,3 +199,32 @@ def test_confluent_client_behind_the_same_interface(settings):
     assert sorted(read_events(settings.lake_dir)["event_id"].to_list()) == sorted(e.event_id for e in events)
     letters = read_topic(settings, settings.dead_letter_topic)
     assert [DeadLetter.from_bytes(r.value).original for r in letters] == [b"{not json"]
+
+
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])
+def test_commits_sent_without_waiting_are_in_place_after_close(settings, client):
+    """Batches are committed without waiting for the broker; once the worker has closed, its group's
+    offsets stand after the last record, so a restart in the same group does not re-read."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    settings = settings.model_copy(update={"kafka_client": client})
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    events = [event(i) for i in range(12)]
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in events])
+    producer.close()
+    group = f"g-close-{client}"
+    worker = IngestWorker(settings, group_id=group, poll_timeout_s=0.3)
+    drain(worker, 12, settings)
+    worker.close()
+
+    ends: dict[int, int] = {}
+    for r in read_topic(settings, settings.events_topic):
+        ends[r.partition] = max(ends.get(r.partition, 0), r.offset + 1)
+    reader = KafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers.split(","), group_id=group,
+                           enable_auto_commit=False)
+    try:
+        committed = {p: reader.committed(TopicPartition(settings.events_topic, p)) for p in ends}
+    finally:
+        reader.close(autocommit=False)
+    assert committed == ends
