@@ -175,8 +175,9 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
             },
         ).with_columns(
             # A time not in the plain form, or in it yet no date (February 30th), is null: pydantic says why.
+            # No parse cache: times are nearly all distinct, and the cache cost a sixth of the parse.
             pl.when(pl.col(c).str.contains(_PLAIN_TIME))
-            .then(pl.col(c).str.to_datetime(_TIME_FORMAT, time_unit="us", time_zone="UTC", strict=False))
+            .then(pl.col(c).str.to_datetime(_TIME_FORMAT, time_unit="us", time_zone="UTC", strict=False, cache=False))
             .alias(c)
             for c in ("ts", "received_at")
         ).with_columns(
