@@ -110,7 +110,11 @@ def _decode_plain(values: list[bytes]) -> tuple[list[_PlainEnvelope], list[int]]
     """
     if values and max(map(len, values)) <= MAX_EVENT_BYTES:
         try:
-            plain = _PLAIN_LIST_DECODER.decode(b"[" + b",".join(values) + b"]")
+            # One copy of the batch: the brackets ride on the first and last values.
+            framed = list(values)
+            framed[0] = b"[" + framed[0]
+            framed[-1] = framed[-1] + b"]"
+            plain = _PLAIN_LIST_DECODER.decode(b",".join(framed))
             if len(plain) == len(values):
                 return plain, []
         except msgspec.DecodeError:
