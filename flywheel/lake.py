@@ -8,6 +8,7 @@ temporary file behind: `sweep_temp_files` removes those once they are old.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -16,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 
 import polars as pl
+
+log = logging.getLogger(__name__)
 
 
 def write_atomic(df: pl.DataFrame, path: Path) -> Path:
@@ -67,6 +70,24 @@ def sweep_temp_files(table_dir: Path, older_than_s: float = STALE_TEMP_S) -> int
         except FileNotFoundError:  # renamed or swept by someone else meanwhile
             continue
     return removed
+
+
+class TempFileSweeper:
+    """For a worker's loop: `maybe()` sweeps `table_dir` (`sweep_temp_files`) on the first call and then at most
+    every `every_s` seconds, and logs what it removed."""
+
+    def __init__(self, table_dir: Path, every_s: float = STALE_TEMP_S) -> None:
+        self.table_dir = table_dir
+        self.every_s = every_s
+        self._swept_at = float("-inf")
+
+    def maybe(self) -> None:
+        if time.monotonic() - self._swept_at < self.every_s:
+            return
+        self._swept_at = time.monotonic()
+        removed = sweep_temp_files(self.table_dir)
+        if removed:
+            log.info("removed %d temporary file(s) left in %s by killed writers", removed, self.table_dir)
 
 
 def parquet_files(table_dir: Path) -> Iterator[Path]:

@@ -35,7 +35,7 @@ from flywheel.bus import (
     make_consumer,
     make_producer,
 )
-from flywheel.lake import STALE_TEMP_S, sweep_temp_files
+from flywheel.lake import TempFileSweeper
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.collector import kafka_reachable
@@ -270,13 +270,9 @@ class IngestWorker:
     def run(self, stop_event: threading.Event) -> None:
         """Process batches until `stop_event` is set; a failed batch is retried with backoff."""
         failures = 0
-        swept_at = float("-inf")
+        sweeper = TempFileSweeper(self._table)
         while not stop_event.is_set():
-            if time.monotonic() - swept_at >= STALE_TEMP_S:
-                swept_at = time.monotonic()
-                removed = sweep_temp_files(self._table)
-                if removed:
-                    log.info("removed %d temporary file(s) left in the events lake by killed writers", removed)
+            sweeper.maybe()
             try:
                 result = self.run_once()
                 failures = 0

@@ -45,7 +45,7 @@ from flywheel.bus import (
 )
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, InvalidEvent, RewardRecord
-from flywheel.lake import sweep_temp_files
+from flywheel.lake import TempFileSweeper
 from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
@@ -237,11 +237,10 @@ class SignalsWorker:
 
     def run(self, stop_event: threading.Event) -> None:
         log.info("signals worker consuming %s as group %s", self.settings.events_topic, self.group_id)
-        removed = sweep_temp_files(rewards_dir(self.settings))
-        if removed:
-            log.info("removed %d temporary file(s) left in the rewards lake by killed writers", removed)
+        sweeper = TempFileSweeper(rewards_dir(self.settings))
         try:
             while not stop_event.is_set():
+                sweeper.maybe()
                 try:
                     self.run_once()
                 except BrokerUnavailable as exc:  # the outbox keeps the records; retry shortly

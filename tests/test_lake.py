@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import polars as pl
 
-from flywheel.lake import parquet_files, sweep_temp_files, write_partitioned
+from flywheel.lake import TempFileSweeper, parquet_files, sweep_temp_files, write_partitioned
 from ingest.dedup import LakeDedup
 
 
@@ -47,6 +47,27 @@ def test_sweep_removes_only_old_temporary_files(tmp_path):
     assert sweep_temp_files(tmp_path) == 1
     assert not old.exists() and fresh.exists()
     assert [p.name for p in parquet_files(tmp_path)] == ["part-1.parquet"]
+
+
+def _old_temp_file(directory, name: str):
+    tmp = directory / f".{name}.parquet.x.tmp"
+    tmp.write_bytes(b"half a file")
+    two_hours_ago = time.time() - 7200
+    os.utime(tmp, (two_hours_ago, two_hours_ago))
+    return tmp
+
+
+def test_workers_sweep_on_start_then_at_most_every_period(tmp_path):
+    first = _old_temp_file(tmp_path, "a")
+    sweeper = TempFileSweeper(tmp_path, every_s=3600)
+    sweeper.maybe()
+    assert not first.exists()
+    second = _old_temp_file(tmp_path, "b")
+    sweeper.maybe()  # within the period: left for the next sweep
+    assert second.exists()
+    sweeper.every_s = 0
+    sweeper.maybe()
+    assert not second.exists()
 
 
 def test_dedup_drops_repeated_ids_within_and_across_batches(tmp_path):
