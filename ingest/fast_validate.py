@@ -23,6 +23,7 @@ import polars as pl
 from flywheel.bus import Record, RecordBatch
 from flywheel.contract import MAX_EVENT_BYTES, SUPPORTED_SCHEMA_VERSIONS, Event, EventType, InvalidEvent
 from ingest.compact_json import compact_json_encoder
+from ingest.lake_sink import EVENTS_SCHEMA, rows_frame
 
 # (event_id, type, schema_version, generation_id, user_id, session_id, ts, received_at (both as
 #  microseconds since the epoch, UTC), source,
@@ -145,8 +146,6 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
     the plain path does not take goes to `Event.from_bytes`, which accepts it with the same row or refuses it
     with today's reason.
     """
-    from ingest.lake_sink import EVENTS_SCHEMA
-
     values = batch.values
     plain, slow = _decode_plain(values)
 
@@ -221,8 +220,6 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
             except InvalidEvent as exc:
                 refused.append((i, str(exc)))
         if rows:
-            from ingest.lake_sink import rows_frame
-
             idx = pl.Series("_i", [r[-1] for r in rows], dtype=pl.Int64)
             frames.append(rows_frame([r[:-1] for r in rows]).with_columns(idx))
     if not frames:

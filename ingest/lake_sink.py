@@ -14,10 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from flywheel.bus import Record
-from flywheel.contract import Event
 from flywheel.lake import parquet_files, write_partitioned
-from ingest.fast_validate import event_row
 
 EVENTS_SCHEMA = pl.Schema(
     {
@@ -40,10 +37,6 @@ EVENTS_SCHEMA = pl.Schema(
 
 def events_table(lake_dir: Path) -> Path:
     return lake_dir / "events"
-
-
-def events_frame(rows: Sequence[tuple[Record, Event]]) -> pl.DataFrame:
-    return rows_frame([event_row(e, record) for record, e in rows])
 
 
 def rows_frame(rows: Sequence[tuple[object, ...]]) -> pl.DataFrame:
