@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 import torch
 
 from flywheel.lm import PRESETS
+from flywheel.lm.bootstrap import llama_config
 from trainer.config import TrainerConfig
 from trainer.data import Sample
 from trainer.loop import mismatch_report, score_samples, train_policy
@@ -32,18 +33,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_model(preset: str, device: str, dtype: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    p = PRESETS[preset]
-    config = LlamaConfig(
-        vocab_size=p.vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        max_position_embeddings=p.context,
-    )
     torch.manual_seed(0)
+    config = llama_config(PRESETS[preset], PRESETS[preset].vocab_size)
     return LlamaForCausalLM(config).to(device=device, dtype=_DTYPES[dtype]).eval()
 
 

@@ -17,12 +17,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flywheel.lm.corpus import stdlib_corpus, token_stream, train_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 METADATA_FILE = "flywheel_bootstrap.json"
 
@@ -97,6 +100,25 @@ PRESETS: dict[str, Preset] = {
 DEFAULT_SECONDS = 180.0
 
 
+def llama_config(preset: Preset, vocab_size: int, eot_token_id: int | None = None) -> LlamaConfig:
+    """The architecture of a preset's model; `eot_token_id` serves as its bos, eos and pad token."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_heads,
+        max_position_embeddings=preset.context,
+        bos_token_id=eot_token_id,
+        eos_token_id=eot_token_id,
+        pad_token_id=eot_token_id,
+        tie_word_embeddings=True,
+    )
+
+
 def _lr_at(step: int, preset: Preset) -> float:
     # Warmup, then inverse-square-root decay: a function of the step alone, so a run cut short
     # by the time budget follows exactly the same trajectory as a longer one up to that step.
@@ -164,7 +186,7 @@ def bootstrap_model(
     reused unless `force`. Written to a temporary folder first and renamed, so an interrupted
     bootstrap never leaves a half checkpoint behind.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
@@ -189,20 +211,7 @@ def bootstrap_model(
     texts = stdlib_corpus(cfg.n_files, cfg.max_file_chars, seed)
     tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.context)
     stream = token_stream(tokenizer, texts)  # (n_tokens,)
-    eot = tokenizer.eos_token_id
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads,
-        max_position_embeddings=cfg.context,
-        bos_token_id=eot,
-        eos_token_id=eot,
-        pad_token_id=eot,
-        tie_word_embeddings=True,
-    )
+    config = llama_config(cfg, len(tokenizer), tokenizer.eos_token_id)
     with _deterministic(seed, cfg.num_threads):
         model = LlamaForCausalLM(config)
         model.train()
