@@ -107,13 +107,15 @@ def rollback(by: By, reason: Reason, yes: Yes = False) -> None:
 @app.command()
 def serve(
     port: Annotated[int | None, typer.Option(help="Default: settings.gate_port.")] = None,
+    host: Annotated[str | None, typer.Option(help="Interface to bind; default settings.bind_host.")] = None,
 ) -> None:
-    """Run the gate's API and dashboard on 127.0.0.1."""
+    """Run the gate's API and dashboard (on 127.0.0.1 unless --host or FLYWHEEL_BIND_HOST says otherwise)."""
     import uvicorn
 
     from deploy_gate.app import create_app
 
     settings = get_settings()
     port = port or settings.gate_port
-    console.print(f"Dashboard: http://127.0.0.1:{port}/")
-    uvicorn.run(create_app(settings), host="127.0.0.1", port=port, log_level="info")
+    host = host or settings.bind_host
+    console.print(f"Dashboard: http://{host}:{port}/")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")

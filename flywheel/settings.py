@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     device: str = "cpu"
 
     # Services
+    bind_host: str = Field(
+        default="127.0.0.1",
+        description="Interface every HTTP server binds (collector, serving, gate, trainer API, ingest metrics); "
+        "0.0.0.0 serves other hosts (a product's back ends, Prometheus, a Kubernetes Service).",
+    )
     serving_port: int = 8000
     collector_port: int = 8001
     gate_port: int = 8002

@@ -13,17 +13,30 @@ app = typer.Typer(
 
 @app.command()
 def collector(
-    port: int = typer.Option(0, help="Port on 127.0.0.1; default settings.collector_port."),
+    port: int = typer.Option(0, help="Port; default settings.collector_port."),
+    host: str | None = typer.Option(None, help="Interface to bind; default settings.bind_host (127.0.0.1)."),
+    workers: int = typer.Option(
+        1, min=1, help="Processes serving the port, each with its own Kafka producer (uvicorn workers)."
+    ),
 ) -> None:
     """Run the HTTP collector (Segment-compatible and native endpoints)."""
     import uvicorn
 
-    from ingest.collector import create_app
-
     settings = get_settings()
-    uvicorn.run(
-        create_app(settings), host="127.0.0.1", port=port or settings.collector_port, log_level="info"
-    )
+    options = {"host": host or settings.bind_host, "port": port or settings.collector_port, "log_level": "info"}
+    if workers == 1:
+        from ingest.collector import create_app
+
+        uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
+        return
+    import os
+    import tempfile
+
+    # Each process builds its app from this environment; their metrics meet in one directory, so /metrics
+    # answers for all of them whichever process takes the scrape.
+    with tempfile.TemporaryDirectory(prefix="flywheel-collector-metrics-") as metrics_dir:
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
+        uvicorn.run("ingest.collector:app_from_env", factory=True, workers=workers, **options)  # type: ignore[arg-type]
 
 
 @app.command()
@@ -34,8 +47,8 @@ def worker(
     batch_size: int = typer.Option(10_000, min=1, help="Most records per batch (one lake file per hour each)."),
     pause_before_commit_s: float = typer.Option(0.0, hidden=True, help="Fault injection for crash tests."),
     metrics_port: int | None = typer.Option(
-        None, "--metrics-port", min=0, help="Serve /metrics, /healthz, /readyz on 127.0.0.1:PORT; default "
-        "settings.ingest_metrics_port (9101); 0 turns it off.",
+        None, "--metrics-port", min=0, help="Serve /metrics, /healthz, /readyz on settings.bind_host:PORT; "
+        "default settings.ingest_metrics_port (9101); 0 turns it off.",
     ),
 ) -> None:
     """Run an ingest worker (Kafka events topic to the lake) until SIGTERM."""
@@ -51,7 +64,9 @@ def worker(
     worker = IngestWorker(
         settings, group_id=group_id, batch_size=batch_size, pause_before_commit_s=pause_before_commit_s
     )
-    run_worker(worker, stop, settings.ingest_metrics_port if metrics_port is None else metrics_port)
+    run_worker(
+        worker, stop, settings.ingest_metrics_port if metrics_port is None else metrics_port, settings.bind_host
+    )
 
 
 dead_letters = typer.Typer(help="List and replay dead letters.", no_args_is_help=True)

@@ -18,6 +18,7 @@ import base64
 import binascii
 import gc
 import logging
+import os
 import socket
 import threading
 from contextlib import asynccontextmanager
@@ -26,12 +27,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.concurrency import run_in_threadpool
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer, make_producer
 from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
-from flywheel.settings import Settings
+from flywheel.settings import Settings, get_settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
 from ingest.group_send import GroupSender
@@ -237,6 +239,21 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The collector for the settings in the environment: what each process of `--workers N` builds."""
+    return create_app(get_settings())
+
+
+def metrics_text() -> bytes:
+    """This process's metrics; under `flywheel ingest collector --workers N`, the sum over its N processes
+    (prometheus-client's multiprocess mode, on when PROMETHEUS_MULTIPROC_DIR is set)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest()

@@ -12,7 +12,7 @@ One batch at a time (`run_once`):
 A crash anywhere replays from the last commit that landed; the lake's Kafka positions turn
 the replay into a no-op for what was already written (the argument is in `ingest.dedup`).
 Run it with `python -m ingest.worker` or `flywheel ingest worker` (settings from the env); the process
-serves its metrics and health on 127.0.0.1:`settings.ingest_metrics_port` (`ingest.ops_http`).
+serves its metrics and health on `settings.bind_host`:`settings.ingest_metrics_port` (`ingest.ops_http`).
 """
 
 from __future__ import annotations
@@ -302,8 +302,10 @@ class IngestWorker:
         self._consumer = self._producer = None
 
 
-def run_worker(worker: IngestWorker, stop_event: threading.Event, metrics_port: int) -> None:
-    """Run `worker` until `stop_event`, serving metrics and health on 127.0.0.1:`metrics_port` (0: not served)."""
+def run_worker(
+    worker: IngestWorker, stop_event: threading.Event, metrics_port: int, metrics_host: str = "127.0.0.1"
+) -> None:
+    """Run `worker` until `stop_event`, serving metrics and health on `metrics_host`:`metrics_port` (0: not served)."""
     from ingest.ops_http import serve_ops
 
     # The process's start-up objects are permanent: frozen, the cyclic GC no longer walks them after every
@@ -312,10 +314,10 @@ def run_worker(worker: IngestWorker, stop_event: threading.Event, metrics_port: 
     server = None
     if metrics_port:
         try:
-            server = serve_ops(metrics_port, worker.readiness)
+            server = serve_ops(metrics_port, worker.readiness, metrics_host)
         except OSError as exc:  # another worker on this host holds the port: ingesting matters more
-            log.error("not serving metrics on 127.0.0.1:%d (%s); give each worker its own --metrics-port",
-                      metrics_port, exc)
+            log.error("not serving metrics on %s:%d (%s); give each worker its own --metrics-port",
+                      metrics_host, metrics_port, exc)
     try:
         worker.run(stop_event)
     finally:
@@ -334,7 +336,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     settings = Settings()
-    run_worker(IngestWorker(settings), stop, settings.ingest_metrics_port)
+    run_worker(IngestWorker(settings), stop, settings.ingest_metrics_port, settings.bind_host)
 
 
 if __name__ == "__main__":

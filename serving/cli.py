@@ -9,8 +9,8 @@ app = typer.Typer(invoke_without_command=True)
 
 @app.callback()
 def serve(
-    port: int = typer.Option(None, help="Port on 127.0.0.1 (default: FLYWHEEL_SERVING_PORT)."),
-    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(None, help="Port (default: FLYWHEEL_SERVING_PORT)."),
+    host: str | None = typer.Option(None, help="Interface to bind (default: FLYWHEEL_BIND_HOST, 127.0.0.1)."),
 ) -> None:
     """Serve completions from the champion and challenger named by the traffic split."""
     import uvicorn
@@ -19,4 +19,9 @@ def serve(
     from serving import build_serving_app
 
     settings = get_settings()
-    uvicorn.run(build_serving_app(settings), host=host, port=port or settings.serving_port, log_level="warning")
+    uvicorn.run(
+        build_serving_app(settings),
+        host=host or settings.bind_host,
+        port=port or settings.serving_port,
+        log_level="warning",
+    )

@@ -6,6 +6,7 @@ import base64
 import gzip
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -176,3 +177,63 @@ def test_concurrent_requests_each_land_once(client, settings):
         assert sum(pool.map(post, range(24))) == 240
     ids = [Event.from_bytes(r.value).event_id for r in read_topic(settings, settings.events_topic)]
     assert sorted(ids) == sorted(f"m{i}" for i in range(240))
+
+
+def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics(settings, tmp_path):
+    """`flywheel ingest collector --workers 2`, a real subprocess: every event lands once, whichever process took
+    its request, and /metrics counts the events of both processes (prometheus-client multiprocess mode)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flywheel.embedded import settings_env
+
+    ensure_topics(settings)
+    port = free_port()
+    metrics_dir = tmp_path / "prom"
+    metrics_dir.mkdir()
+    env = {**os.environ, **settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+    cli = [str(Path(sys.executable).parent / "flywheel"), "ingest", "collector", "--workers", "2", "--port", str(port)]
+    proc = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the collector did not start"
+            time.sleep(0.2)
+
+        def post(k: int) -> int:
+            body = {"batch": [track(k * 5 + i) for i in range(5)]}
+            # A new connection per request, so the kernel spreads them over both processes' accept queues.
+            r = httpx.post(f"{base}/v1/batch", json=body, headers=auth())
+            assert r.status_code == 200, r.text
+            return int(r.json()["accepted"])
+
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            assert sum(pool.map(post, range(30))) == 150
+        ids = [Event.from_bytes(r.value).event_id for r in read_topic(settings, settings.events_topic)]
+        assert sorted(ids) == sorted(f"m{i}" for i in range(150))
+
+        # Two processes write their metrics here (one file per process and kind)...
+        assert len({p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("counter_*.db")}) == 2
+        # ...and whichever answers the scrape reports the sum.
+        accepted = {
+            sample.labels.get("stage"): sample.value
+            for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
+            for sample in family.samples
+            if sample.name == "flywheel_ingest_events_accepted_total"
+        }
+        assert accepted["collector"] == 150
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -83,7 +83,8 @@ def schedule(
     ),
     now: bool = typer.Option(False, "--now", help="Also run a cycle right away."),
     port: int | None = typer.Option(
-        None, help="Serve the status / manual-trigger API on 127.0.0.1:PORT (default FLYWHEEL_TRAINER_PORT; 0: none)."
+        None, help="Serve the status / manual-trigger API on PORT (default FLYWHEEL_TRAINER_PORT; 0: none), "
+        "on FLYWHEEL_BIND_HOST (127.0.0.1)."
     ),
 ) -> None:
     """Run cycles every interval until stopped; a restart keeps the schedule."""
@@ -100,9 +101,10 @@ def schedule(
 
         from trainer.api import create_app
 
-        console.print(f"trainer API on http://127.0.0.1:{port}/api/status (POST /api/run to train now)")
+        host = settings.bind_host
+        console.print(f"trainer API on http://{host}:{port}/api/status (POST /api/run to train now)")
         # uvicorn handles SIGINT / SIGTERM and returns when asked to stop.
-        uvicorn.run(create_app(settings, scheduler), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.run(create_app(settings, scheduler), host=host, port=port, log_level="warning")
     else:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
