@@ -46,8 +46,13 @@ def collector_url(settings: Settings):
     thread.join(timeout=10)
 
 
-def test_segment_library_delivers_n_track_events_exactly_n_rows(settings, collector_url):
-    from segment.analytics import Client
+@pytest.mark.parametrize("library", ["segment-analytics-python", "rudder-sdk-python"])
+def test_segment_library_delivers_n_track_events_exactly_n_rows(settings, collector_url, library):
+    """The official Segment library, and RudderStack's (the same HTTP Tracking API), pointed at the collector."""
+    if library == "segment-analytics-python":
+        from segment.analytics import Client
+    else:
+        from rudderstack.analytics import Client
 
     n = 120
     client = Client(write_key="dev-write-key", host=collector_url, gzip=True, upload_size=50, max_retries=2)
@@ -61,7 +66,7 @@ def test_segment_library_delivers_n_track_events_exactly_n_rows(settings, collec
     client.flush()
     client.shutdown()
 
-    worker = IngestWorker(settings, group_id="g-segment", poll_timeout_s=0.3)
+    worker = IngestWorker(settings, group_id=f"g-{library}", poll_timeout_s=0.3)
     drain(worker, n, settings)
     worker.run_once()  # nothing more arrives
     worker.close()
