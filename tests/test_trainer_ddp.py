@@ -58,7 +58,9 @@ def test_two_gloo_processes_train_like_one_process_on_the_same_global_batches(
     write_events(tsettings, consent_events(["u0", "u1"]))
     torch.set_num_threads(1)
     policy = load_policy(tiny_model_dir)
-    simulate_feedback(tsettings, policy, PROMPTS, lambda g: float(len(g.completion_token_ids) < 5),
+    # Rewarded by the parity of the first sampled token: a mix of 0 and 1 whatever the tiny model's sampled
+    # lengths (with the length as the reward, a library update once made every reward 0 and nothing trained).
+    simulate_feedback(tsettings, policy, PROMPTS, lambda g: float(g.completion_token_ids[0] % 2 == 0),
                       model_version=champion, n=16, seed=7, users=("u0", "u1"))  # fmt: skip
     per_process = {"batch_size": 4, "learning_rate": 1e-3, "loss_aggregation": "sequence", "epochs": 1}
     config_path = tmp_path / "trainer.json"
@@ -87,6 +89,7 @@ def test_two_gloo_processes_train_like_one_process_on_the_same_global_batches(
     config = TrainerConfig(**{**per_process, "batch_size": 8})
     samples = load_selection(tsettings, config, watermark=None, quarantined=set(),
                              encode_prompt=lambda t: policy.encode_prompt(t, 1)).samples  # fmt: skip
+    assert {s.reward for s in samples} == {0.0, 1.0}, "every reward alike: there is nothing to learn"
     scorer = scorer_for(config.exact_logprobs)
     start = {k: v.clone() for k, v in policy.model.state_dict().items()}
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, 8)
