@@ -7,4 +7,5 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e ".[dev]"
+# constraints.txt: the versions the tests last passed with (its header says how to refresh it).
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
