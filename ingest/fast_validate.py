@@ -78,10 +78,11 @@ _YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _PLAIN_TIME = "^" + _YEAR + r"-[0-9]{2}-[0-9]{2}T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?Z$"
 _TIME_FORMAT = "%+"  # RFC 3339; `_PLAIN_TIME` already held it to "Z" and at most microseconds
 # Properties whose JSON text is already what `properties_json` writes: a flat object of printable
-# ASCII strings (nothing json.dumps escapes), integers, booleans and nulls, no spaces. These are
-# stored as they came; anything else is parsed and written back by `properties_json`.
+# ASCII strings (nothing json.dumps escapes), integers (not -0, which reads as 0), booleans and nulls,
+# no spaces, no key twice (checked apart: `_repeat_a_key`). These are stored as they came; anything
+# else is parsed and written back by `properties_json`.
 _JSON_STR = r'"[ !#-\[\]-~]*"'
-_CANONICAL_PROPERTIES = rf"^\{{(?:{_JSON_STR}:(?:{_JSON_STR}|-?(?:0|[1-9]\d*)|true|false|null)(?:,|\}}$))*\}}?$"
+_CANONICAL_PROPERTIES = rf"^\{{(?:{_JSON_STR}:(?:{_JSON_STR}|0|-?[1-9]\d*|true|false|null)(?:,|\}}$))*\}}?$"
 _FAST_TYPE_LITERAL = Literal[tuple(sorted(_FAST_TYPES))]  # type: ignore[valid-type]  # built at import time
 
 
@@ -161,6 +162,22 @@ def _plain_times(texts: pl.Series) -> pl.Series:
 _PROPERTIES_DECODER = msgspec.json.Decoder(dict[str, Any])
 
 
+def _repeat_a_key(canonical_texts: pl.Series) -> pl.Series:
+    """Whether each canonical properties text names a key twice: pydantic keeps the last value, so the text is
+    not what it would store. Only objects of two keys or more are looked into (a string holds no quote, so
+    the count of '":' is the count of keys)."""
+    keys = canonical_texts.str.count_matches('":', literal=True)
+    several = keys > 1
+    repeated = pl.repeat(False, canonical_texts.len(), eager=True)
+    if several.any():
+        # The decoded dict has fewer entries than the text has keys: measured 0.17 us an event of three keys,
+        # against 0.28 for polars' extract_all of the keys and n_unique.
+        decode = _PROPERTIES_DECODER.decode
+        distinct = pl.Series([len(decode(text)) for text in canonical_texts.filter(several).to_list()])
+        repeated = repeated.scatter(several.arg_true(), distinct < keys.filter(several))
+    return repeated
+
+
 def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
     """Valid records as lake rows (`lake_sink.EVENTS_SCHEMA`, plus `_i`, the record's index, ascending),
     and refused records as (index, the contract's reason).
@@ -212,6 +229,7 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
             slow.extend(df.filter(bad_time)["_i"].to_list())
             df = df.filter(~bad_time)
         canonical = df["properties"].str.contains(_CANONICAL_PROPERTIES)
+        canonical = canonical & ~_repeat_a_key(df["properties"].set(~canonical, "{}"))
         if not canonical.all():
             rewritten: list[str | None] = []
             for text, ok in zip(df["properties"].to_list(), canonical.to_list(), strict=True):

@@ -158,6 +158,10 @@ BATCH_EXTRA = [
     json.dumps({**BASE, "properties": {"a": {"b": [1]}}}, separators=(",", ":")).encode(),
     json.dumps({**BASE, "properties": "text"}, separators=(",", ":")).encode(),
     json.dumps({**BASE, "properties": {}}, separators=(",", ":")).encode(),
+    # Canonical-looking properties that pydantic stores otherwise: -0 reads as 0, a repeated key keeps its last value.
+    json.dumps({**BASE, "properties": {}}, separators=(",", ":")).encode().replace(b"{}", b'{"a":-0,"b":-1}'),
+    json.dumps({**BASE, "properties": {}}, separators=(",", ":")).encode().replace(b"{}", b'{"a":1,"b":"x","a":2}'),
+    json.dumps({**BASE, "properties": {}}, separators=(",", ":")).encode().replace(b"{}", b'{"a":1,"ab":2,"b":"a"}'),
 ]
 
 
