@@ -1,7 +1,7 @@
 """The ingest worker's operational endpoints: Prometheus metrics, liveness and readiness.
 
 A worker has no web framework of its own, so a standard-library `ThreadingHTTPServer` in a daemon
-thread serves, on 127.0.0.1:
+thread serves, on the host it is given (`settings.bind_host`, 127.0.0.1 by default):
 
 - `GET /metrics`: every metric of the process's default registry (`ingest.metrics` among them);
 - `GET /healthz`: 200 while the process runs;
