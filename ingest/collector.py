@@ -181,7 +181,7 @@ def create_app(
             for e in intake.accepted
         ]
         messages += [
-            dead_letter(r.reason, source, r.original, received_at).outgoing(settings.dead_letter_topic)
+            dead_letter(r.reason, source, r.original, received_at, r.sent_at).outgoing(settings.dead_letter_topic)
             for r in intake.refused
         ]
         metrics.EVENTS_IN.labels("collector", endpoint).inc(len(intake.accepted) + len(intake.refused))

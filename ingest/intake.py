@@ -38,6 +38,7 @@ class Refusal:
     event_id: str | None
     reason: str
     original: bytes
+    sent_at: object = None  # the batch body's `sentAt`, kept with the dead letter for a replay's clock-skew correction
 
     def public(self) -> dict[str, Any]:
         return {"index": self.index, "event_id": self.event_id, "reason": self.reason}
@@ -130,6 +131,8 @@ def segment_intake(
         if not isinstance(doc.get("batch"), list):
             raise BodyError(400, 'body must be {"batch": [<message>, ...]}')
         messages, sent_at = doc["batch"], doc.get("sentAt")
+    # Outside the items: a refused item's dead letter carries it apart (`Refusal.sent_at`).
+    batch_sent_at = None if single else sent_at
     intake = Intake(write_key=doc.get("writeKey"))
     for index, msg in enumerate(messages):
         raw = _item_bytes(msg)
@@ -137,12 +140,11 @@ def segment_intake(
         if len(raw) > max_event_bytes:
             if single:
                 raise BodyError(413, f"event is {len(raw)} bytes; the limit is {max_event_bytes}")
-            intake.refused.append(
-                Refusal(index, message_id, f"event is {len(raw)} bytes; the limit is {max_event_bytes}", raw)
-            )
+            reason = f"event is {len(raw)} bytes; the limit is {max_event_bytes}"
+            intake.refused.append(Refusal(index, message_id, reason, raw, batch_sent_at))
             continue
         try:
             intake.accepted.append(track_to_event(msg, received_at=received_at, batch_sent_at=sent_at))
         except InvalidEvent as exc:
-            intake.refused.append(Refusal(index, message_id, str(exc), raw))
+            intake.refused.append(Refusal(index, message_id, str(exc), raw, batch_sent_at))
     return intake

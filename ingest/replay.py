@@ -2,7 +2,7 @@
 
 Replaying re-validates each letter's original bytes the way its source would have
 (`kafka:` -> an event envelope, `http:/v1/events` -> a native event, `http:/v1/track|batch`
--> a Segment message, with the letter's `received_at`) and produces those that pass to
+-> a Segment message, with the letter's `received_at` and its batch's `sent_at`) and produces those that pass to
 the events topic. Replay is idempotent: a replayed event keeps its `event_id`, so the
 ingest workers write it once however often it is replayed. Letters that still fail stay
 where they are.
@@ -52,7 +52,7 @@ def revalidate(letter: DeadLetter) -> Event:
         except ValidationError as exc:
             raise InvalidEvent(describe_validation_error(exc)) from None
     if letter.source in ("http:/v1/track", "http:/v1/batch"):
-        return track_to_event(doc, received_at=letter.received_at)
+        return track_to_event(doc, received_at=letter.received_at, batch_sent_at=letter.sent_at)
     raise InvalidEvent(f"no way to replay a letter from {letter.source!r}")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import replace
+from datetime import timedelta
 
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -15,6 +17,8 @@ from flywheel.contract import Event
 from flywheel.embedded import settings_env
 from flywheel.settings import get_settings
 from ingest.collector import create_app
+from ingest.dead_letters import DeadLetter
+from ingest.replay import revalidate
 from ingest.topic_reader import read_topic
 
 AUTH = {"Authorization": "Basic " + base64.b64encode(b"dev-write-key:").decode()}
@@ -57,3 +61,23 @@ def test_list_then_replay_after_a_fix_produces_only_what_passes_now(settings, mo
     (replayed,) = [Event.from_bytes(r.value) for r in read_topic(settings, settings.events_topic)]
     assert replayed.event_id == "v2-event" and replayed.schema_version == 2
     get_settings.cache_clear()
+
+
+def test_a_segment_batch_item_replays_with_its_batch_clock_skew_correction(settings):
+    """`sentAt` sits on the batch body, outside the refused item: the letter keeps it for the replay."""
+    ensure_topics(settings)
+    item = {"type": "track", "messageId": "m1", "userId": "u", "event": "Accepted",
+            "properties": {"accepted_chars": 3}, "timestamp": "2024-05-01T12:00:00Z"}  # fmt: skip
+    # The client's clock runs 10 s behind its sentAt: the event happened 10 s before the collector got it.
+    body = {"batch": [item], "sentAt": "2024-05-01T12:00:10Z"}
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/v1/batch", json=body, headers=AUTH)
+    assert "generation_id" in r.json()["refused"][0]["reason"]
+    (record,) = read_topic(settings, settings.dead_letter_topic)
+    letter = DeadLetter.from_bytes(record.value)
+    assert letter.sent_at == "2024-05-01T12:00:10Z" and json.loads(letter.original) == item
+
+    # The fix: the sender's item now names its generation (the letter's bytes, corrected by hand).
+    fixed = {**item, "properties": {**item["properties"], "generation_id": "g1"}}
+    event = revalidate(replace(letter, original=json.dumps(fixed).encode()))
+    assert event.ts == letter.received_at - timedelta(seconds=10)
