@@ -4,15 +4,23 @@ Layout: `<lake>/<table>/date=YYYY-MM-DD/hour=HH/<name>.parquet`. A file is writt
 under a hidden temporary name and renamed into place (atomic on one filesystem),
 so readers never see a half-written file. A writer killed before its rename leaves the
 temporary file behind: `sweep_temp_files` removes those once they are old.
+
+Compaction (`flywheel.compaction`) merges the small files of a closed hour into one
+`compacted-*.parquet` and then, in one atomic rename, a manifest `_compaction-*.json` naming the
+files it replaces. `parquet_files` is the rule every reader goes through: a file named by a manifest
+is no longer part of the table, and a compacted file is part of it only once its manifest exists.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -90,10 +98,64 @@ class TempFileSweeper:
             log.info("removed %d temporary file(s) left in %s by killed writers", removed, self.table_dir)
 
 
+COMPACTED_PREFIX = "compacted-"
+MANIFEST_GLOB = "_compaction-*.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """One compaction of one directory: `output` took the place of `replaces` (file names) at `at`."""
+
+    path: Path
+    output: str
+    replaces: tuple[str, ...]
+    at: float
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest | None:
+        """The manifest at `path`, or None when it was removed meanwhile (its files are then gone too)."""
+        try:
+            doc = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        return cls(path, str(doc["output"]), tuple(doc["replaces"]), float(doc["at"]))
+
+
+def manifests(directory: Path) -> list[Manifest]:
+    return [m for p in sorted(directory.glob(MANIFEST_GLOB)) if (m := Manifest.read(p)) is not None]
+
+
+def visible_files(directory: Path, names: Iterable[str], found: Iterable[Manifest]) -> list[Path]:
+    """Of the Parquet file `names` in `directory`, those that are part of the table (see the module's doc)."""
+    replaced: set[str] = set()
+    outputs: set[str] = set()
+    for m in found:
+        replaced.update(m.replaces)
+        outputs.add(m.output)
+    return [
+        directory / n
+        for n in sorted(names)
+        if not n.startswith(".") and n not in replaced and (not n.startswith(COMPACTED_PREFIX) or n in outputs)
+    ]
+
+
 def parquet_files(table_dir: Path) -> Iterator[Path]:
-    """Complete files of a table (temporary files start with a dot and are skipped)."""
-    if table_dir.exists():
-        yield from sorted(p for p in table_dir.rglob("*.parquet") if not p.name.startswith("."))
+    """Complete files of a table: temporary files (names starting with a dot), files a compaction replaced
+    and compacted files whose manifest is not written yet are skipped."""
+    if not table_dir.exists():
+        return
+    # Manifests before data files: a compaction renames its output before its manifest, so a manifest read
+    # here names an output the listing below will find. (The other order could miss both the output and
+    # the files it replaced, had the switch fallen between the two.)
+    found: dict[Path, list[Manifest]] = defaultdict(list)
+    for p in table_dir.rglob(MANIFEST_GLOB):
+        if (m := Manifest.read(p)) is not None:
+            found[p.parent].append(m)
+    by_dir: dict[Path, list[str]] = defaultdict(list)
+    for p in table_dir.rglob("*.parquet"):
+        by_dir[p.parent].append(p.name)
+    for directory in sorted(by_dir):
+        yield from visible_files(directory, by_dir[directory], found.get(directory, ()))
 
 
 def scan(table_dir: Path) -> pl.LazyFrame | None:

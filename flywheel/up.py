@@ -43,6 +43,7 @@ COMPONENTS: list[tuple[str, list[str]]] = [
     ("serving", ["serve"]),
     ("gate", ["gate", "serve"]),
     ("trainer", ["trainer", "schedule"]),
+    ("lake", ["lake", "compact", "--every", "3600"]),
 ]
 
 
@@ -91,7 +92,7 @@ class Running:
 
 
 def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Running]:
-    # Six processes share the machine: one math thread each avoids oversubscribing the cores.
+    # Seven processes share the machine: one math thread each avoids oversubscribing the cores.
     env = {**os.environ, **settings_env(settings), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **extra_env, "PYTHONUNBUFFERED": "1"}
     logs = settings.data_dir / "logs"
