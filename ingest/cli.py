@@ -16,27 +16,30 @@ def collector(
     port: int = typer.Option(0, help="Port; default settings.collector_port."),
     host: str | None = typer.Option(None, help="Interface to bind; default settings.bind_host (127.0.0.1)."),
     workers: int = typer.Option(
-        1, min=1, help="Processes serving the port, each with its own Kafka producer (uvicorn workers)."
+        1, min=1, help="Processes serving the port, each with its own socket (SO_REUSEPORT) and Kafka producer."
     ),
 ) -> None:
     """Run the HTTP collector (Segment-compatible and native endpoints)."""
-    import uvicorn
-
     settings = get_settings()
-    options = {"host": host or settings.bind_host, "port": port or settings.collector_port, "log_level": "info"}
+    host, port = host or settings.bind_host, port or settings.collector_port
     if workers == 1:
+        import uvicorn
+
         from ingest.collector import create_app
 
-        uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
         return
     import os
     import tempfile
+
+    from ingest.collector_procs import serve
 
     # Each process builds its app from this environment; their metrics meet in one directory, so /metrics
     # answers for all of them whichever process takes the scrape.
     with tempfile.TemporaryDirectory(prefix="flywheel-collector-metrics-") as metrics_dir:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
-        uvicorn.run("ingest.collector:app_from_env", factory=True, workers=workers, **options)  # type: ignore[arg-type]
+        code = serve(host, port, workers)
+    raise typer.Exit(code)
 
 
 @app.command()

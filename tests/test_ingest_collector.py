@@ -212,28 +212,94 @@ def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics
             assert time.monotonic() < deadline and proc.poll() is None, "the collector did not start"
             time.sleep(0.2)
 
+        per_request = 100
+
         def post(k: int) -> int:
-            body = {"batch": [track(k * 5 + i) for i in range(5)]}
-            # A new connection per request, so the kernel spreads them over both processes' accept queues.
+            body = {"batch": [track(k * per_request + i) for i in range(per_request)]}
+            # A new connection per request: each process listens on its own socket (SO_REUSEPORT), and the
+            # kernel picks one for each new connection by hashing its addresses.
             r = httpx.post(f"{base}/v1/batch", json=body, headers=auth())
             assert r.status_code == 200, r.text
             return int(r.json()["accepted"])
 
-        with ThreadPoolExecutor(max_workers=6) as pool:
-            assert sum(pool.map(post, range(30))) == 150
-        ids = [Event.from_bytes(r.value).event_id for r in read_topic(settings, settings.events_topic)]
-        assert sorted(ids) == sorted(f"m{i}" for i in range(150))
+        def pids_that_counted() -> set[str]:
+            # Each process writes its own metrics file (counter_<pid>.db) once it has counted something.
+            return {p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("counter_*.db")}
 
-        # Two processes write their metrics here (one file per process and kind)...
-        assert len({p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("counter_*.db")}) == 2
-        # ...and whichever answers the scrape reports the sum.
+        # /readyz answers as soon as one process is up; the other may still be importing, and takes nothing
+        # until it listens. Send rounds of requests until both processes have taken some (once both listen, the
+        # chance that one round of 24 connections all go to one process is 2**-23), then check that every event
+        # of every round landed.
+        requests = 0
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            while True:
+                assert sum(pool.map(post, range(requests, requests + 24))) == 24 * per_request
+                requests += 24
+                if len(pids_that_counted()) == 2:
+                    break
+                assert time.monotonic() < deadline + 60, f"one process took every request: {pids_that_counted()}"
+        events = requests * per_request
+        ids = [Event.from_bytes(r.value).event_id for r in read_topic(settings, settings.events_topic)]
+        assert sorted(ids) == sorted(f"m{i}" for i in range(events))
+
+        # Whichever process answers the scrape reports the sum over both.
         accepted = {
             sample.labels.get("stage"): sample.value
             for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
             for sample in family.samples
             if sample.name == "flywheel_ingest_events_accepted_total"
         }
-        assert accepted["collector"] == 150
-    finally:
+        assert accepted["collector"] == events
+
+        # SIGTERM reaches both processes, which finish and exit cleanly; so does the parent.
         proc.terminate()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_collector_cli_stops_when_one_of_its_processes_dies(settings):
+    """A collector process killed from outside: the parent stops the other one and exits with an error, so the
+    process manager restarts a whole collector rather than leave one serving half the port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from flywheel.embedded import settings_env
+
+    ensure_topics(settings)
+    port = free_port()
+    cli = [str(Path(sys.executable).parent / "flywheel"), "ingest", "collector", "--workers", "2", "--port", str(port)]
+    proc = subprocess.Popen(cli, env={**os.environ, **settings_env(settings)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def collector_children() -> list[int]:
+        # The serving processes, not multiprocessing's resource tracker.
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200 and len(collector_children()) == 2:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the collector did not start"
+            time.sleep(0.2)
+        victim, survivor = collector_children()
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+        # The parent joined the survivor before it exited, so nothing is left of it.
+        assert not Path(f"/proc/{survivor}").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
