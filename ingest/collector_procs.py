@@ -60,12 +60,14 @@ def serve(host: str, port: int, workers: int, log_level: str = "info") -> int:
     ]
     stopping = False
 
-    def stop(signum: int, _frame: FrameType | None) -> None:
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        # SIGTERM to each process whatever came in: after a Ctrl-C the terminal has already sent them SIGINT,
+        # and a second SIGINT would make uvicorn skip its graceful shutdown.
         nonlocal stopping
         stopping = True
         for proc in procs:
             if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+                os.kill(proc.pid, signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
