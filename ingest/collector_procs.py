@@ -33,17 +33,21 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_one(host: str, port: int, log_level: str) -> None:
+COLLECTOR_APP = "ingest.collector:app_from_env"
+
+
+def serve_one(host: str, port: int, log_level: str, app: str = COLLECTOR_APP) -> None:
     """One collector process: its own socket, its own app (and Kafka producer) built from the environment."""
     import uvicorn
 
     sock = listening_socket(host, port)
-    config = uvicorn.Config("ingest.collector:app_from_env", factory=True, log_level=log_level)
+    config = uvicorn.Config(app, factory=True, log_level=log_level)
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def serve(host: str, port: int, workers: int, log_level: str = "info") -> int:
-    """Run `workers` collector processes on host:port until SIGTERM / SIGINT or until one dies; the exit code."""
+def serve(host: str, port: int, workers: int, log_level: str = "info", app: str = COLLECTOR_APP) -> int:
+    """Run `workers` collector processes on host:port until SIGTERM / SIGINT or until one dies; the exit code.
+    `app`: "module:factory" of the ASGI app each process builds (the benchmark serves its bare app so too)."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise SystemExit("--workers above 1 needs SO_REUSEPORT (Linux, macOS, BSD)")
     # Fail here, with a clear error, when the port is taken by something that did not ask to share it.
@@ -55,7 +59,7 @@ def serve(host: str, port: int, workers: int, log_level: str = "info") -> int:
 
     context = multiprocessing.get_context("spawn")
     procs: list[BaseProcess] = [
-        context.Process(target=serve_one, args=(host, port, log_level), name=f"collector-{i}", daemon=False)
+        context.Process(target=serve_one, args=(host, port, log_level, app), name=f"collector-{i}", daemon=False)
         for i in range(workers)
     ]
     stopping = False
