@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -179,39 +182,53 @@ def test_concurrent_requests_each_land_once(client, settings):
     assert sorted(ids) == sorted(f"m{i}" for i in range(240))
 
 
+@contextmanager
+def collector_cli(settings: Settings, env: dict[str, str], until: Callable[[int], bool] = lambda pid: True):
+    """`flywheel ingest collector --workers 2` as a real subprocess: yields (process, base URL) once /readyz answers
+    200 and `until(its pid)` holds; killed afterwards if still running."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from flywheel.embedded import settings_env
+
+    ensure_topics(settings)
+    port = free_port()
+    cli = [str(Path(sys.executable).parent / "flywheel"), "ingest", "collector", "--workers", "2", "--port", str(port)]
+    proc = subprocess.Popen(cli, env={**os.environ, **settings_env(settings), **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz").status_code == 200 and until(proc.pid):
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the collector did not start"
+            time.sleep(0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics(settings, tmp_path):
     """`flywheel ingest collector --workers 2`, a real subprocess: every event lands once, whichever process took
     its request, and /metrics counts the events of both processes (prometheus-client multiprocess mode)."""
-    import os
-    import subprocess
-    import sys
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from flywheel.embedded import settings_env
-
-    ensure_topics(settings)
-    port = free_port()
     metrics_dir = tmp_path / "prom"
     metrics_dir.mkdir()
-    env = {**os.environ, **settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
-    cli = [str(Path(sys.executable).parent / "flywheel"), "ingest", "collector", "--workers", "2", "--port", str(port)]
-    proc = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "the collector did not start"
-            time.sleep(0.2)
-
+    with collector_cli(settings, {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}) as (proc, base):
         per_request = 100
 
         def post(k: int) -> int:
@@ -230,14 +247,14 @@ def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics
         # until it listens. Send rounds of requests until both processes have taken some (once both listen, the
         # chance that one round of 24 connections all go to one process is 2**-23), then check that every event
         # of every round landed.
-        requests = 0
+        requests, deadline = 0, time.monotonic() + 60
         with ThreadPoolExecutor(max_workers=12) as pool:
             while True:
                 assert sum(pool.map(post, range(requests, requests + 24))) == 24 * per_request
                 requests += 24
                 if len(pids_that_counted()) == 2:
                     break
-                assert time.monotonic() < deadline + 60, f"one process took every request: {pids_that_counted()}"
+                assert time.monotonic() < deadline, f"one process took every request: {pids_that_counted()}"
         events = requests * per_request
         ids = [Event.from_bytes(r.value).event_id for r in read_topic(settings, settings.events_topic)]
         assert sorted(ids) == sorted(f"m{i}" for i in range(events))
@@ -254,52 +271,21 @@ def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics
         # SIGTERM reaches both processes, which finish and exit cleanly; so does the parent.
         proc.terminate()
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 def test_collector_cli_stops_when_one_of_its_processes_dies(settings):
     """A collector process killed from outside: the parent stops the other one and exits with an error, so the
     process manager restarts a whole collector rather than leave one serving half the port."""
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
 
-    import httpx
-
-    from flywheel.embedded import settings_env
-
-    ensure_topics(settings)
-    port = free_port()
-    cli = [str(Path(sys.executable).parent / "flywheel"), "ingest", "collector", "--workers", "2", "--port", str(port)]
-    proc = subprocess.Popen(cli, env={**os.environ, **settings_env(settings)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def collector_children() -> list[int]:
+    def collector_children(pid: int) -> list[int]:
         # The serving processes, not multiprocessing's resource tracker.
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200 and len(collector_children()) == 2:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "the collector did not start"
-            time.sleep(0.2)
-        victim, survivor = collector_children()
+    with collector_cli(settings, {}, until=lambda pid: len(collector_children(pid)) == 2) as (proc, _):
+        victim, survivor = collector_children(proc.pid)
         os.kill(victim, signal.SIGKILL)
         assert proc.wait(timeout=30) != 0
         # The parent joined the survivor before it exited, so nothing is left of it.
         assert not Path(f"/proc/{survivor}").exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
