@@ -30,10 +30,10 @@ import httpx
 from fastapi import FastAPI, Request
 
 from flywheel.bus import ensure_topics
-from flywheel.embedded import free_port, settings_env, start_broker
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.collector_procs import COLLECTOR_APP, serve
+from launcher.embedded import free_port, settings_env, start_broker
 
 AUTH = {
     "Authorization": "Basic " + base64.b64encode(b"dev-write-key:").decode(),

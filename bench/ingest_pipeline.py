@@ -23,11 +23,11 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from flywheel.bus import Consumer, Outgoing, Record, RecordBatch, ensure_topics, make_consumer
-from flywheel.bus_confluent import ConfluentProducer
+from flywheel.bus.confluent import ConfluentProducer
 from flywheel.contract import Event
-from flywheel.embedded import free_port, redis_answers, start_broker
 from flywheel.settings import Settings
 from ingest.worker import IngestWorker
+from launcher.embedded import free_port, redis_answers, start_broker
 
 
 class TimedConsumer:

@@ -23,7 +23,7 @@ from flywheel.lake import scan, write_partitioned
 from flywheel.settings import Settings
 from signals.recompute import recompute_records
 from signals.reward import DEFAULT_DEFINITION
-from signals.synthetic import events_frame, history
+from simulator.telemetry import events_frame, history
 
 
 def main() -> None:

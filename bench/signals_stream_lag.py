@@ -23,11 +23,11 @@ from kafka import KafkaConsumer, TopicPartition
 
 from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.contract import Event, RewardRecord, utcnow
-from flywheel.embedded import free_port, start_broker
 from flywheel.settings import Settings
+from launcher.embedded import free_port, start_broker
 from signals.config import SignalsConfig
-from signals.synthetic import feedback_event, generation_event
 from signals.worker import SignalsWorker
+from simulator.telemetry import feedback_event, generation_event
 
 
 def pct(xs: list[float], q: float) -> float:

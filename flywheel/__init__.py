@@ -1,7 +1,13 @@
-"""Flywheel: real-time online RL from how users react to a model's generations.
+"""Flywheel's shared core: what every component agrees on and builds upon.
 
-This shared package holds what every component agrees on: settings, the event
-contract, connections, the Kafka interface, the lake, the model helpers and the CLI.
+- `flywheel.contract`: the event envelope, generation, reward, model-version and traffic-split records;
+- `flywheel.settings`: one `Settings` per process, read from the environment;
+- `flywheel.bus`: the Kafka interface, one module per client;
+- `flywheel.lake`: the Parquet lake's tables, their IO and compaction;
+- `flywheel.lm`: the policy model (bootstrap, generation, scoring);
+- `flywheel.connections`, `flywheel.traffic`: Redis and the traffic split.
+
+Nothing here imports a component (`ingest`, `signals`, ...) or the launcher above them.
 """
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 Every component reads the same settings; an empty value for a backing service
 (Kafka, Redis, MLflow, the model) means "use the embedded default" that
-`flywheel.embedded` starts or creates.
+`launcher.embedded` starts or creates.
 """
 
 from __future__ import annotations

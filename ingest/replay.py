@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from flywheel.bus import Outgoing, Producer, Record, make_producer
+from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, InvalidEvent, describe_validation_error
 from flywheel.settings import Settings
 from ingest.dead_letters import DeadLetter
 from ingest.segment import track_to_event
-from ingest.topic_reader import read_topic
 
 
 @dataclass

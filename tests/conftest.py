@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.embedded import free_port, redis_answers, start_broker
 from flywheel.settings import Settings
+from launcher.embedded import free_port, redis_answers, start_broker
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deploy_gate import DeployGate
-from flywheel.bus import KafkaPythonConsumer, ensure_topics
+from flywheel.bus import ensure_topics, make_consumer
 from flywheel.contract import Event, EventType, ModelLineage
 from flywheel.settings import Settings
 from ingest.collector import create_app as create_collector
@@ -42,7 +42,7 @@ def feedback(generation_id: str, user: str, accepted: bool) -> list[dict[str, ob
 
 def generation_events(settings: Settings, wanted: set[str], timeout_s: float = 60.0) -> dict[str, Event]:
     """Read the events topic until the generation events of `wanted` are all seen (or time runs out)."""
-    consumer = KafkaPythonConsumer(settings.kafka_bootstrap_servers, [settings.events_topic], "e2e-check")
+    consumer = make_consumer(settings, [settings.events_topic], "e2e-check")
     out: dict[str, Event] = {}
     deadline = time.monotonic() + timeout_s
     try:

@@ -229,7 +229,7 @@ def test_dashboard_renders_in_a_browser(
 
     import uvicorn
 
-    from flywheel.embedded import free_port
+    from launcher.embedded import free_port
 
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     port = free_port()

@@ -15,12 +15,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from flywheel.bus import ensure_topics
+from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
-from flywheel.embedded import free_port
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.topic_reader import read_topic
+from launcher.embedded import free_port
 
 
 def auth(key: str = "dev-write-key") -> dict[str, str]:
@@ -192,7 +192,7 @@ def collector_cli(settings: Settings, env: dict[str, str], until: Callable[[int]
 
     import httpx
 
-    from flywheel.embedded import settings_env
+    from launcher.embedded import settings_env
 
     ensure_topics(settings)
     port = free_port()

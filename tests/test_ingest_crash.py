@@ -16,9 +16,9 @@ import pytest
 
 from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.contract import Event
-from flywheel.embedded import settings_env
 from flywheel.settings import Settings
 from ingest.lake_sink import read_events
+from launcher.embedded import settings_env
 
 N_EVENTS = 3000
 KILLS = 3

@@ -12,14 +12,14 @@ from typer.testing import CliRunner
 
 from flywheel import contract
 from flywheel.bus import ensure_topics
-from flywheel.cli import app as flywheel_cli
+from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
-from flywheel.embedded import settings_env
 from flywheel.settings import get_settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
 from ingest.replay import revalidate
-from ingest.topic_reader import read_topic
+from launcher.cli import app as flywheel_cli
+from launcher.embedded import settings_env
 
 AUTH = {"Authorization": "Basic " + base64.b64encode(b"dev-write-key:").decode()}
 

@@ -10,11 +10,11 @@ from prometheus_client import REGISTRY
 
 from flywheel.bus import BrokerUnavailable, Outgoing, ensure_topics, make_producer
 from flywheel.contract import Event
-from flywheel.embedded import free_port
 from flywheel.settings import Settings
 from ingest.lake_sink import read_events
 from ingest.ops_http import serve_ops
 from ingest.worker import IngestWorker
+from launcher.embedded import free_port
 
 CHUNK = 20
 

@@ -11,14 +11,14 @@ import pytest
 import uvicorn
 
 from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
-from flywheel.embedded import free_port, start_broker, wait_for_port
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
 from ingest.lake_sink import read_events
-from ingest.topic_reader import read_topic
 from ingest.worker import IngestWorker
+from launcher.embedded import free_port, start_broker, wait_for_port
 
 
 def drain(worker: IngestWorker, until_rows: int, settings: Settings, timeout_s: float = 30.0) -> None:

@@ -17,14 +17,14 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-from flywheel import compaction, lake
-from flywheel.cli import app as flywheel_cli
-from flywheel.compaction import LOCK_NAME, compact_table
-from flywheel.embedded import settings_env
-from flywheel.lake import parquet_files, scan
+from flywheel import lake
+from flywheel.lake import compaction, parquet_files, scan
+from flywheel.lake.compaction import LOCK_NAME, compact_table
 from flywheel.settings import Settings, get_settings
 from ingest.dedup import LakeDedup
 from ingest.lake_sink import events_table, rows_frame, write_events
+from launcher.cli import app as flywheel_cli
+from launcher.embedded import settings_env
 
 OLD_HOUR = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(days=2)
 NOW = datetime.now(UTC)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from flywheel.bus import KafkaPythonConsumer, make_producer
+from flywheel.bus import make_consumer, make_producer
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, TrafficSplit
 from flywheel.lm import load_policy, token_logprobs
@@ -20,7 +20,7 @@ from serving.pool import PolicyPool
 
 
 def read_events(settings: Settings, n: int, timeout_s: float = 30.0) -> list[Event]:
-    consumer = KafkaPythonConsumer(settings.kafka_bootstrap_servers, [settings.events_topic], "test-reader")
+    consumer = make_consumer(settings, [settings.events_topic], "test-reader")
     out: list[Event] = []
     deadline = time.monotonic() + timeout_s
     try:

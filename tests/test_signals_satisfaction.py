@@ -17,7 +17,7 @@ from signals.logistic import expected_calibration_error, roc_auc
 from signals.reward import DEFAULT_DEFINITION
 from signals.satisfaction import feature_matrix, fit_satisfaction, is_held_out, refit
 from signals.sink import write_rewards
-from signals.synthetic import known_users
+from simulator.telemetry import known_users
 
 
 def test_auc_and_ece_match_naive_definitions() -> None:

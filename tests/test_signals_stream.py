@@ -18,8 +18,8 @@ from signals.config import SignalsConfig
 from signals.recompute import recompute_records
 from signals.reward import DEFAULT_DEFINITION
 from signals.sink import read_rewards
-from signals.synthetic import feedback_event, generation_event, history, lake_events_from_topic, send
 from signals.worker import SignalsWorker
+from simulator.telemetry import feedback_event, generation_event, history, lake_events_from_topic, send
 
 CONFIG = SignalsConfig(idle_after_s=1.5, poll_timeout_s=0.2)
 

@@ -1,6 +1,6 @@
 """Training cycles end to end: lake -> eligible samples -> trained candidate in the registry.
 
-Feedback is simulated (trainer.simulate): completions sampled from the real tiny model with
+Feedback is simulated (simulator.lake_feedback): completions sampled from the real tiny model with
 their real behaviour log-probs, rewards from a rule, both written to the lake in the agreed
 column layout. MLflow is the real SQLite store.
 """
@@ -20,12 +20,12 @@ from flywheel.contract import Event, GenerationRecord, ModelLineage, RewardRecor
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
 from model_registry import ModelRegistry
+from simulator.lake_feedback import consent_events, simulate_feedback, write_events, write_rewards
 from trainer.config import TrainerConfig
 from trainer.cycle import run_cycle, watermark
 from trainer.data import load_selection
 from trainer.loop import kl_to_reference, score_samples, train_policy
 from trainer.scoring import scorer_for
-from trainer.simulate import consent_events, simulate_feedback, write_events, write_rewards
 
 PROMPTS = [
     "def add(a, b):\n    return", "import os\n", "for i in range(", "x = ", "class Foo:\n    def",

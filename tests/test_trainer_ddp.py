@@ -18,15 +18,15 @@ import torch
 from safetensors.torch import load_file
 
 from flywheel.contract import ModelLineage
-from flywheel.embedded import free_port
 from flywheel.lm import load_policy
 from flywheel.settings import Settings
+from launcher.embedded import free_port
 from model_registry import ModelRegistry
+from simulator.lake_feedback import consent_events, simulate_feedback, write_events
 from trainer.config import TrainerConfig
 from trainer.data import load_selection
 from trainer.loop import score_samples, train_policy
 from trainer.scoring import scorer_for
-from trainer.simulate import consent_events, simulate_feedback, write_events
 
 PROMPTS = [
     "def add(a, b):\n    return",

@@ -12,9 +12,9 @@ import polars as pl
 import pytest
 import redis
 
-from flywheel.embedded import free_port
 from flywheel.lake import scan
 from flywheel.settings import Settings
+from launcher.embedded import free_port
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_a_split_left_in_redis_by_another_registry_is_reset_to_the_champion(
     from flywheel.connections import redis_client
     from flywheel.contract import TrafficSplit
     from flywheel.traffic import TrafficSplitStore
-    from flywheel.up import ensure_champion
+    from launcher.up import ensure_champion
 
     store = TrafficSplitStore(redis_client(settings), settings)
     store.put(TrafficSplit(champion_version="9", challenger_version="10", challenger_share=0.2, state="running"))
@@ -80,7 +80,7 @@ def test_demo_mode_approves_the_newest_candidate_and_rejects_older_ones(
 ) -> None:
     from deploy_gate import DeployGate
     from flywheel.contract import ModelLineage
-    from flywheel.up import auto_decide, ensure_champion
+    from launcher.up import auto_decide, ensure_champion
     from model_registry import ModelRegistry
 
     champion = ensure_champion(settings.model_copy(update={"model_path": str(tiny_model_dir)}), progress=False)

@@ -5,7 +5,7 @@ under a hidden temporary name and renamed into place (atomic on one filesystem),
 so readers never see a half-written file. A writer killed before its rename leaves the
 temporary file behind: `sweep_temp_files` removes those once they are old.
 
-Compaction (`flywheel.compaction`) merges the small files of a closed hour into one
+Compaction (`flywheel.lake.compaction`) merges the small files of a closed hour into one
 `compacted-*.parquet` and then, in one atomic rename, a manifest `_compaction-*.json` naming the
 files it replaces. `parquet_files` is the rule every reader goes through: a file named by a manifest
 is no longer part of the table, and a compacted file is part of it only once its manifest exists.

@@ -27,10 +27,10 @@ from deploy_gate import DeployGate, GateStatus
 from flywheel.bus import ensure_topics
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage, TrafficSplit
-from flywheel.embedded import EmbeddedStack, settings_env, start_embedded
 from flywheel.settings import Settings
-from flywheel.simulator import UserSimulator
 from flywheel.traffic import TrafficSplitStore
+from launcher.embedded import EmbeddedStack, settings_env, start_embedded
+from simulator.users import UserSimulator
 
 log = logging.getLogger(__name__)
 console = Console()

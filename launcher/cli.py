@@ -15,14 +15,14 @@ app = typer.Typer(help="Flywheel: real-time online RL from user reactions.", no_
 
 # (sub-command name, module holding a Typer `app`, help)
 _COMPONENTS = [
-    ("model", "flywheel.model_cli", "Bootstrap or inspect the policy model."),
+    ("model", "flywheel.lm.cli", "Bootstrap or inspect the policy model."),
     ("serve", "serving.cli", "The model server (OpenAI-compatible completions)."),
     ("ingest", "ingest.cli", "Collector (HTTP) and ingest workers (Kafka to lake), dead letters."),
     ("signals", "signals.cli", "Satisfaction signals: rewards per generation."),
     ("trainer", "trainer.cli", "The incremental RL trainer."),
     ("registry", "model_registry.cli", "Model versions and their lineage."),
     ("gate", "deploy_gate.cli", "Approvals, traffic split and the A/B dashboard."),
-    ("lake", "flywheel.lake_cli", "The Parquet lake: compaction of closed hours."),
+    ("lake", "flywheel.lake.cli", "The Parquet lake: compaction of closed hours."),
 ]
 
 
@@ -57,7 +57,7 @@ def up(
 ) -> None:
     """Run the whole loop on one machine: embedded parts, every component, simulated users, dashboard."""
     from flywheel.settings import get_settings
-    from flywheel.up import run_up
+    from launcher.up import run_up
 
     run_up(get_settings(), users=users, bootstrap_seconds=bootstrap_seconds, train_interval_s=train_interval,
            auto_approve_candidates=auto_approve, duration_s=duration)

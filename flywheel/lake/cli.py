@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from flywheel.compaction import compact_table
 from flywheel.lake import STALE_TEMP_S
+from flywheel.lake.compaction import compact_table
 from flywheel.settings import get_settings
 
 app = typer.Typer(help="The Parquet lake (events, rewards).", no_args_is_help=True)

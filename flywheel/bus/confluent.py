@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import cast
 
-from flywheel.bus import BrokerUnavailable, Outgoing, Record, RecordBatch
+from flywheel.bus.types import BrokerUnavailable, Outgoing, Record, RecordBatch
 
 log = logging.getLogger(__name__)
 

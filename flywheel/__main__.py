@@ -1,3 +1,0 @@
-from flywheel.cli import app
-
-app(prog_name="flywheel")

@@ -1,0 +1,126 @@
+"""The kafka-python client behind the bus interface (the default: `FLYWHEEL_KAFKA_CLIENT=kafka-python`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from flywheel.bus.types import BrokerUnavailable, Outgoing, Record, RecordBatch
+
+log = logging.getLogger(__name__)
+
+
+class KafkaPythonProducer:
+    def __init__(self, bootstrap: str, **config: object) -> None:
+        from kafka import KafkaProducer
+
+        max_block_ms = config.pop("max_block_ms", 10_000)
+        self._p = KafkaProducer(
+            bootstrap_servers=bootstrap.split(","),
+            acks="all",
+            linger_ms=5,
+            retries=5,
+            max_block_ms=max_block_ms,
+            # kafka-python's own default blocks the constructor 30 s when no broker answers, whatever max_block_ms.
+            bootstrap_timeout_ms=config.pop("bootstrap_timeout_ms", max_block_ms),
+            **config,
+        )
+
+    def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
+        from kafka.errors import KafkaError
+
+        try:
+            futures = [
+                self._p.send(m.topic, value=m.value, key=m.key, headers=list(m.headers) or None) for m in messages
+            ]
+            self._p.flush(timeout=timeout_s)
+            for f in futures:
+                f.get(timeout=timeout_s)
+        except KafkaError as exc:
+            raise BrokerUnavailable(f"Kafka did not acknowledge: {exc}") from exc
+
+    def close(self) -> None:
+        self._p.close(timeout=5)
+
+
+class KafkaPythonConsumer:
+    def __init__(self, bootstrap: str, topics: Sequence[str], group_id: str, **config: object) -> None:
+        from kafka import ConsumerRebalanceListener, KafkaConsumer
+
+        self._epoch = 0
+        consumer = self
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked: object) -> None:
+                pass
+
+            def on_partitions_assigned(self, assigned: object) -> None:
+                consumer._epoch += 1
+
+        self._c = KafkaConsumer(
+            bootstrap_servers=bootstrap.split(","),
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            # The embedded broker takes about half the session timeout to complete a join.
+            session_timeout_ms=config.pop("session_timeout_ms", 6000),
+            heartbeat_interval_ms=config.pop("heartbeat_interval_ms", 1000),
+            max_poll_records=config.pop("max_poll_records", 2000),
+            **config,
+        )
+        self._c.subscribe(list(topics), listener=_Listener())
+
+    def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out: list[Record] = []
+        for msgs in polled.values():
+            for m in msgs:
+                out.append(Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp))
+        return out
+
+    def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
+        polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        msgs = [m for batch in polled.values() for m in batch]
+        return RecordBatch(
+            [m.topic for m in msgs], [m.partition for m in msgs], [m.offset for m in msgs], [m.value for m in msgs]
+        )
+
+    def assignment_epoch(self) -> int:
+        return self._epoch
+
+    def commit(self, next_offsets: dict[tuple[str, int], int], *, wait: bool = True) -> None:
+        from kafka.structs import OffsetAndMetadata, TopicPartition
+
+        if not next_offsets:
+            return
+        offsets = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in next_offsets.items()}
+        if wait:
+            self._c.commit(offsets)
+        else:
+            self._c.commit_async(offsets, callback=_log_commit_failure)
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(tp.topic, tp.partition) for tp in self._c.assignment()}
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        from kafka.structs import TopicPartition
+
+        self._c.seek(TopicPartition(topic, partition), offset)
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        parts = list(self._c.assignment())
+        if not parts:
+            return {}
+        ends = self._c.end_offsets(parts, timeout_ms=5000)
+        # Clamped: a broker whose end offset trails the true end (the embedded Tansu may) must not read negative.
+        return {
+            (tp.topic, tp.partition): max(0, ends[tp] - self._c.position(tp, timeout_ms=5000)) for tp in parts
+        }
+
+    def close(self) -> None:
+        self._c.close(autocommit=False)
+
+
+def _log_commit_failure(offsets: object, response: object) -> None:
+    if isinstance(response, Exception):
+        log.warning("offset commit failed (the records are read again after a restart): %s", response)
