@@ -40,7 +40,7 @@ def test_up_serves_simulated_users_and_lands_their_events_in_the_lake(
     }
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "flywheel", "up", "--duration", "20", "--users", "2", "--no-auto-approve"],
+            [sys.executable, "-m", "launcher", "up", "--duration", "20", "--users", "2", "--no-auto-approve"],
             env=env, capture_output=True, text=True, timeout=400,
         )
     finally:
