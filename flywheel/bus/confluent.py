@@ -187,3 +187,53 @@ class ConfluentConsumer:
 
     def close(self) -> None:
         self._c.close()
+
+
+class ConfluentTopicReader:
+    """Every partition of one topic, assigned by hand from the beginning: no group joined, nothing committed."""
+
+    def __init__(self, bootstrap: str, topic: str, **config: object) -> None:
+        import uuid
+
+        from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+        from confluent_kafka import Consumer as RdConsumer
+
+        self._c = RdConsumer(
+            {
+                "bootstrap.servers": bootstrap,
+                # librdkafka wants a group id even for a manual assignment; it is never joined nor committed to.
+                "group.id": f"flywheel-reader-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                **_librdkafka_config(config),
+            }
+        )
+        meta = self._c.list_topics(topic, timeout=10).topics.get(topic)
+        found = sorted(meta.partitions) if meta is not None and meta.error is None else []
+        self._parts = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in found]
+        if self._parts:
+            self._c.assign(self._parts)
+
+    def poll(self, max_records: int = 5000, timeout_s: float = 0.3) -> list[Record]:
+        if not self._parts:
+            return []
+        out: list[Record] = []
+        for m in self._c.consume(num_messages=max_records, timeout=timeout_s):
+            if m.error():
+                log.debug("reader event: %s", m.error())
+                continue
+            out.append(Record(cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset()), m.key(),
+                              cast(bytes, m.value()), m.timestamp()[1]))
+        return out
+
+    def caught_up(self) -> bool:
+        for tp in self._parts:
+            low, high = self._c.get_watermark_offsets(tp, timeout=5, cached=False)
+            (position,) = self._c.position([tp])
+            # Nothing fetched yet on the partition: the reader stands at its beginning.
+            if (position.offset if position.offset >= 0 else low) < high:
+                return False
+        return True
+
+    def close(self) -> None:
+        self._c.close()

@@ -121,6 +121,38 @@ class KafkaPythonConsumer:
         self._c.close(autocommit=False)
 
 
+class KafkaPythonTopicReader:
+    """Every partition of one topic, assigned by hand from the beginning: no group, nothing committed."""
+
+    def __init__(self, bootstrap: str, topic: str, **config: object) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+
+        self._c = KafkaConsumer(
+            bootstrap_servers=bootstrap.split(","), group_id=None, enable_auto_commit=False, **config
+        )
+        self._parts = [TopicPartition(topic, p) for p in sorted(self._c.partitions_for_topic(topic) or ())]
+        if self._parts:
+            self._c.assign(self._parts)
+            self._c.seek_to_beginning(*self._parts)
+
+    def poll(self, max_records: int = 5000, timeout_s: float = 0.3) -> list[Record]:
+        if not self._parts:
+            return []
+        polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        return [
+            Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp) for msgs in polled.values() for m in msgs
+        ]
+
+    def caught_up(self) -> bool:
+        if not self._parts:
+            return True
+        ends = self._c.end_offsets(self._parts)
+        return all(self._c.position(tp) >= ends[tp] for tp in self._parts)
+
+    def close(self) -> None:
+        self._c.close(autocommit=False)
+
+
 def _log_commit_failure(offsets: object, response: object) -> None:
     if isinstance(response, Exception):
         log.warning("offset commit failed (the records are read again after a restart): %s", response)

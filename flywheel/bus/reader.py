@@ -1,42 +1,59 @@
-"""Read a whole topic from the beginning without joining a group (for listing and tests).
+"""Read a topic from the beginning without joining a consumer group: an operator's read, not a member's.
 
-Uses kafka-python's manual assignment directly, like `flywheel.bus.ensure_topics`
-uses its admin client: this is an operator's read, not a consumer-group member.
+For listing dead letters, tests, the simulators and benchmarks. Partitions are assigned by hand, so
+nothing is committed and no group rebalances; the configured client (`FLYWHEEL_KAFKA_CLIENT`)
+does the reading, like every other Kafka use of the loop.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
 
-from flywheel.bus import Record
+from flywheel.bus.types import Record
 from flywheel.settings import Settings
 
 
-def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[Record]:
-    """Every record now in `topic`, in partition/offset order."""
-    from kafka import KafkaConsumer, TopicPartition
+class TopicReader(Protocol):
+    def poll(self, max_records: int = 5000, timeout_s: float = 0.3) -> list[Record]:
+        """The next records of any partition (none when nothing arrived within `timeout_s`)."""
 
-    consumer = KafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap_servers.split(","), enable_auto_commit=False, group_id=None
-    )
+    def caught_up(self) -> bool:
+        """Whether every partition's position has reached the end the broker reports."""
+
+    def close(self) -> None: ...
+
+
+@contextmanager
+def topic_reader(settings: Settings, topic: str) -> Iterator[TopicReader]:
+    """Every partition of `topic`, from its first record on, read with the configured client."""
+    reader: TopicReader
+    if settings.kafka_client == "confluent":
+        from flywheel.bus.confluent import ConfluentTopicReader
+
+        reader = ConfluentTopicReader(settings.kafka_bootstrap_servers, topic)
+    else:
+        from flywheel.bus.kafka_python import KafkaPythonTopicReader
+
+        reader = KafkaPythonTopicReader(settings.kafka_bootstrap_servers, topic)
     try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        if not tps:
-            return []
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        # The embedded broker answers ListOffsets with the last batch's base offset + 1, not the end:
-        # read until the reported end is passed and then one poll comes back empty.
-        end = consumer.end_offsets(tps)
-        out: list[Record] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            polled = consumer.poll(timeout_ms=300, max_records=5000)
-            for msgs in polled.values():
-                out.extend(Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp) for m in msgs)
-            if not polled and all(consumer.position(tp) >= end[tp] for tp in tps):
-                break
-        return sorted(out, key=lambda r: (r.partition, r.offset))
+        yield reader
     finally:
-        consumer.close()
+        reader.close()
+
+
+def read_topic(settings: Settings, topic: str, timeout_s: float = 10.0) -> list[Record]:
+    """Every record now in `topic`, in partition/offset order (what arrived within `timeout_s` at most)."""
+    out: list[Record] = []
+    deadline = time.monotonic() + timeout_s
+    with topic_reader(settings, topic) as reader:
+        # The embedded broker reports a partition's end as its last batch's base offset + 1, short of the
+        # true end: read until that end is passed and then one poll comes back empty.
+        while time.monotonic() < deadline:
+            polled = reader.poll()
+            out.extend(polled)
+            if not polled and reader.caught_up():
+                break
+    return sorted(out, key=lambda r: (r.partition, r.offset))
