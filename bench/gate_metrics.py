@@ -19,7 +19,8 @@ import numpy as np
 import polars as pl
 
 from deploy_gate.metrics import arm_metrics
-from flywheel.lake import parquet_files, write_partitioned
+from flywheel.lake import parquet_files
+from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 
 
@@ -64,8 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp))
-        table = settings.lake_dir / "rewards"
-        write_partitioned(make_rewards(args.rows), table, "bench", ts_column="emitted_at")
+        table = REWARDS.at(settings.lake_dir)
+        REWARDS.write(table, make_rewards(args.rows), "bench")
         files = list(parquet_files(table))
 
         def bare() -> pl.DataFrame:

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import polars as pl
 
-from flywheel.contract import utcnow
-from flywheel.lake import scan, write_partitioned
+from flywheel.contract import Event, utcnow
+from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from signals.recompute import recompute_records
 from signals.reward import DEFAULT_DEFINITION
-from simulator.telemetry import events_frame, history
+from simulator.telemetry import history, write_events
 
 
 def main() -> None:
@@ -35,17 +35,20 @@ def main() -> None:
         settings = Settings(data_dir=Path(tmp), reward_window_s=2.0, allowed_lateness_s=0.5)
         hist = history(args.generations, start=utcnow() - timedelta(days=1), seed=0, spacing_s=0.05)
         offsets = [0] * args.partitions
-        rows = []
-        for e in hist.events:  # what ingest would write: partition by key, offsets in arrival order
+        events: list[Event] = []
+        positions: list[tuple[str, int, int]] = []
+        seen: set[str] = set()
+        for e in hist.events:  # what ingest would write: partition by key, offsets in arrival order, no duplicate
             p = zlib.crc32(e.generation_id.encode()) % args.partitions
-            rows.append((e, settings.events_topic, p, offsets[p]))
+            if e.event_id not in seen:
+                seen.add(e.event_id)
+                events.append(e)
+                positions.append((settings.events_topic, p, offsets[p]))
             offsets[p] += 1
-        df = events_frame(rows).unique("event_id", keep="first", maintain_order=True)
-        write_partitioned(df, settings.lake_dir / "events", "bench", ts_column="ts")
-        n_rows = df.height
+        n_rows = write_events(settings, events, at=positions).height
 
         def bare() -> int:
-            lf = scan(settings.lake_dir / "events")
+            lf = EVENTS.scan(EVENTS.at(settings.lake_dir))
             assert lf is not None
             return lf.group_by("generation_id").agg(pl.len(), pl.col("ts").max()).collect().height
 

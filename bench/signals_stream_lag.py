@@ -19,9 +19,8 @@ import time
 import uuid
 from pathlib import Path
 
-from kafka import KafkaConsumer, TopicPartition
-
 from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.bus.reader import topic_reader
 from flywheel.contract import Event, RewardRecord, utcnow
 from flywheel.settings import Settings
 from launcher.embedded import free_port, start_broker
@@ -36,16 +35,12 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def reader(settings: Settings, topic: str, stop: threading.Event, out: list[tuple[float, bytes]]) -> None:
-    # partitions assigned directly: a consumer-group join would delay the first reads by seconds
-    c = KafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False)
-    parts = [TopicPartition(topic, p) for p in range(settings.topic_partitions)]
-    c.assign(parts)
-    c.seek_to_beginning(*parts)
-    while not stop.is_set():
-        for msgs in c.poll(timeout_ms=100).values():
+    # Partitions assigned by hand (no group): a consumer-group join would delay the first reads by seconds.
+    with topic_reader(settings, topic) as records:
+        while not stop.is_set():
+            polled = records.poll(timeout_s=0.1)
             now = time.time()
-            out += [(now, m.value) for m in msgs]
-    c.close()
+            out += [(now, r.value) for r in polled]
 
 
 def main() -> None:

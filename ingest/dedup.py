@@ -50,6 +50,7 @@ from pathlib import Path
 import polars as pl
 
 from flywheel.lake import parquet_files
+from flywheel.lake.tables import EVENTS
 
 
 @dataclass(slots=True)
@@ -133,7 +134,7 @@ class LakeDedup:
         mine = (pl.col("kafka_topic") == topic) & (pl.col("kafka_partition") == partition)
         # Positions: every file (row-group statistics on kafka_offset skip most of them), whatever its age.
         positions = (
-            pl.scan_parquet(files)
+            EVENTS.scan_files(files)
             .filter(mine & (pl.col("kafka_offset") >= start))
             .select("kafka_offset", "event_id")
             .collect()
@@ -142,5 +143,5 @@ class LakeDedup:
         recent = [f for f in files if f.stat().st_mtime >= cutoff]
         ids: set[str] = set()
         if recent:
-            ids = set(pl.scan_parquet(recent).filter(mine).select("event_id").collect()["event_id"].to_list())
+            ids = set(EVENTS.scan_files(recent).filter(mine).select("event_id").collect()["event_id"].to_list())
         return _PartitionState(ids, in_lake=dict(positions.iter_rows()))

@@ -1,6 +1,6 @@
 """Validate a batch of event envelopes from Kafka fast, with pydantic as the judge of anything unusual.
 
-The worker turns each valid record into one lake row (`lake_sink.EVENTS_SCHEMA`). Full
+The worker turns each valid record into one lake row (`flywheel.lake.tables.EVENTS`). Full
 pydantic validation (`Event.from_bytes`) costs ~60 us an event; most events are
 ordinary, so `validate_batch` first decodes each one with a msgspec struct that accepts
 only the plain, unambiguous form of the envelope (every field present and of its exact
@@ -23,12 +23,13 @@ import pyarrow as pa
 
 from flywheel.bus import Record, RecordBatch
 from flywheel.contract import MAX_EVENT_BYTES, SUPPORTED_SCHEMA_VERSIONS, Event, EventType, InvalidEvent
+from flywheel.lake.tables import EVENTS
 from ingest.compact_json import compact_json_encoder
-from ingest.lake_sink import EVENTS_SCHEMA, rows_frame
+from ingest.lake_sink import rows_frame
 
 # (event_id, type, schema_version, generation_id, user_id, session_id, ts, received_at (both as
 #  microseconds since the epoch, UTC), source,
-#  properties as JSON, kafka_topic, kafka_partition, kafka_offset): the order of EVENTS_SCHEMA.
+#  properties as JSON, kafka_topic, kafka_partition, kafka_offset): the order of EVENTS.schema.
 LakeRow = tuple[str, str, int, str, str, str, int, int, str, str, str, int, int]
 
 # `generation` events also need their GenerationRecord checked: pydantic does that.
@@ -179,7 +180,7 @@ def _repeat_a_key(canonical_texts: pl.Series) -> pl.Series:
 
 
 def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
-    """Valid records as lake rows (`lake_sink.EVENTS_SCHEMA`, plus `_i`, the record's index, ascending),
+    """Valid records as lake rows (`flywheel.lake.tables.EVENTS`, plus `_i`, the record's index, ascending),
     and refused records as (index, the contract's reason).
 
     Each value is decoded once by msgspec into `_PlainEnvelope` (strict types, lengths, literal type and
@@ -245,7 +246,7 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
             if gone.height:
                 slow.extend(gone["_i"].to_list())
                 df = df.filter(pl.col("properties").is_not_null())
-        frames.append(df.select(*EVENTS_SCHEMA, "_i"))
+        frames.append(df.select(*EVENTS.schema, "_i"))
 
     refused: list[tuple[int, str]] = []
     if slow:
@@ -261,6 +262,6 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
             idx = pl.Series("_i", [r[-1] for r in rows], dtype=pl.Int64)
             frames.append(rows_frame([r[:-1] for r in rows]).with_columns(idx))
     if not frames:
-        return pl.DataFrame(schema={**EVENTS_SCHEMA, "_i": pl.Int64}), refused
+        return pl.DataFrame(schema={**EVENTS.schema, "_i": pl.Int64}), refused
     valid = frames[0] if len(frames) == 1 else pl.concat(frames).sort("_i")
     return valid, refused

@@ -36,13 +36,14 @@ from flywheel.bus import (
     make_producer,
 )
 from flywheel.lake import TempFileSweeper
+from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.collector import kafka_reachable
 from ingest.dead_letters import dead_letter
 from ingest.dedup import LakeDedup
 from ingest.fast_validate import validate_batch
-from ingest.lake_sink import events_table, write_events
+from ingest.lake_sink import write_events
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class IngestWorker:
         self.pause_before_commit_s = pause_before_commit_s
         self._consumer = consumer
         self._producer = producer
-        self._table = events_table(settings.lake_dir)
+        self._table = EVENTS.at(settings.lake_dir)
         self._dedup = LakeDedup(self._table, window_s=dedup_ttl_s)
         self._epoch: int | None = None
         # Lag asks the broker for every partition's end: every few seconds, not per batch.

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from model_registry.manifest import ArtifactIntegrityError
-from model_registry.registry import GATE_STATES, GateChange, ModelRegistry, UnknownVersion, VersionInfo
+from model_registry.registry import (
+    GATE_STATES,
+    GateChange,
+    ModelRegistry,
+    UnknownVersion,
+    VersionInfo,
+    ensure_experiment,
+)
 
 __all__ = [
     "GATE_STATES",
@@ -12,4 +19,5 @@ __all__ = [
     "ModelRegistry",
     "UnknownVersion",
     "VersionInfo",
+    "ensure_experiment",
 ]

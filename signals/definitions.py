@@ -13,6 +13,7 @@ from typing import cast
 
 import redis
 
+from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
 from flywheel.settings import Settings
 from signals.reward import DEFAULT_DEFINITION, RewardDefinition
 
@@ -27,7 +28,7 @@ class DefinitionStore:
         self._r = client
         self._hash = f"{settings.redis_prefix}signals:definitions"
         self._active = f"{settings.redis_prefix}signals:active"
-        self._dir = settings.lake_dir / "reward_definitions"
+        self._dir = settings.lake_dir / REWARD_DEFINITIONS_PATH
         self._cache: dict[str, RewardDefinition] = {DEFAULT_DEFINITION.version: DEFAULT_DEFINITION}
 
     def put(self, definition: RewardDefinition) -> None:

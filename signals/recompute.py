@@ -14,18 +14,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime
+from pathlib import Path
 
 import polars as pl
 
 from flywheel.connections import redis_client
 from flywheel.contract import RewardRecord, utcnow
-from flywheel.lake import scan
+from flywheel.lake.tables import EVENTS, REWARDS, rewards_frame
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.events import FeedbackEvent, GenerationInfo, parse_properties, to_us
 from signals.reward import RewardDefinition
-from signals.sink import read_rewards, records_frame, write_rewards
+from signals.sink import read_rewards, write_rewards
 
 _NEVER = 2**62
 
@@ -34,12 +35,13 @@ def _prop(key: str, default: str) -> pl.Expr:
     return pl.col("properties").str.json_path_match(f"$.{key}").fill_null(default).alias(key)
 
 
-def load_events(settings: Settings) -> pl.DataFrame | None:
-    lf = scan(settings.lake_dir / "events")
+def load_events(table: Path, topic: str) -> pl.DataFrame | None:
+    """The rows of the events table at `table` read from Kafka `topic` (or written without a topic)."""
+    lf = EVENTS.scan(table)
     if lf is None:
         return None
     return (
-        lf.filter(pl.col("kafka_topic").is_null() | (pl.col("kafka_topic") == settings.events_topic))
+        lf.filter(pl.col("kafka_topic").is_null() | (pl.col("kafka_topic") == topic))
         .select(
             "event_id",
             "type",
@@ -63,7 +65,7 @@ def plan_windows(
     lateness_us = int(round(lateness_s * 1e6))
     df = (
         events.sort("kafka_partition", "kafka_offset")
-        .unique("event_id", keep="first", maintain_order=True)
+        .unique(list(EVENTS.key), keep="first", maintain_order=True)
         .with_columns(
             pl.col("ts").dt.epoch("us").alias("ts_us"),
             pl.max_horizontal(pl.col("ts").dt.epoch("us"), pl.col("received_at").dt.epoch("us")).alias(
@@ -141,7 +143,8 @@ def recompute_records(
 ) -> list[RewardRecord]:
     """Every record the stream would emit for `events` (default: the lake's) under `definition`."""
     config = config or SignalsConfig()
-    events = load_events(settings) if events is None else events
+    if events is None:
+        events = load_events(EVENTS.at(settings.lake_dir), settings.events_topic)
     if events is None or events.is_empty():
         return []
     now = now or utcnow()
@@ -188,15 +191,16 @@ def _definition(settings: Settings, version: str) -> RewardDefinition:
 
 def recompute_rewards(settings: Settings, version: str, **kwargs: object) -> pl.DataFrame:
     """`recompute_records` for a stored version, as a lake-shaped frame."""
-    return records_frame(recompute_records(settings, _definition(settings, version), **kwargs))  # type: ignore[arg-type]
+    return rewards_frame(recompute_records(settings, _definition(settings, version), **kwargs))  # type: ignore[arg-type]
 
 
 def backfill(settings: Settings, version: str) -> tuple[int, int]:
     """Write the version's records missing from the lake; returns (written, already present)."""
     records = recompute_records(settings, _definition(settings, version))
-    existing = read_rewards(settings).filter(pl.col("reward_version") == version)
+    table = REWARDS.at(settings.lake_dir)
+    existing = read_rewards(table).filter(pl.col("reward_version") == version)
     have = set(zip(existing["generation_id"].to_list(), existing["revision"].to_list(), strict=True))
     missing = [r for r in records if (r.generation_id, r.revision) not in have]
     if missing:
-        write_rewards(settings, missing, f"recompute-{version}-{utcnow():%Y%m%dT%H%M%S%f}")
+        write_rewards(table, missing, f"recompute-{version}-{utcnow():%Y%m%dT%H%M%S%f}")
     return len(missing), len(records) - len(missing)

@@ -20,6 +20,7 @@ import numpy as np
 import polars as pl
 
 from flywheel.connections import configure_mlflow, experiment_artifact_location, redis_client
+from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
@@ -110,7 +111,7 @@ class RefitResult:
 
 def explicit_labels(settings: Settings) -> pl.DataFrame:
     """One row per generation with a thumbs vote: generation_id, signals (dict), label (1 = up)."""
-    df = read_rewards(settings)
+    df = read_rewards(REWARDS.at(settings.lake_dir))
     if df.is_empty():
         return pl.DataFrame(schema={"generation_id": pl.String, "signals": pl.Object, "label": pl.Int64})
     latest = (

@@ -1,12 +1,11 @@
-"""Where reward records go: the rewards topic and the lake's rewards table.
+"""Where reward records go: the rewards topic and the lake's rewards table (`flywheel.lake.tables.REWARDS`).
 
-`records_frame` is the lake schema of `RewardRecord` (interfaces.md: `signals` as a
-JSON string, datetimes as µs UTC); `read_rewards` reads it back.
+`write_rewards` writes records under a deterministic file name, so a batch written twice (a
+crash between the lake write and the outbox pop) replaces itself; `read_rewards` reads them back.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,45 +13,14 @@ import polars as pl
 
 from flywheel.bus import Outgoing, Producer
 from flywheel.contract import RewardRecord
-from flywheel.lake import scan, write_partitioned
+from flywheel.lake.tables import REWARDS, rewards_frame
 from flywheel.settings import Settings
 
-_DT = pl.Datetime("us", "UTC")
-SCHEMA: dict[str, pl.DataType] = {
-    "generation_id": pl.String(),
-    "reward_version": pl.String(),
-    "revision": pl.Int64(),
-    "reward": pl.Float64(),
-    "confidence": pl.Float64(),
-    "label_source": pl.String(),
-    "signals": pl.String(),
-    "user_id": pl.String(),
-    "model_version": pl.String(),
-    "arm": pl.String(),
-    "experiment": pl.String(),
-    "window_start": _DT,
-    "window_end": _DT,
-    "late_events": pl.Int64(),
-    "emitted_at": _DT,
-}
 
-
-def rewards_dir(settings: Settings) -> Path:
-    return settings.lake_dir / "rewards"
-
-
-def records_frame(records: Sequence[RewardRecord]) -> pl.DataFrame:
-    rows = []
-    for r in records:
-        d = r.model_dump()
-        d["signals"] = json.dumps(r.signals, sort_keys=True)
-        rows.append(d)
-    return pl.DataFrame(rows, schema=SCHEMA, orient="row") if rows else pl.DataFrame(schema=SCHEMA)
-
-
-def write_rewards(settings: Settings, records: Sequence[RewardRecord], name: str) -> list[Path]:
-    """Write records to the lake under a deterministic `name`: writing the same batch twice replaces it."""
-    return write_partitioned(records_frame(records), rewards_dir(settings), name, ts_column="emitted_at")
+def write_rewards(table: Path, records: Sequence[RewardRecord], name: str) -> list[Path]:
+    """Write records to the rewards table at `table` under a deterministic `name`: the same batch twice
+    replaces itself."""
+    return REWARDS.write(table, rewards_frame(records), name)
 
 
 def produce_rewards(producer: Producer, settings: Settings, records: Sequence[RewardRecord]) -> None:
@@ -69,12 +37,7 @@ def produce_rewards(producer: Producer, settings: Settings, records: Sequence[Re
     )
 
 
-def read_rewards(settings: Settings, *, latest_only: bool = False) -> pl.DataFrame:
-    """The lake's rewards; `latest_only` keeps the highest revision per generation and version."""
-    lf = scan(rewards_dir(settings))
-    if lf is None:
-        return pl.DataFrame(schema=SCHEMA)
-    df = lf.collect()
-    if latest_only and not df.is_empty():
-        df = df.sort("revision").unique(["generation_id", "reward_version"], keep="last", maintain_order=True)
-    return df
+def read_rewards(table: Path, *, latest_only: bool = False) -> pl.DataFrame:
+    """The rewards table at `table`; `latest_only` keeps the current revision per generation and version."""
+    df = REWARDS.read(table)
+    return REWARDS.latest(df) if latest_only else df

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 from signals.sink import read_rewards
 
@@ -71,7 +72,7 @@ def trends_of(rewards: pl.DataFrame, *, every: str = "1h") -> pl.DataFrame:
 def signal_trends(settings: Settings, *, every: str = "1h", version: str | None = None) -> pl.DataFrame:
     """Per time bucket (of generation time), arm and model version: shares and rates of the signals
     and the mean reward, for one reward version (default: the one most recently emitted)."""
-    rewards = read_rewards(settings, latest_only=True)
+    rewards = read_rewards(REWARDS.at(settings.lake_dir), latest_only=True)
     if rewards.is_empty():
         return pl.DataFrame(schema=TREND_SCHEMA)
     version = version or rewards.sort("emitted_at")["reward_version"][-1]

@@ -46,13 +46,14 @@ from flywheel.bus import (
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, InvalidEvent, RewardRecord
 from flywheel.lake import TempFileSweeper
+from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.events import FeedbackEvent, GenerationInfo, to_us
 from signals.reward import RewardDefinition
-from signals.sink import produce_rewards, rewards_dir, write_rewards
+from signals.sink import produce_rewards, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ class SignalsWorker:
 
     def run(self, stop_event: threading.Event) -> None:
         log.info("signals worker consuming %s as group %s", self.settings.events_topic, self.group_id)
-        sweeper = TempFileSweeper(rewards_dir(self.settings))
+        sweeper = TempFileSweeper(REWARDS.at(self.settings.lake_dir))
         try:
             while not stop_event.is_set():
                 sweeper.maybe()
@@ -307,7 +308,7 @@ class SignalsWorker:
                 entry_id, *lines = raw.decode().split("\n")
                 recs = [RewardRecord.model_validate_json(line) for line in lines]
                 produce_rewards(self.producer, self.settings, recs)
-                write_rewards(self.settings, recs, f"signals-{entry_id}")
+                write_rewards(REWARDS.at(self.settings.lake_dir), recs, f"signals-{entry_id}")
                 self.store.pop_outbox(self.keys, p)
                 first = sum(1 for r in recs if r.revision == 0)
                 self.stats.records += first

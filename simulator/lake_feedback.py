@@ -1,71 +1,39 @@
-"""Simulated feedback in the lake: generation events and rewards in the agreed column layout.
+"""Simulated feedback in the lake: generation events and their rewards, for the trainer without the loop.
 
-For tests, benchmarks and demos of the trainer without the rest of the loop: completions are
-sampled from a real `Policy` (so the behaviour log-probs are real), rewards come from a
-function of the completion, and both are written with `flywheel.lake` exactly as ingest and
-signals write them (notes/interfaces.md, "Lake tables").
+For tests, benchmarks and demos of the trainer alone: completions are sampled from a real
+`Policy` (so the behaviour log-probs are real), rewards come from a function of the completion,
+and both are written by the writers ingest and signals use (`simulator.telemetry.write_events`,
+`signals.sink.write_rewards`), so the rows are exactly theirs (`flywheel.lake.tables`).
 """
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
-import polars as pl
-
-from flywheel import lake
 from flywheel.contract import Event, EventType, GenerationRecord, RewardRecord
-from flywheel.lm import Generation, Policy
+from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
+from signals.sink import write_rewards as write_lake_rewards
+from simulator.telemetry import feedback_event, generation_event, write_events
 
-EVENT_SCHEMA: dict[str, pl.DataType] = {
-    "event_id": pl.String(), "type": pl.String(), "schema_version": pl.Int64(), "generation_id": pl.String(),
-    "user_id": pl.String(), "session_id": pl.String(), "ts": pl.Datetime("us", "UTC"),
-    "received_at": pl.Datetime("us", "UTC"), "source": pl.String(), "properties": pl.String(),
-    "kafka_topic": pl.String(), "kafka_partition": pl.Int32(), "kafka_offset": pl.Int64(),
-}  # fmt: skip
-
-
-def events_frame(events: Sequence[Event]) -> pl.DataFrame:
-    rows = [
-        {**e.model_dump(exclude={"properties", "type"}), "type": str(e.type),
-         "properties": json.dumps(e.properties), "kafka_topic": "simulated", "kafka_partition": 0,
-         "kafka_offset": i}
-        for i, e in enumerate(events)
-    ]  # fmt: skip
-    return pl.DataFrame(rows, schema=EVENT_SCHEMA)
-
-
-def rewards_frame(records: Sequence[RewardRecord]) -> pl.DataFrame:
-    rows = [{**r.model_dump(), "signals": json.dumps(r.signals)} for r in records]
-    return pl.DataFrame(rows).with_columns(
-        pl.col(c).dt.cast_time_unit("us").dt.convert_time_zone("UTC")
-        for c in ("window_start", "window_end", "emitted_at")
-    )
-
-
-def write_events(settings: Settings, events: Sequence[Event]) -> None:
-    lake.write_partitioned(events_frame(events), settings.lake_dir / "events", f"sim-{uuid.uuid4().hex[:8]}")
+if TYPE_CHECKING:  # the model stack (torch) is imported only by those who pass a policy
+    from flywheel.lm import Generation, Policy
 
 
 def write_rewards(settings: Settings, records: Sequence[RewardRecord]) -> None:
-    lake.write_partitioned(
-        rewards_frame(records),
-        settings.lake_dir / "rewards",
-        f"sim-{uuid.uuid4().hex[:8]}",
-        ts_column="emitted_at",
-    )
+    """Write `records` to the lake's rewards table, in a file of their own."""
+    write_lake_rewards(REWARDS.at(settings.lake_dir), records, f"sim-{uuid.uuid4().hex[:8]}")
 
 
 def consent_events(users: Sequence[str], consent: bool = True, prop: str = "training_consent") -> list[Event]:
     """One `shown` event per user stating their training consent (any event type may carry it)."""
-    return [
-        Event(type=EventType.SHOWN, generation_id=f"consent-{u}", user_id=u, properties={prop: consent})
-        for u in users
-    ]
+    now = datetime.now(UTC)
+    stated = {"properties": {prop: consent}}
+    return [feedback_event(f"consent-{u}", EventType.SHOWN, now, user_id=u).model_copy(update=stated) for u in users]
 
 
 def simulate_feedback(
@@ -97,8 +65,7 @@ def simulate_feedback(
             model_version=model_version, finish_reason=gen.finish_reason,
         )  # fmt: skip
         ts = emitted_at - timedelta(minutes=10)
-        events.append(Event(type=EventType.GENERATION, generation_id=gid, user_id=user, ts=ts, received_at=ts,
-                            source="serving", properties=record.model_dump()))  # fmt: skip
+        events.append(generation_event(gid, ts, user_id=user, record=record))
         r = reward(gen)
         rewards.append(RewardRecord(
             generation_id=gid, reward_version=reward_version, reward=r, confidence=1.0,

@@ -1,15 +1,16 @@
-"""Synthetic generations and feedback, for tests, benchmarks and the calibration check.
+"""Synthetic events: the one place simulators build them, send them and put them in the lake.
 
-`history` builds a reproducible event history (late and duplicated events
-included) in the order a broker would receive it; `send` puts events on the
-events topic; `lake_events_from_topic` plays ingest: it reads the topic back and
-writes the lake's events table (first copy of each event id kept), so the batch
-recompute can run over exactly what the stream saw.
+`generation_event` and `feedback_event` build events as serving and a product would
+(`simulator.users` sends them over HTTP, `simulator.lake_feedback` writes them for the
+trainer); `history` builds a reproducible event history (late and duplicated events included)
+in the order a broker would receive it; `send` puts events on the events topic; `write_events`
+writes events to the lake's events table through ingest's own writer; `lake_events_from_topic`
+plays ingest: it reads the topic back and writes the table (first copy of each event id kept),
+so the batch recompute can run over exactly what the stream saw.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterable, Sequence
@@ -20,9 +21,11 @@ from typing import Literal
 import polars as pl
 
 from flywheel.bus import Outgoing, make_producer
+from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, EventType, GenerationRecord
-from flywheel.lake import write_partitioned
+from flywheel.lake.tables import EVENTS, events_frame
 from flywheel.settings import Settings
+from ingest.lake_sink import write_events as write_lake_events
 from signals.events import FeedbackEvent, GenerationInfo
 
 Arm = Literal["champion", "challenger"]
@@ -38,9 +41,12 @@ def generation_event(
     completion: str = "return x + 1\n",
     received_at: datetime | None = None,
     experiment: str = "default",
+    record: GenerationRecord | None = None,
 ) -> Event:
+    """A `generation` event as serving logs it; `record` (a real sample) replaces the made-up one, whose
+    completion is `completion` (empty: declined) from `model_version` on `arm`."""
     declined = completion == ""
-    rec = GenerationRecord(
+    rec = record or GenerationRecord(
         prompt="def f(x):\n    ",
         prompt_token_ids=[1, 2, 3],
         completion=completion,
@@ -69,14 +75,17 @@ def feedback_event(
     *,
     user_id: str = "u1",
     received_at: datetime | None = None,
+    source: str = "native",
     **properties: object,
 ) -> Event:
+    """A product's event about generation `gid` (`properties` as the contract names them)."""
     return Event(
         type=EventType(type_),
         generation_id=gid,
         user_id=user_id,
         ts=ts,
         received_at=received_at or ts,
+        source=source,
         properties=properties,
     )
 
@@ -218,77 +227,39 @@ def send(settings: Settings, events: Iterable[Event]) -> None:
         producer.close()
 
 
-def events_frame(rows: Iterable[tuple[Event, str, int, int]]) -> pl.DataFrame:
-    """Lake rows (interfaces.md "events") from (event, topic, partition, offset)."""
-    dt = pl.Datetime("us", "UTC")
-    data = [
-        {
-            "event_id": e.event_id,
-            "type": str(e.type),
-            "schema_version": e.schema_version,
-            "generation_id": e.generation_id,
-            "user_id": e.user_id,
-            "session_id": e.session_id,
-            "ts": e.ts,
-            "received_at": e.received_at,
-            "source": e.source,
-            "properties": json.dumps(e.properties),
-            "kafka_topic": topic,
-            "kafka_partition": p,
-            "kafka_offset": o,
-        }
-        for e, topic, p, o in rows
-    ]
-    schema: dict[str, pl.DataType] = {
-        "event_id": pl.String(),
-        "type": pl.String(),
-        "schema_version": pl.Int64(),
-        "generation_id": pl.String(),
-        "user_id": pl.String(),
-        "session_id": pl.String(),
-        "ts": dt,
-        "received_at": dt,
-        "source": pl.String(),
-        "properties": pl.String(),
-        "kafka_topic": pl.String(),
-        "kafka_partition": pl.Int32(),
-        "kafka_offset": pl.Int64(),
-    }
-    return pl.DataFrame(data, schema=schema)
+# Where `write_events` places events without a Kafka position: a topic no deployment reads from, so
+# the batch recompute (which reads only the events topic's rows) leaves them alone.
+SIMULATED_TOPIC = "simulated"
+
+
+def write_events(
+    settings: Settings, events: Sequence[Event], *, at: Sequence[tuple[str, int, int]] | None = None
+) -> pl.DataFrame:
+    """Write `events` to the lake's events table with ingest's writer; returns the rows written.
+
+    `at`: each event's Kafka (topic, partition, offset); by default partition 0 of `SIMULATED_TOPIC`,
+    offsets in order.
+    """
+    positions = at if at is not None else [(SIMULATED_TOPIC, 0, i) for i in range(len(events))]
+    df = events_frame((e, *pos) for e, pos in zip(events, positions, strict=True))
+    write_lake_events(EVENTS.at(settings.lake_dir), df)
+    return df
 
 
 def lake_events_from_topic(settings: Settings, *, write: bool = True) -> pl.DataFrame:
     """Read the events topic (no consumer group), write it to the lake; first copy of each id kept."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    consumer = KafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap_servers.split(","),
-        enable_auto_commit=False,
-        consumer_timeout_ms=2000,
-    )
-    try:
-        parts = [
-            TopicPartition(settings.events_topic, p)
-            for p in sorted(consumer.partitions_for_topic(settings.events_topic) or [])
-        ]
-        consumer.assign(parts)
-        consumer.seek_to_beginning(*parts)
-        ends = consumer.end_offsets(parts)
-        rows: list[tuple[Event, str, int, int]] = []
-        seen: set[str] = set()
-        while any(consumer.position(tp) < ends[tp] for tp in parts):
-            for msgs in consumer.poll(timeout_ms=1000).values():
-                for m in msgs:
-                    e = Event.from_bytes(m.value)
-                    if e.event_id not in seen:
-                        seen.add(e.event_id)
-                        rows.append((e, m.topic, m.partition, m.offset))
-    finally:
-        consumer.close()
-    df = events_frame(rows)
+    events: list[Event] = []
+    positions: list[tuple[str, int, int]] = []
+    seen: set[str] = set()
+    for r in read_topic(settings, settings.events_topic):
+        e = Event.from_bytes(r.value)
+        if e.event_id not in seen:
+            seen.add(e.event_id)
+            events.append(e)
+            positions.append((r.topic, r.partition, r.offset))
     if write:
-        write_partitioned(df, settings.lake_dir / "events", "synthetic-ingest", ts_column="ts")
-    return df
+        return write_events(settings, events, at=positions)
+    return events_frame((e, *pos) for e, pos in zip(events, positions, strict=True))
 
 
 # ---------------------------------------------------------------- users whose satisfaction is known

@@ -1,4 +1,4 @@
-"""Simulated users: they call serving and send feedback the way a product would.
+"""Simulated users: they call serving and send feedback the way a product would (over HTTP).
 
 Their hidden preference is something the policy can learn from rewards alone:
 they like short completions that finish the current line (at most
@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from flywheel.contract import utcnow
+from simulator.telemetry import feedback_event
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +132,10 @@ class UserSimulator:
         if choice["finish_reason"] == "declined" or not choice["text"]:
             return []  # nothing was shown, so there is nothing to react to
         text = choice["text"]
-        base = {"generation_id": generation_id, "user_id": user_id, "source": "simulator"}
 
         def ev(type_: str, **props: Any) -> dict[str, Any]:
-            return {**base, "type": type_, "properties": props}
+            event = feedback_event(generation_id, type_, utcnow(), user_id=user_id, source="simulator", **props)
+            return event.model_dump(mode="json", exclude={"received_at"})  # the collector sets received_at
 
         out = [ev("shown", chars=len(text), training_consent=True)]  # simulated users all opted in
         happy = rng.random() < self.preference.p_satisfied(n_tokens, choice["finish_reason"])

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from deploy_gate import DeployGate
 from flywheel.bus import ensure_topics, make_consumer
 from flywheel.contract import Event, EventType, ModelLineage
+from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 from ingest.collector import create_app as create_collector
 from ingest.worker import IngestWorker
@@ -97,7 +98,7 @@ def test_feedback_becomes_a_served_model_version(settings: Settings, tiny_model_
             while time.monotonic() < deadline:
                 ingest.run_once()
                 signals.run_once()
-                rewards = read_rewards(settings, latest_only=True)
+                rewards = read_rewards(REWARDS.at(settings.lake_dir), latest_only=True)
                 if not rewards.is_empty() and set(served) <= set(rewards["generation_id"]):
                     break
         finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections import defaultdict
@@ -22,21 +21,12 @@ from deploy_gate.metrics import arm_metrics
 from deploy_gate.stats import RewardStats
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage, RewardRecord
-from flywheel.lake import write_partitioned
+from flywheel.lake.tables import REWARDS, rewards_frame
 from flywheel.settings import Settings
 from model_registry import ModelRegistry
 
 T0 = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
 ARMS = {("champion", "1"): (30, 0.55), ("challenger", "2"): (12, 0.70)}  # per hour: n, accept probability
-
-
-def reward_frame(records: list[RewardRecord]) -> pl.DataFrame:
-    """Rows as the lake holds them (interfaces.md): RewardRecord fields, signals as JSON text."""
-    rows = [r.model_dump() | {"signals": json.dumps(r.signals)} for r in records]
-    return pl.DataFrame(rows).with_columns(
-        pl.col(c).dt.cast_time_unit("us").dt.convert_time_zone("UTC")
-        for c in ("window_start", "window_end", "emitted_at")
-    )
 
 
 def make_rewards(seed: int = 7) -> tuple[list[RewardRecord], dict[tuple[str, str, int], list[float]]]:
@@ -96,11 +86,11 @@ def interval(xs: list[float]) -> tuple[float, float | None, float | None]:
 @pytest.fixture
 def rewards_written(settings: Settings) -> dict[tuple[str, str, int], list[float]]:
     records, expected = make_rewards()
-    df = reward_frame(records)
+    df = rewards_frame(records)
     half = len(df) // 2  # two files per partition, as two signals workers would write
-    table = settings.lake_dir / "rewards"
-    write_partitioned(df.head(half), table, "worker-a", ts_column="emitted_at")
-    write_partitioned(df.tail(len(df) - half), table, "worker-b", ts_column="emitted_at")
+    table = REWARDS.at(settings.lake_dir)
+    REWARDS.write(table, df.head(half), "worker-a")
+    REWARDS.write(table, df.tail(len(df) - half), "worker-b")
     return expected
 
 
@@ -166,7 +156,7 @@ def test_metrics_per_arm_match_a_numpy_reference(
 def test_label_source_mix_matches_polars(
     client: TestClient, settings: Settings, rewards_written: dict[tuple[str, str, int], list[float]]
 ) -> None:
-    df = pl.read_parquet(list((settings.lake_dir / "rewards").rglob("*.parquet")))
+    df = pl.read_parquet(list(REWARDS.at(settings.lake_dir).rglob("*.parquet")))
     latest = (
         df.filter(pl.col("reward_version") == "r1")
         .sort("revision")

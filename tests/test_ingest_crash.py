@@ -16,8 +16,8 @@ import pytest
 
 from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.contract import Event
+from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
-from ingest.lake_sink import read_events
 from launcher.embedded import settings_env
 
 N_EVENTS = 3000
@@ -48,7 +48,7 @@ def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
 
 
 def rows(settings: Settings) -> int:
-    return read_events(settings.lake_dir).height
+    return EVENTS.read(EVENTS.at(settings.lake_dir)).height
 
 
 def wait_for_rows(settings: Settings, more_than: int, timeout_s: float) -> int:
@@ -99,6 +99,6 @@ def test_sigkilled_worker_leaves_every_event_exactly_once(settings, tmp_path):
     assert worker.wait(timeout=20) == 0, log.read_text()[-3000:]
     producer.close()
 
-    lake = read_events(settings.lake_dir)
+    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
     assert lake.height == N_EVENTS, "every event exactly once"
     assert lake["event_id"].n_unique() == N_EVENTS

@@ -10,8 +10,8 @@ from prometheus_client import REGISTRY
 
 from flywheel.bus import BrokerUnavailable, Outgoing, ensure_topics, make_producer
 from flywheel.contract import Event
+from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
-from ingest.lake_sink import read_events
 from ingest.ops_http import serve_ops
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port
@@ -50,9 +50,9 @@ def lag_gauge(settings: Settings) -> float:
 
 def drain(worker: IngestWorker, settings: Settings, rows: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while read_events(settings.lake_dir).height < rows and time.monotonic() < deadline:
+    while EVENTS.read(EVENTS.at(settings.lake_dir)).height < rows and time.monotonic() < deadline:
         worker.run_once()
-    assert read_events(settings.lake_dir).height == rows
+    assert EVENTS.read(EVENTS.at(settings.lake_dir)).height == rows
 
 
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])

@@ -20,9 +20,10 @@ from typer.testing import CliRunner
 from flywheel import lake
 from flywheel.lake import compaction, parquet_files, scan
 from flywheel.lake.compaction import LOCK_NAME, compact_table
+from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings, get_settings
 from ingest.dedup import LakeDedup
-from ingest.lake_sink import events_table, rows_frame, write_events
+from ingest.lake_sink import rows_frame, write_events
 from launcher.cli import app as flywheel_cli
 from launcher.embedded import settings_env
 
@@ -53,7 +54,7 @@ def files_in(table: Path, hour: datetime) -> list[Path]:
 
 
 def test_a_closed_hour_becomes_one_file_and_readers_see_each_row_once(tmp_path: Path) -> None:
-    table = events_table(tmp_path)
+    table = EVENTS.at(tmp_path)
     for i in range(5):
         write_batch(table, i * 3, 3, OLD_HOUR + timedelta(minutes=i))
     write_batch(table, 100, 2, NOW)  # the current hour: still open, left alone
@@ -80,7 +81,7 @@ def test_a_closed_hour_becomes_one_file_and_readers_see_each_row_once(tmp_path: 
 
 
 def test_a_late_event_in_a_compacted_hour_is_merged_by_the_next_run(tmp_path: Path) -> None:
-    table = events_table(tmp_path)
+    table = EVENTS.at(tmp_path)
     for i in range(3):
         write_batch(table, i * 2, 2, OLD_HOUR)
     compact_table(table, grace_s=0)
@@ -97,7 +98,7 @@ def test_a_late_event_in_a_compacted_hour_is_merged_by_the_next_run(tmp_path: Pa
 
 
 def test_a_run_killed_before_its_manifest_shows_nothing_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    table = events_table(tmp_path)
+    table = EVENTS.at(tmp_path)
     write_batch(table, 0, 2, OLD_HOUR)
     write_batch(table, 2, 2, OLD_HOUR)
     directory = files_in(table, OLD_HOUR)[0].parent
@@ -113,7 +114,7 @@ def test_a_run_killed_before_its_manifest_shows_nothing_twice(tmp_path: Path, mo
 
 
 def test_an_hour_locked_by_another_run_is_skipped_until_the_lock_is_stale(tmp_path: Path) -> None:
-    table = events_table(tmp_path)
+    table = EVENTS.at(tmp_path)
     write_batch(table, 0, 1, OLD_HOUR)
     write_batch(table, 1, 1, OLD_HOUR)
     lock = files_in(table, OLD_HOUR)[0].parent / LOCK_NAME
@@ -129,7 +130,7 @@ def test_an_hour_locked_by_another_run_is_skipped_until_the_lock_is_stale(tmp_pa
 
 
 def test_columns_a_later_file_added_are_kept(tmp_path: Path) -> None:
-    table = tmp_path / "rewards"
+    table = tmp_path / "grown"
     hour_dir = table / f"date={OLD_HOUR:%Y-%m-%d}" / f"hour={OLD_HOUR:%H}"
     hour_dir.mkdir(parents=True)
     pl.DataFrame({"id": [1], "reward": [0.5]}).write_parquet(hour_dir / "part-1.parquet")
@@ -146,7 +147,7 @@ def test_columns_a_later_file_added_are_kept(tmp_path: Path) -> None:
 def test_cli_compacts_the_tables_of_the_configured_lake(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    table = events_table(settings.lake_dir)
+    table = EVENTS.at(settings.lake_dir)
     for i in range(4):
         write_batch(table, i, 1, OLD_HOUR)
     for name, value in settings_env(settings).items():
@@ -165,7 +166,7 @@ def test_cli_compacts_the_tables_of_the_configured_lake(
 def test_readers_racing_compactions_and_writers_never_see_a_row_twice_or_miss_one(tmp_path: Path) -> None:
     """A writer keeps adding late files to a closed hour while compactions run back to back; every read in
     between holds each row once and at least every row whose file was complete before the read began."""
-    table = events_table(tmp_path)
+    table = EVENTS.at(tmp_path)
     written = 0
     stop = threading.Event()
     errors: list[BaseException] = []

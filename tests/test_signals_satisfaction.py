@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flywheel.connections import redis_client
+from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
@@ -57,7 +58,7 @@ def test_inferred_probability_tracks_known_satisfaction() -> None:
 def _write_labelled_history(settings: Settings, n: int, seed: int) -> None:
     users = known_users(n, seed=seed, thumbs_share=1.0)
     records = [DEFAULT_DEFINITION.record(u.gen, u.events, window_end_us=600_000_000) for u in users]
-    write_rewards(settings, records, f"test-{seed}")
+    write_rewards(REWARDS.at(settings.lake_dir), records, f"test-{seed}")
 
 
 def test_refit_keeps_rules_until_enough_labels_then_activates_and_logs(settings: Settings) -> None:

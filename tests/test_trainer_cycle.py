@@ -20,7 +20,8 @@ from flywheel.contract import Event, GenerationRecord, ModelLineage, RewardRecor
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
 from model_registry import ModelRegistry
-from simulator.lake_feedback import consent_events, simulate_feedback, write_events, write_rewards
+from simulator.lake_feedback import consent_events, simulate_feedback, write_rewards
+from simulator.telemetry import write_events
 from trainer.config import TrainerConfig
 from trainer.cycle import run_cycle, watermark
 from trainer.data import load_selection

@@ -22,7 +22,8 @@ from flywheel.lm import load_policy
 from flywheel.settings import Settings
 from launcher.embedded import free_port
 from model_registry import ModelRegistry
-from simulator.lake_feedback import consent_events, simulate_feedback, write_events
+from simulator.lake_feedback import consent_events, simulate_feedback
+from simulator.telemetry import write_events
 from trainer.config import TrainerConfig
 from trainer.data import load_selection
 from trainer.loop import score_samples, train_policy

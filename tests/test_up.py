@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 import redis
 
-from flywheel.lake import scan
+from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from launcher.embedded import free_port
 
@@ -50,7 +50,7 @@ def test_up_serves_simulated_users_and_lands_their_events_in_the_lake(
             client.delete(*keys)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"dashboard: http://127.0.0.1:{env['FLYWHEEL_GATE_PORT']}/" in proc.stdout
-    events = scan(data_dir / "lake" / "events")
+    events = EVENTS.scan(EVENTS.at(data_dir / "lake"))
     assert events is not None, "ingest wrote nothing to the lake"
     counts = dict(events.group_by("type").agg(pl.len()).collect().iter_rows())
     assert counts.get("generation", 0) > 0 and counts.get("shown", 0) > 0, counts

@@ -32,8 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from flywheel.contract import ModelLineage
 from flywheel.lm import Policy, load_policy
 from flywheel.settings import Settings
-from model_registry import ModelRegistry
-from model_registry.registry import ensure_experiment
+from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
 from trainer.data import Selection, load_selection
 from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy

@@ -1,6 +1,6 @@
 """What a cycle trains on: rewards since the watermark joined with their generation records.
 
-Read with polars from the lake (notes/interfaces.md): `rewards` (latest revision per generation
+Read with polars from the lake (`flywheel.lake.tables`): `rewards` (latest revision per generation
 for one reward definition) joined on generation_id with the `generation` events of `events`,
 whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-probs, model version).
 Eligibility is applied here, before anything reaches the model:
@@ -19,12 +19,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import cast
 
 import polars as pl
 
-from flywheel import lake
 from flywheel.contract import DataWindow, GenerationRecord
+from flywheel.lake.tables import EVENTS, REWARDS
 from flywheel.settings import Settings
 from trainer.config import TrainerConfig
 from trainer.scrub import scrub
@@ -70,17 +71,14 @@ def load_selection(
     encode_prompt: Callable[[str], list[int]],
 ) -> Selection:
     """Eligible samples whose reward was emitted after `watermark` (plus an optional replay share)."""
-    rewards = lake.scan(settings.lake_dir / "rewards")
+    rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
     if rewards is None:
         return Selection(samples=[], window=None)
     reward_version = config.reward_version or _newest_reward_version(rewards)
     if reward_version is None:
         return Selection(samples=[], window=None)
     latest = (
-        rewards.filter(pl.col("reward_version") == reward_version)
-        .sort(["revision", "emitted_at"])
-        .group_by("generation_id")
-        .last()
+        REWARDS.latest(rewards.filter(pl.col("reward_version") == reward_version))
         .select("generation_id", "reward", "user_id", "emitted_at")
         .collect()
     )
@@ -97,9 +95,9 @@ def load_selection(
         rows = pl.concat([rows, old[picked].with_columns(pl.lit(True).alias("replay"))])
 
     selection = Selection(samples=[], window=None, reward_rows=new.height)
-    generations = _generation_events(settings, rows["generation_id"].to_list())
+    generations = _generation_events(EVENTS.at(settings.lake_dir), rows["generation_id"].to_list())
     joined = rows.join(generations, on="generation_id", how="left")
-    consenting = _consenting_users(settings, config) if config.require_consent else None
+    consenting = _consenting_users(EVENTS.at(settings.lake_dir), config) if config.require_consent else None
     samples = []
     for row in joined.sort("emitted_at").iter_rows(named=True):
         sample = _eligible(row, config, quarantined, consenting, encode_prompt, selection.dropped)
@@ -125,11 +123,11 @@ def _newest_reward_version(rewards: pl.LazyFrame) -> str | None:
     return None if newest.is_empty() else newest.item()
 
 
-def _generation_events(settings: Settings, generation_ids: list[str]) -> pl.DataFrame:
+def _generation_events(table: Path, generation_ids: list[str]) -> pl.DataFrame:
     empty = pl.DataFrame(
         schema={"generation_id": pl.String, "properties": pl.String, "event_user_id": pl.String}
     )
-    events = lake.scan(settings.lake_dir / "events")
+    events = EVENTS.scan(table)
     if events is None or not generation_ids:
         return empty
     return (
@@ -140,9 +138,9 @@ def _generation_events(settings: Settings, generation_ids: list[str]) -> pl.Data
     )
 
 
-def _consenting_users(settings: Settings, config: TrainerConfig) -> set[str]:
+def _consenting_users(table: Path, config: TrainerConfig) -> set[str]:
     """Users whose most recent statement of `consent_property` (any event type) is true."""
-    events = lake.scan(settings.lake_dir / "events")
+    events = EVENTS.scan(table)
     if events is None:
         return set()
     # A JSONPath key in brackets: property names may contain dots or dashes.

@@ -140,7 +140,9 @@ class KafkaPythonTopicReader:
             return []
         polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         return [
-            Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp) for msgs in polled.values() for m in msgs
+            Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp)
+            for msgs in polled.values()
+            for m in msgs
         ]
 
     def caught_up(self) -> bool:

@@ -11,10 +11,10 @@ from rich.console import Console
 
 from flywheel.lake import STALE_TEMP_S
 from flywheel.lake.compaction import compact_table
+from flywheel.lake.tables import TABLES
 from flywheel.settings import get_settings
 
-app = typer.Typer(help="The Parquet lake (events, rewards).", no_args_is_help=True)
-TABLES = ("events", "rewards")
+app = typer.Typer(help=f"The Parquet lake ({', '.join(TABLES)}).", no_args_is_help=True)
 
 
 @app.command()
@@ -41,7 +41,8 @@ def compact(
                     status.update(f"compacting {name}: {directory.parent.name}/{directory.name}")
 
                 settle_s, grace_s = settle_hours * 3600, grace_minutes * 60
-                result = compact_table(settings.lake_dir / name, settle_s=settle_s, grace_s=grace_s, on_directory=show)
+                location = TABLES[name].at(settings.lake_dir)
+                result = compact_table(location, settle_s=settle_s, grace_s=grace_s, on_directory=show)
             typer.echo(
                 f"{name}: merged {result.files_merged} file(s) into {result.directories} "
                 f"({result.rows} rows); deleted {result.files_deleted} replaced file(s)"
