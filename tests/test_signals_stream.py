@@ -9,9 +9,9 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
 from flywheel.bus import ensure_topics
+from flywheel.bus.reader import read_topic
 from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
@@ -26,21 +26,7 @@ CONFIG = SignalsConfig(idle_after_s=1.5, poll_timeout_s=0.2)
 
 
 def rewards_on_topic(settings: Settings) -> list[RewardRecord]:
-    consumer = KafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap_servers.split(","), enable_auto_commit=False
-    )
-    try:
-        parts = [TopicPartition(settings.rewards_topic, p) for p in range(settings.topic_partitions)]
-        consumer.assign(parts)
-        consumer.seek_to_beginning(*parts)
-        ends = consumer.end_offsets(parts)
-        out = []
-        while any(consumer.position(tp) < ends[tp] for tp in parts):
-            for msgs in consumer.poll(timeout_ms=1000).values():
-                out += [RewardRecord.model_validate_json(m.value) for m in msgs]
-        return out
-    finally:
-        consumer.close()
+    return [RewardRecord.model_validate_json(r.value) for r in read_topic(settings, settings.rewards_topic)]
 
 
 def run_until(worker: SignalsWorker, done, timeout_s: float = 30.0) -> None:  # noqa: ANN001
