@@ -1,5 +1,9 @@
 """The Parquet lake: files become visible only when complete.
 
+Which tables there are, with their columns, places and rules, is `flywheel.lake.tables`:
+components write and read a table through its `Table` there; this module is the file handling
+beneath it.
+
 Layout: `<lake>/<table>/date=YYYY-MM-DD/hour=HH/<name>.parquet`. A file is written
 under a hidden temporary name and renamed into place (atomic on one filesystem),
 so readers never see a half-written file. A writer killed before its rename leaves the
