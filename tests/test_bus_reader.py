@@ -10,9 +10,7 @@ from flywheel.settings import Settings
 
 
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])
-def test_read_topic_returns_every_record_in_partition_order_with_either_client(
-    settings: Settings, client: str
-) -> None:
+def test_read_topic_returns_every_record_in_partition_order_with_either_client(settings: Settings, client: str) -> None:
     s = settings.model_copy(update={"kafka_client": client})
     ensure_topics(s)
     sent = [Outgoing(s.events_topic, f"v{i}".encode(), f"k{i % 5}".encode(), (("h", b"1"),)) for i in range(40)]
