@@ -77,7 +77,7 @@ def test_two_gloo_processes_train_like_one_process_on_the_same_global_batches(
         "OMP_NUM_THREADS": "1",
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "flywheel", "trainer", "run-once",
+           f"--master_port={free_port()}", "-m", "launcher", "trainer", "run-once",
            "--config", str(config_path)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
