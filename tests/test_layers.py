@@ -10,10 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("flywheel", "model_registry", "ingest", "signals", "trainer", "deploy_gate", "serving", "launcher", "simulator")
+PACKAGES: list[str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
