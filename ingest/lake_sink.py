@@ -1,4 +1,4 @@
-"""The `events` lake table (interfaces.md): rows from events, and which Kafka positions it holds.
+"""The `events` lake table (docs/design.md, "Lake tables"): rows from events, and which Kafka positions it holds.
 
 Files are written with `flywheel.lake.write_partitioned` (by event date and hour, each
 file renamed into place only when complete). Every row carries its Kafka topic,

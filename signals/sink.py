@@ -1,6 +1,6 @@
 """Where reward records go: the rewards topic and the lake's rewards table.
 
-`records_frame` is the lake schema of `RewardRecord` (interfaces.md: `signals` as a
+`records_frame` is the lake schema of `RewardRecord` (docs/design.md, "Lake tables": `signals` as a
 JSON string, datetimes as µs UTC); `read_rewards` reads it back.
 """
 

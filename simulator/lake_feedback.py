@@ -3,7 +3,7 @@
 For tests, benchmarks and demos of the trainer without the rest of the loop: completions are
 sampled from a real `Policy` (so the behaviour log-probs are real), rewards come from a
 function of the completion, and both are written with `flywheel.lake` exactly as ingest and
-signals write them (notes/interfaces.md, "Lake tables").
+signals write them (docs/design.md, "Lake tables").
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def send(settings: Settings, events: Iterable[Event]) -> None:
 
 
 def events_frame(rows: Iterable[tuple[Event, str, int, int]]) -> pl.DataFrame:
-    """Lake rows (interfaces.md "events") from (event, topic, partition, offset)."""
+    """Lake rows (docs/design.md, "Lake tables": `events`) from (event, topic, partition, offset)."""
     dt = pl.Datetime("us", "UTC")
     data = [
         {

@@ -31,7 +31,7 @@ ARMS = {("champion", "1"): (30, 0.55), ("challenger", "2"): (12, 0.70)}  # per h
 
 
 def reward_frame(records: list[RewardRecord]) -> pl.DataFrame:
-    """Rows as the lake holds them (interfaces.md): RewardRecord fields, signals as JSON text."""
+    """Rows as the lake holds them (docs/design.md, "Lake tables"): RewardRecord fields, signals as JSON text."""
     rows = [r.model_dump() | {"signals": json.dumps(r.signals)} for r in records]
     return pl.DataFrame(rows).with_columns(
         pl.col(c).dt.cast_time_unit("us").dt.convert_time_zone("UTC")

@@ -1,6 +1,6 @@
 """What a cycle trains on: rewards since the watermark joined with their generation records.
 
-Read with polars from the lake (notes/interfaces.md): `rewards` (latest revision per generation
+Read with polars from the lake (docs/design.md, "Lake tables"): `rewards` (latest revision per generation
 for one reward definition) joined on generation_id with the `generation` events of `events`,
 whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-probs, model version).
 Eligibility is applied here, before anything reaches the model:
