@@ -1,7 +1,7 @@
 """What the gate needs from the model registry, and how it opens the real one.
 
 The gate codes against this protocol (a subset of `model_registry.ModelRegistry`, see
-notes/interfaces.md) so its planning logic reads on its own; `open_registry` returns the
+docs/design.md, "Model version and lineage") so its planning logic reads on its own; `open_registry` returns the
 real MLflow-backed registry.
 """
 

@@ -1,4 +1,4 @@
-"""The contracts every component agrees on (DESIGN.md, "Contracts").
+"""The contracts every component agrees on (docs/design.md, "Contracts").
 
 Nothing else crosses a component boundary: events on Kafka and in the lake are
 `Event` envelopes; serving's `generation` events carry a `GenerationRecord` in

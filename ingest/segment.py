@@ -1,4 +1,4 @@
-"""Segment HTTP Tracking API messages mapped onto the event contract (DESIGN.md, "Contracts").
+"""Segment HTTP Tracking API messages mapped onto the event contract (docs/design.md, "Contracts").
 
 `messageId` -> `event_id`, `userId` / `anonymousId` -> `user_id`, `event` -> `type`
 ("Suggestion Accepted"-style names are normalised to `accepted`-style ones),

