@@ -3,7 +3,8 @@
 For tests, benchmarks and demos of the trainer without the rest of the loop: completions are
 sampled from a real `Policy` (so the behaviour log-probs are real), rewards come from a
 function of the completion, and both are written with `flywheel.lake` exactly as ingest and
-signals write them (notes/interfaces.md, "Lake tables").
+signals write them (notes/interfaces.md, "Lake tables"). Generation events are signed with
+`settings.serving_key`, as serving signs its own, since they stand for what serving logged.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flywheel import lake
 from flywheel.contract import Event, EventType, GenerationRecord, RewardRecord
 from flywheel.lm import Generation, Policy
 from flywheel.settings import Settings
+from flywheel.signing import sign_generation
 
 EVENT_SCHEMA: dict[str, pl.DataType] = {
     "event_id": pl.String(), "type": pl.String(), "schema_version": pl.Int64(), "generation_id": pl.String(),
@@ -96,6 +98,7 @@ def simulate_feedback(
             completion_token_ids=gen.completion_token_ids, behaviour_logprobs=gen.logprobs,
             model_version=model_version, finish_reason=gen.finish_reason,
         )  # fmt: skip
+        record.signature = sign_generation(settings.serving_key.get_secret_value(), gid, user, record)
         ts = emitted_at - timedelta(minutes=10)
         events.append(Event(type=EventType.GENERATION, generation_id=gid, user_id=user, ts=ts, received_at=ts,
                             source="serving", properties=record.model_dump()))  # fmt: skip
