@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from flywheel.bus import ensure_topics, make_producer
 from flywheel.connections import redis_client
