@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -34,6 +34,11 @@ from serving.pool import PolicyPool, Route
 from serving.request import MAX_BODY_BYTES, CompletionRequest, parse_completion_request, read_body, request_schema
 
 log = logging.getLogger(__name__)
+
+
+async def completion_request(request: Request) -> CompletionRequest:
+    """The checked body (read within the app's size cap), or the ServingError that refuses it."""
+    return parse_completion_request(await read_body(request, request.app.state.max_body_bytes))
 
 
 class ServingMetrics:
@@ -81,16 +86,14 @@ def create_app(
 
     app = FastAPI(title="Flywheel serving", lifespan=lifespan)
     app.state.pool = pool
+    app.state.max_body_bytes = max_body_bytes
 
     @app.exception_handler(ServingError)
     async def _refused(_: Request, exc: ServingError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
-    async def completion_request(request: Request) -> CompletionRequest:
-        return parse_completion_request(await read_body(request, max_body_bytes))
-
     @app.post("/v1/completions", openapi_extra={"requestBody": request_schema()})
-    def completions(req: CompletionRequest = Depends(completion_request)) -> dict[str, Any]:  # noqa: B008
+    def completions(req: Annotated[CompletionRequest, Depends(completion_request)]) -> dict[str, Any]:
         route = pool.route(req.user)
         check_fits_context(route, req)
         started = time.perf_counter()

@@ -165,3 +165,11 @@ def test_served_generations_carry_serving_signature(client: TestClient, settings
     assert event.generation_id == body["id"]
     assert check_generation(key, event.generation_id, "alice", event.generation()) is None
     assert check_generation("another key", event.generation_id, "alice", event.generation()) is not None
+
+
+def test_the_openapi_document_describes_the_body_and_its_refused_parameters(client: TestClient) -> None:
+    doc = client.get("/openapi.json")
+    assert doc.status_code == 200
+    body = doc.json()["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"prompt", "user", "max_tokens", "temperature"} <= set(body["required"]) | set(body["properties"])
+    assert "one completion per request" in body["properties"]["n"]["description"]
