@@ -131,6 +131,11 @@ class GenerationRecord(BaseModel):
     latency_ms: float = 0.0
     finish_reason: Literal["stop", "length", "declined"] = "stop"
     temperature: float = 1.0
+    signature: str = Field(
+        default="",
+        max_length=128,
+        description="Serving's HMAC over what the trainer learns from (flywheel.signing); empty: not from serving.",
+    )
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationRecord:

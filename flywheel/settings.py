@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -80,6 +80,11 @@ class Settings(BaseSettings):
         description="Comma-separated write keys the collector accepts (HTTP basic auth user).",
     )
     approval_token: str = Field(default="dev-approval-token", description="Bearer token for approvals.")
+    serving_key: SecretStr = Field(
+        default=SecretStr("dev-serving-key"),
+        description="HMAC key serving signs its generation events with; the trainer learns off-policy only "
+        "from generations whose signature verifies under it. Serving and the trainer need the same key.",
+    )
 
     # Loop timing
     reward_window_s: float = Field(default=600.0, gt=0, description="Feedback window per generation.")

@@ -22,7 +22,9 @@ def build_serving_app(settings: Settings) -> FastAPI:
     store = TrafficSplitStore(redis_client(settings), settings)
     registry = ModelRegistry(settings)
     pool = PolicyPool(store.get, lambda v: str(registry.fetch(v)), device=settings.device)
-    return create_app(pool, make_producer(settings), settings.events_topic)
+    return create_app(
+        pool, make_producer(settings), settings.events_topic, signing_key=settings.serving_key.get_secret_value()
+    )
 
 
 __all__ = ["build_serving_app"]

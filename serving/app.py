@@ -3,7 +3,12 @@
 Each request is routed to champion or challenger by the traffic split (sticky per
 user), answered by that version, and logged as a `generation` event on Kafka with
 the completion's token ids and behaviour log-probs, *before* the answer returns:
-a completion whose generation record could not be logged is never shown.
+a completion whose generation record could not be logged is never shown. Each generation
+event carries serving's signature (flywheel.signing), the trainer's proof that serving, and
+not some other holder of a write key, produced it.
+
+Client errors are answered 400/413/422 in OpenAI's error shape (serving.errors); the body is
+read and checked by serving.request.
 """
 
 from __future__ import annotations
@@ -14,31 +19,26 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer
 from flywheel.contract import Event, EventType, GenerationRecord
-from serving.pool import NoModelReady, PolicyPool
+from flywheel.signing import sign_generation
+from serving.errors import ContextExceeded, GenerationNotLogged, ServingError
+from serving.pool import PolicyPool, Route
+from serving.request import MAX_BODY_BYTES, CompletionRequest, parse_completion_request, read_body, request_schema
 
 log = logging.getLogger(__name__)
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
-
-    prompt: str = Field(max_length=20_000)
-    max_tokens: int = Field(default=16, ge=1, le=256)
-    temperature: float = Field(default=1.0, gt=0.0, le=2.0)
-    user: str = Field(min_length=1, max_length=256, description="Pseudonymous user id: the sticky A/B key.")
-    session_id: str = ""
-    seed: int | None = None
-    model: str | None = None
+async def completion_request(request: Request) -> CompletionRequest:
+    """The checked body (read within the app's size cap), or the ServingError that refuses it."""
+    return parse_completion_request(await read_body(request, request.app.state.max_body_bytes))
 
 
 class ServingMetrics:
@@ -59,8 +59,11 @@ def create_app(
     producer: Producer,
     events_topic: str,
     *,
+    signing_key: str,
     refresh_interval_s: float = 1.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
+    """The serving app; `signing_key` is `Settings.serving_key`, shared with the trainer."""
     metrics = ServingMetrics()
     stop = threading.Event()
 
@@ -83,15 +86,16 @@ def create_app(
 
     app = FastAPI(title="Flywheel serving", lifespan=lifespan)
     app.state.pool = pool
+    app.state.max_body_bytes = max_body_bytes
 
-    @app.exception_handler(NoModelReady)
-    async def _not_ready(_: Request, exc: NoModelReady) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(exc), "type": "not_ready"}}, status_code=503,
-                            headers={"Retry-After": "2"})
+    @app.exception_handler(ServingError)
+    async def _refused(_: Request, exc: ServingError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
-    @app.post("/v1/completions")
-    def completions(req: CompletionRequest) -> dict[str, Any]:
+    @app.post("/v1/completions", openapi_extra={"requestBody": request_schema()})
+    def completions(req: Annotated[CompletionRequest, Depends(completion_request)]) -> dict[str, Any]:
         route = pool.route(req.user)
+        check_fits_context(route, req)
         started = time.perf_counter()
         gen = route.policy.generate(req.prompt, max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed)
         latency_ms = (time.perf_counter() - started) * 1000
@@ -109,6 +113,7 @@ def create_app(
             finish_reason=gen.finish_reason,
             temperature=req.temperature,
         )
+        record.signature = sign_generation(signing_key, generation_id, req.user, record)
         event = Event(
             type=EventType.GENERATION,
             generation_id=generation_id,
@@ -122,8 +127,7 @@ def create_app(
         except BrokerUnavailable as exc:
             metrics.log_failures.inc()
             log.error("generation %s not logged, not shown: %s", generation_id, exc)
-            raise HTTPException(503, "the generation could not be logged; retry later",
-                                headers={"Retry-After": "5"}) from None
+            raise GenerationNotLogged("the generation could not be logged; retry later") from None
         metrics.requests.labels(route.arm, route.version).inc()
         metrics.latency.labels(route.arm).observe(latency_ms / 1000)
         if gen.finish_reason == "declined":
@@ -161,3 +165,15 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def check_fits_context(route: Route, req: CompletionRequest) -> None:
+    """Prompt plus max_tokens must fit the context of the version that will answer (OpenAI's rule)."""
+    context = route.policy.context
+    n_prompt = max(1, len(route.policy.tokenizer(req.prompt)["input_ids"]))  # an empty prompt is one token
+    if n_prompt + req.max_tokens > context:
+        raise ContextExceeded(
+            f"model version {route.version} has a {context}-token context, but the prompt is {n_prompt} "
+            f"tokens and max_tokens is {req.max_tokens}; shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )

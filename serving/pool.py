@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from flywheel.contract import TrafficSplit
 from flywheel.lm import Policy, load_policy
+from serving.errors import NoModelReady
 
 log = logging.getLogger(__name__)
 
@@ -89,5 +90,4 @@ class PolicyPool:
             return Route(arm=arm, version=version, policy=self._policies[version], experiment=split.experiment)
 
 
-class NoModelReady(RuntimeError):
-    """Serving has no split (and so no weights) yet."""
+__all__ = ["NoModelReady", "PolicyPool", "Route"]

@@ -4,6 +4,8 @@ For tests, benchmarks and demos of the trainer alone: completions are sampled fr
 `Policy` (so the behaviour log-probs are real), rewards come from a function of the completion,
 and both are written by the writers ingest and signals use (`simulator.telemetry.write_events`,
 `signals.sink.write_rewards`), so the rows are exactly theirs (`flywheel.lake.tables`).
+Generation events are signed with `settings.serving_key`, as serving signs its own, since they
+stand for what serving logged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 from flywheel.contract import Event, EventType, GenerationRecord, RewardRecord
 from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
+from flywheel.signing import sign_generation
 from signals.sink import write_rewards as write_lake_rewards
 from simulator.telemetry import feedback_event, generation_event, write_events
 
@@ -64,6 +67,7 @@ def simulate_feedback(
             completion_token_ids=gen.completion_token_ids, behaviour_logprobs=gen.logprobs,
             model_version=model_version, finish_reason=gen.finish_reason,
         )  # fmt: skip
+        record.signature = sign_generation(settings.serving_key.get_secret_value(), gid, user, record)
         ts = emitted_at - timedelta(minutes=10)
         events.append(generation_event(gid, ts, user_id=user, record=record))
         r = reward(gen)

@@ -45,7 +45,8 @@ def make_client(settings: Settings, versions: dict[str, str]) -> tuple[TestClien
     ensure_topics(settings)
     store = TrafficSplitStore(redis_client(settings), settings)
     pool = PolicyPool(store.get, versions.__getitem__)
-    app = create_app(pool, make_producer(settings), settings.events_topic, refresh_interval_s=0.2)
+    app = create_app(pool, make_producer(settings), settings.events_topic, refresh_interval_s=0.2,
+                     signing_key=settings.serving_key.get_secret_value())
     return TestClient(app), store, pool
 
 

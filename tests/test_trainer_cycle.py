@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 from flywheel.contract import Event, GenerationRecord, ModelLineage, RewardRecord
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
+from flywheel.signing import sign_generation
 from model_registry import ModelRegistry
 from simulator.lake_feedback import consent_events, simulate_feedback, write_rewards
 from simulator.telemetry import write_events
@@ -174,6 +175,7 @@ def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: s
 def _row(
     gid: str, user: str, *, version: str = "1", prompt: str = "x = ", completion: str = " 1\n", temperature: float = 1.0
 ) -> Event:
+    """A generation event as serving logs it, signed with the settings' (default) serving key."""
     record = GenerationRecord(
         temperature=temperature,
         prompt=prompt,
@@ -183,6 +185,7 @@ def _row(
         behaviour_logprobs=[-1.0, -2.0],
         model_version=version,
     )
+    record.signature = sign_generation(Settings().serving_key.get_secret_value(), gid, user, record)
     return Event(type="generation", generation_id=gid, user_id=user, properties=record.model_dump())
 
 

@@ -191,7 +191,10 @@ def _train_and_register(
         "replay_samples": float(sum(s.replay for s in samples)),
         "tokens": float(tokens),
         **{k: v for k, v in mismatch_metrics.items() if not math.isnan(v)},
+        **selection.drop_metrics(),
     }
+    if rank == 0:
+        log.info("left out of this cycle: %s", selection.describe_drops())
     tracker.log_metrics(metrics, step=len(history))
     if rank != 0:
         _barrier(world)

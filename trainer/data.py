@@ -6,6 +6,11 @@ whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-prob
 Eligibility is applied here, before anything reaches the model:
 - consent: only users whose latest event carrying `config.consent_property` set it true;
 - quarantine: nothing served by a version the gate quarantined;
+- provenance: only generations serving signed (flywheel.signing) are learned from; a generation
+  anyone else posted (a product's own model, or a forgery through the collector with a write key)
+  may still be scored by signals, but its token ids and log-probs never reach an objective. When
+  several generation events share an id, the first one that verifies is used, so an unsigned
+  copy posted first cannot hide serving's own;
 - scrubbing: a completion containing secrets or personal data is dropped (we must not teach the
   policy to emit it; its tokens cannot be edited without voiding the behaviour log-probs); a prompt
   containing them is redacted and re-tokenised, and left out of the mismatch report.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +33,7 @@ import polars as pl
 from flywheel.contract import DataWindow, GenerationRecord
 from flywheel.lake.tables import EVENTS, REWARDS
 from flywheel.settings import Settings
+from flywheel.signing import Untrusted, check_generation
 from trainer.config import TrainerConfig
 from trainer.scrub import scrub
 
@@ -60,6 +67,14 @@ class Selection:
 
     def describe_drops(self) -> str:
         return ", ".join(f"{n} {why}" for why, n in sorted(self.dropped.items())) or "none"
+
+    def drop_metrics(self) -> dict[str, float]:
+        """One metric per reason rows were left out, e.g. `left_out_unsigned_not_logged_by_serving`."""
+        return {f"left_out_{_slug(why)}": float(n) for why, n in self.dropped.items()}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
 def load_selection(
@@ -96,11 +111,17 @@ def load_selection(
 
     selection = Selection(samples=[], window=None, reward_rows=new.height)
     generations = _generation_events(EVENTS.at(settings.lake_dir), rows["generation_id"].to_list())
-    joined = rows.join(generations, on="generation_id", how="left")
     consenting = _consenting_users(EVENTS.at(settings.lake_dir), config) if config.require_consent else None
+    key = settings.serving_key.get_secret_value()
     samples = []
-    for row in joined.sort("emitted_at").iter_rows(named=True):
-        sample = _eligible(row, config, quarantined, consenting, encode_prompt, selection.dropped)
+    for row in rows.sort("emitted_at").iter_rows(named=True):
+        found = _trusted_generation(row["generation_id"], generations.get(row["generation_id"], []), key)
+        if isinstance(found, str):
+            selection.dropped[found] += 1
+            continue
+        record, event_user = found
+        sample = _eligible(row, record, event_user, config, quarantined, consenting, encode_prompt,
+                           selection.dropped)  # fmt: skip
         if sample is not None:
             samples.append(sample)
     if config.max_samples and len(samples) > config.max_samples:
@@ -123,19 +144,42 @@ def _newest_reward_version(rewards: pl.LazyFrame) -> str | None:
     return None if newest.is_empty() else newest.item()
 
 
-def _generation_events(table: Path, generation_ids: list[str]) -> pl.DataFrame:
-    empty = pl.DataFrame(
-        schema={"generation_id": pl.String, "properties": pl.String, "event_user_id": pl.String}
-    )
+def _generation_events(table: Path, generation_ids: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """generation id -> every (properties JSON, user id) logged for it, in lake order."""
     events = EVENTS.scan(table)
     if events is None or not generation_ids:
-        return empty
-    return (
+        return {}
+    frame = (
         events.filter((pl.col("type") == "generation") & pl.col("generation_id").is_in(generation_ids))
-        .select("generation_id", "properties", pl.col("user_id").alias("event_user_id"))
-        .unique("generation_id", keep="first", maintain_order=True)
+        .select("generation_id", "properties", "user_id")
         .collect()
     )
+    out: dict[str, list[tuple[str, str]]] = {}
+    for gid, properties, user in frame.iter_rows():
+        out.setdefault(gid, []).append((properties, user))
+    return out
+
+
+def _trusted_generation(
+    generation_id: str, candidates: list[tuple[str, str]], key: str
+) -> tuple[GenerationRecord, str] | str:
+    """The first candidate serving signed, with its user; otherwise why the generation is left out."""
+    if not candidates:
+        return "without a generation event"
+    reasons = []
+    for properties, user in candidates:
+        try:
+            record = GenerationRecord.model_validate_json(properties)
+        except ValueError:
+            reasons.append("with an unreadable generation record")
+            continue
+        untrusted = check_generation(key, generation_id, user, record)
+        if untrusted is None:
+            return record, user
+        reasons.append(untrusted.value)
+    # A copy whose signature fails says more (tampering) than one that was never signed.
+    worst = [r for r in reasons if r != Untrusted.UNSIGNED]
+    return (worst or reasons)[0]
 
 
 def _consenting_users(table: Path, config: TrainerConfig) -> set[str]:
@@ -160,21 +204,15 @@ def _consenting_users(table: Path, config: TrainerConfig) -> set[str]:
 
 def _eligible(
     row: dict,
+    record: GenerationRecord,
+    event_user: str,
     config: TrainerConfig,
     quarantined: set[str],
     consenting: set[str] | None,
     encode_prompt: Callable[[str], list[int]],
     dropped: Counter[str],
 ) -> Sample | None:
-    if row["properties"] is None:
-        dropped["without a generation event"] += 1
-        return None
-    try:
-        record = GenerationRecord.model_validate_json(row["properties"])
-    except ValueError:
-        dropped["with an unreadable generation record"] += 1
-        return None
-    user = row["event_user_id"] or row["user_id"] or ""
+    user = event_user or row["user_id"] or ""
     if consenting is not None and user not in consenting:
         dropped["without consent"] += 1
         return None
