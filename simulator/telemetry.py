@@ -25,6 +25,7 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, EventType, GenerationRecord
 from flywheel.lake.tables import EVENTS, events_frame
 from flywheel.settings import Settings
+from flywheel.signing import sign_generation
 from ingest.lake_sink import write_events as write_lake_events
 from signals.events import FeedbackEvent, GenerationInfo
 
@@ -42,9 +43,11 @@ def generation_event(
     received_at: datetime | None = None,
     experiment: str = "default",
     record: GenerationRecord | None = None,
+    signing_key: str | None = None,
 ) -> Event:
     """A `generation` event as serving logs it; `record` (a real sample) replaces the made-up one, whose
-    completion is `completion` (empty: declined) from `model_version` on `arm`."""
+    completion is `completion` (empty: declined) from `model_version` on `arm`. With `signing_key` (serving's
+    key) the record is signed as serving signs it, so the trainer may learn from it."""
     declined = completion == ""
     rec = record or GenerationRecord(
         prompt="def f(x):\n    ",
@@ -57,6 +60,8 @@ def generation_event(
         experiment=experiment,
         finish_reason="declined" if declined else "stop",
     )
+    if signing_key is not None:
+        rec = rec.model_copy(update={"signature": sign_generation(signing_key, gid, user_id, rec)})
     return Event(
         type=EventType.GENERATION,
         generation_id=gid,
@@ -169,6 +174,7 @@ def history(
     window_s: float = 2.0,
     arms: Sequence[Arm] = ("champion", "challenger"),
     prefix: str = "g",
+    signing_key: str | None = None,
 ) -> History:
     """Generations every `spacing_s` from `start`, each with a user's reaction.
 
@@ -198,6 +204,7 @@ def history(
                 model_version=version,
                 arm=arm,
                 completion="" if declined else "return x + 1\n",
+                signing_key=signing_key,
             )
         ]
         if not declined and roll >= declined_share + silent_share:

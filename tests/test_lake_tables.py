@@ -64,7 +64,7 @@ def arms_of(settings: Settings) -> list[dict[str, object]]:
 
 def test_every_writer_and_reader_of_the_lake_agree(settings: Settings, tmp_path: Path) -> None:
     ensure_topics(settings)
-    hist = history(30, start=START, seed=3, spacing_s=0.5)
+    hist = history(30, start=START, seed=3, spacing_s=0.5, signing_key=settings.serving_key.get_secret_value())
     consent = consent_events(sorted({e.user_id for e in hist.events}))
     send(settings, [*hist.events, *consent])
     distinct = len({e.event_id for e in [*hist.events, *consent]})

@@ -19,11 +19,11 @@ from flywheel.bus import ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.connections import redis_client
 from flywheel.contract import Event, GenerationRecord, RewardRecord, TrafficSplit
+from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from flywheel.signing import Untrusted, check_generation, sign_generation
 from flywheel.traffic import TrafficSplitStore
 from ingest.collector import create_app as create_collector
-from ingest.lake_sink import read_events
 from ingest.worker import IngestWorker
 from serving.app import create_app as create_serving
 from serving.pool import PolicyPool
@@ -53,11 +53,11 @@ def ingest_all(settings: Settings, rows: int, timeout_s: float = 60.0) -> None:
     worker = IngestWorker(settings)
     deadline = time.monotonic() + timeout_s
     try:
-        while read_events(settings.lake_dir).height < rows and time.monotonic() < deadline:
+        while EVENTS.read(EVENTS.at(settings.lake_dir)).height < rows and time.monotonic() < deadline:
             worker.run_once()
     finally:
         worker.close()
-    assert read_events(settings.lake_dir).height == rows
+    assert EVENTS.read(EVENTS.at(settings.lake_dir)).height == rows
 
 
 def test_forged_and_tampered_generations_never_become_samples(settings: Settings, tiny_model_dir: Path) -> None:
