@@ -37,7 +37,17 @@ from flywheel.settings import Settings, get_settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
 from ingest.group_send import GroupSender
-from ingest.intake import BodyError, Intake, decode_body, native_intake, parse_json, segment_intake
+from ingest.intake import (
+    Body,
+    BodyError,
+    Intake,
+    body_without_credentials,
+    body_write_key,
+    decode_body,
+    native_intake,
+    parse_json,
+    segment_intake,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,30 +162,33 @@ def create_app(
             chunks.append(chunk)
         return decode_body(b"".join(chunks), request.headers.get("content-encoding"), max_body_bytes)
 
-    def authorised(header_key: str | None, intake_key: Any) -> bool:
-        key = header_key or (intake_key if isinstance(intake_key, str) else None)
-        return key is not None and key in write_keys
-
     async def take(request: Request, endpoint: str, build: Any) -> dict[str, Any]:
+        # Credentials first: nothing of a body is parsed or validated for a sender without a known write key.
         header_key = write_key_from_header(request.headers.get("authorization"))
         if header_key is not None and header_key not in write_keys:
-            # Checked before reading the body: an unknown key costs us nothing.
-            raise BodyError(401, "unknown write key")
+            raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
         received_at = datetime.now(UTC)
         body = await read_body(request)
+        parsed: Body | None = None
+        if header_key is None:
+            body_key, parsed = body_write_key(body)
+            if body_key is None or body_key not in write_keys:
+                raise BodyError(401, "missing or unknown write key (send it as the HTTP basic auth user name)")
+        source = f"http:{endpoint}"
         try:
-            doc = parse_json(body)
-            intake: Intake = build(doc, received_at)
+            parsed = parsed or parse_json(body)
+            try:
+                intake: Intake = build(parsed.doc, received_at, parsed.lenient)
+            except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+                # Items are judged one by one (a bad one is refused alone); this is a body no item reached.
+                raise BodyError(400, f"body cannot be read: {type(exc).__name__}: {exc}") from None
         except BodyError as exc:
-            if exc.status == 400 and header_key is not None:
-                # A body we cannot read is still kept (as a dead letter) for the sender to inspect.
-                letter = dead_letter(exc.reason, f"http:{endpoint}", body, received_at)
+            if exc.status == 400:
+                # A body we cannot read is still kept (as a dead letter) for the sender to inspect, less its keys.
+                letter = dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
                 await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
-        if not authorised(header_key, intake.write_key):
-            raise BodyError(401, "missing or unknown write key (send it as the HTTP basic auth user name)")
-        source = f"http:{endpoint}"
         messages = [
             Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode())
             for e in intake.accepted
@@ -199,14 +212,18 @@ def create_app(
 
     @app.post("/v1/events")
     async def events(request: Request) -> dict[str, Any]:
-        return await take(request, "/v1/events", lambda doc, at: native_intake(doc, at, max_event_bytes))
+        return await take(
+            request, "/v1/events", lambda doc, at, lenient: native_intake(doc, at, max_event_bytes, lenient=lenient)
+        )
 
     @app.post("/v1/batch")
     async def batch(request: Request) -> dict[str, Any]:
         return await take(
             request,
             "/v1/batch",
-            lambda doc, at: segment_intake(doc, at, single=False, max_event_bytes=max_event_bytes),
+            lambda doc, at, lenient: segment_intake(
+                doc, at, single=False, max_event_bytes=max_event_bytes, lenient=lenient
+            ),
         )
 
     @app.post("/v1/track")
@@ -214,7 +231,9 @@ def create_app(
         result = await take(
             request,
             "/v1/track",
-            lambda doc, at: segment_intake(doc, at, single=True, max_event_bytes=max_event_bytes),
+            lambda doc, at, lenient: segment_intake(
+                doc, at, single=True, max_event_bytes=max_event_bytes, lenient=lenient
+            ),
         )
         # A single refused track call is the caller's error (and a 4xx stops Segment's retries).
         return JSONResponse(result, status_code=400 if result["refused"] else 200)
