@@ -52,6 +52,7 @@ from ingest.intake import (
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MISSING_KEY = "missing or unknown write key (send it as the HTTP basic auth user name)"
 RETRY_AFTER_S = 5
 
 
@@ -151,6 +152,7 @@ def create_app(
         )
 
     async def read_body(request: Request) -> bytes:
+        """The body as sent (compressed or not), at most `max_body_bytes`."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > max_body_bytes:
             raise BodyError(413, f"body is {declared} bytes; the limit is {max_body_bytes}")
@@ -160,7 +162,7 @@ def create_app(
             if size > max_body_bytes:
                 raise BodyError(413, f"body is over the {max_body_bytes}-byte limit")
             chunks.append(chunk)
-        return decode_body(b"".join(chunks), request.headers.get("content-encoding"), max_body_bytes)
+        return b"".join(chunks)
 
     async def take(request: Request, endpoint: str, build: Any) -> dict[str, Any]:
         # Credentials first: nothing of a body is parsed or validated for a sender without a known write key.
@@ -168,13 +170,24 @@ def create_app(
         if header_key is not None and header_key not in write_keys:
             raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
         received_at = datetime.now(UTC)
-        body = await read_body(request)
+        body = sent = await read_body(request)
         parsed: Body | None = None
+        source = f"http:{endpoint}"
+        try:
+            # Inflated at most to the same limit as sent (a gzip bomb is a 413).
+            body = decode_body(sent, request.headers.get("content-encoding"), max_body_bytes)
+        except BodyError as exc:
+            if header_key is None:  # no key could be read from it: the sender is unknown
+                raise BodyError(401, MISSING_KEY) from None
+            if exc.status == 400:
+                letter = dead_letter(exc.reason, source, body_without_credentials(sent), received_at)
+                await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
+                metrics.DEAD_LETTERED.labels("collector").inc()
+            raise
         if header_key is None:
             body_key, parsed = body_write_key(body)
             if body_key is None or body_key not in write_keys:
-                raise BodyError(401, "missing or unknown write key (send it as the HTTP basic auth user name)")
-        source = f"http:{endpoint}"
+                raise BodyError(401, MISSING_KEY)
         try:
             parsed = parsed or parse_json(body)
             try:
