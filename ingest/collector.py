@@ -6,10 +6,15 @@
 - `GET /v1/schema`: the published JSON Schema of the envelope.
 - `/healthz`, `/readyz`, `/metrics`.
 
-Refused events are answered item by item and also produced to the dead-letter
-topic with their bytes, the reason and the endpoint. Unknown write key: 401 and
-nothing is produced. Kafka unreachable: 503 with Retry-After. Requests in flight at the
-same time share one send to Kafka (`ingest.group_send`).
+Credentials come first: a write key in the Authorization header is checked before the
+body is read, one carried only in the body before the body is parsed (a scan for that one
+field); unknown or missing: 401 and nothing is produced. Bodies are capped as sent and as
+inflated (413). Every client error is a 4xx with a reason, never a 500: a body that cannot
+be read is a 400, an item that cannot be an event is refused alone (the rest of its batch
+is taken). Refused items and bodies are answered and also produced to the dead-letter topic
+with their bytes (less any `writeKey`/`authorization` value), the reason and the endpoint.
+Kafka unreachable: 503 with Retry-After. Requests in flight at the same time share one
+send to Kafka (`ingest.group_send`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import pyarrow as pa
 from flywheel.bus import Record, RecordBatch
 from flywheel.contract import (
     MAX_EVENT_BYTES,
+    MAX_PROPERTIES_DEPTH,
     SUPPORTED_SCHEMA_VERSIONS,
     Event,
     EventType,
@@ -269,7 +270,10 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
                     continue
                 try:
                     decoded = _PROPERTIES_DECODER.decode(text)
-                    check_properties(decoded)
+                    # msgspec takes no NaN, Infinity or lone surrogate; only the depth is left to check, and a
+                    # text with fewer brackets than the limit cannot be deeper than it.
+                    if text.count("[") + text.count("{") > MAX_PROPERTIES_DEPTH:
+                        check_properties(decoded)
                     rewritten.append(properties_json(decoded))
                 except _UNDECODABLE:  # not an object, or not storable: pydantic says why
                     rewritten.append(None)

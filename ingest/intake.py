@@ -42,7 +42,9 @@ class Refusal:
     sent_at: object = None  # the batch body's `sentAt`, kept with the dead letter for a replay's clock-skew correction
 
     def public(self) -> dict[str, Any]:
-        return {"index": self.index, "event_id": self.event_id, "reason": self.reason}
+        # A reason may quote what was sent: written back as valid UTF-8 whatever that held.
+        reason = self.reason.encode("utf-8", "backslashreplace").decode()
+        return {"index": self.index, "event_id": self.event_id, "reason": reason}
 
 
 @dataclass

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 from fastapi.testclient import TestClient
 
@@ -18,9 +20,10 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, utcnow
 from flywheel.settings import Settings
 from ingest import collector as collector_module
+from ingest import lake_sink
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.lake_sink import read_events
+from ingest.lake_sink import read_events, rows_frame, write_batch
 from ingest.worker import IngestWorker
 from signals.config import SignalsConfig
 from signals.worker import SignalsWorker
@@ -261,3 +264,37 @@ def test_credentials_are_checked_before_the_body_is_parsed(client, settings, mon
     # A right key in the body: parsed then, and taken.
     ok = json.dumps({"writeKey": KEY, "batch": [track("m")]}).encode()
     assert client.post("/v1/batch", content=ok).json()["accepted"] == 1 and parsed == [ok]
+
+
+def _rows(n: int, ts_us: list[int] | None = None) -> pl.DataFrame:
+    ts = ts_us or [1_767_225_600_000_000 + i for i in range(n)]  # 2026-01-01
+    rows = [(f"e{i}", "accepted", 1, "g", "u", "", ts[i], ts[i], "native", "{}", "events", 0, i) for i in range(n)]
+    return rows_frame(rows).with_columns(pl.Series("_i", range(n), dtype=pl.Int64))
+
+
+def test_rows_the_lake_cannot_partition_are_handed_back_and_the_rest_written(tmp_path):
+    year_zero = -62_167_219_200_000_000 - 3_600_000_000  # 0000-12-31T23:00Z: before year 1
+    frame = _rows(3, [1_767_225_600_000_000, year_zero, 1_767_225_600_000_001])
+    written, refused = write_batch(tmp_path, frame)
+    assert len(written) == 1 and [i for i, _ in refused] == [1] and "partition" in refused[0][1]
+    assert sorted(pl.read_parquet(written)["event_id"].to_list()) == ["e0", "e2"]
+
+
+def test_a_row_the_writer_fails_on_is_handed_back_alone_and_no_row_is_written_twice(tmp_path, monkeypatch):
+    """Fault injection: the Parquet writer is made to fail on one row (no real row is known to), to prove the
+    split: every other row is written exactly once."""
+    real = lake_sink.write_atomic
+
+    def failing(df: pl.DataFrame, path: Path) -> Path:
+        if "e5" in df["event_id"].to_list():
+            raise pl.exceptions.ComputeError("cannot write e5")
+        return real(df, path)
+
+    monkeypatch.setattr(lake_sink, "write_atomic", failing)
+    written, refused = write_batch(tmp_path, _rows(12))
+    assert refused == [(5, "cannot be written to the lake: ComputeError: cannot write e5")]
+    ids = pl.read_parquet(written)["event_id"].to_list()
+    assert sorted(ids) == sorted(f"e{i}" for i in range(12) if i != 5) and len(ids) == len(set(ids))
+    with pytest.raises(OSError):  # the lake's own failure is not a row's: the batch is retried
+        monkeypatch.setattr(lake_sink, "write_atomic", lambda df, path: (_ for _ in ()).throw(OSError("disk full")))
+        write_batch(tmp_path, _rows(2))
