@@ -7,6 +7,7 @@ their properties; signals emit `RewardRecord`s; serving reads a `TrafficSplit`.
 
 from __future__ import annotations
 
+import math
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -17,6 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
 MAX_EVENT_BYTES = 256 * 1024
+# Event times must be UTC instants the lake can partition (`date=YYYY-MM-DD/hour=HH`, Python's years 1-9999)
+# and Arrow can hold (microseconds since the epoch in an int64: far wider). A time written with an offset can
+# be inside years 1-9999 as written and outside them in UTC (`0001-01-01T00:30:00+01:00`): refused.
+EARLIEST_TIME = datetime(1, 1, 1, tzinfo=UTC)
+LATEST_TIME = datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC)
+# Deeper properties are refused: nothing real nests this far, and every JSON reader on the way (pydantic's
+# among them, at about 200) has a depth past which it gives up.
+MAX_PROPERTIES_DEPTH = 64
 
 
 class EventType(StrEnum):
@@ -74,7 +83,13 @@ class Event(BaseModel):
     @field_validator("ts", "received_at")
     @classmethod
     def _aware(cls, v: datetime) -> datetime:
-        return v if v.tzinfo else v.replace(tzinfo=UTC)
+        return check_time(v if v.tzinfo else v.replace(tzinfo=UTC))
+
+    @field_validator("properties")
+    @classmethod
+    def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_properties(v)
+        return v
 
     @model_validator(mode="after")
     def _generation_carries_record(self) -> Event:
@@ -86,8 +101,11 @@ class Event(BaseModel):
         return self.model_dump_json().encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> Event:
-        """Parse and validate; raises `InvalidEvent` with a readable reason."""
+    def from_bytes(cls, raw: bytes | None) -> Event:
+        """Parse and validate; raises `InvalidEvent` with a readable reason (a record without a value, a
+        Kafka tombstone, included)."""
+        if raw is None:
+            raise InvalidEvent("record has no value (a tombstone); an event is a JSON object")
         if len(raw) > MAX_EVENT_BYTES:
             raise InvalidEvent(f"event is {len(raw)} bytes; the limit is {MAX_EVENT_BYTES}")
         try:
@@ -103,6 +121,48 @@ class Event(BaseModel):
 
 class InvalidEvent(ValueError):
     """An event that fails the contract; its message is the reason given to the sender."""
+
+
+def check_time(v: datetime) -> datetime:
+    """`v` (aware) if it is a UTC instant between `EARLIEST_TIME` and `LATEST_TIME`; else `ValueError`."""
+    try:
+        v.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(
+            f"{v.isoformat()} is outside {EARLIEST_TIME.isoformat()} .. {LATEST_TIME.isoformat()} in UTC"
+        ) from None
+    return v
+
+
+def check_properties(properties: dict[str, Any]) -> None:
+    """Raise `ValueError` unless `properties` can be stored as it is: finite numbers only (JSON has no
+    NaN or Infinity, and the lake must not hold them as text), text that is valid Unicode (no lone
+    surrogate, which no UTF-8 writer can write), at most `MAX_PROPERTIES_DEPTH` levels deep."""
+    stack: list[tuple[object, int]] = [(properties, 1)]
+    while stack:  # a loop, not recursion: the depth is what is being checked
+        value, depth = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"{value} is not a JSON number; NaN and Infinity are refused")
+        elif isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, dict | list):
+            if depth > MAX_PROPERTIES_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_PROPERTIES_DEPTH} levels")
+            if isinstance(value, dict):
+                for key in value:
+                    _check_text(key)
+                stack.extend((item, depth + 1) for item in value.values())
+            else:
+                stack.extend((item, depth + 1) for item in value)
+
+
+def _check_text(text: object) -> None:
+    if isinstance(text, str) and not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise ValueError("text holds a lone surrogate, which is not Unicode") from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -6,10 +6,15 @@
 - `GET /v1/schema`: the published JSON Schema of the envelope.
 - `/healthz`, `/readyz`, `/metrics`.
 
-Refused events are answered item by item and also produced to the dead-letter
-topic with their bytes, the reason and the endpoint. Unknown write key: 401 and
-nothing is produced. Kafka unreachable: 503 with Retry-After. Requests in flight at the
-same time share one send to Kafka (`ingest.group_send`).
+Credentials come first: a write key in the Authorization header is checked before the
+body is read, one carried only in the body before the body is parsed (a scan for that one
+field); unknown or missing: 401 and nothing is produced. Bodies are capped as sent and as
+inflated (413). Every client error is a 4xx with a reason, never a 500: a body that cannot
+be read is a 400, an item that cannot be an event is refused alone (the rest of its batch
+is taken). Refused items and bodies are answered and also produced to the dead-letter topic
+with their bytes (less any `writeKey`/`authorization` value), the reason and the endpoint.
+Kafka unreachable: 503 with Retry-After. Requests in flight at the same time share one
+send to Kafka (`ingest.group_send`).
 """
 
 from __future__ import annotations
@@ -37,11 +42,22 @@ from flywheel.settings import Settings, get_settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
 from ingest.group_send import GroupSender
-from ingest.intake import BodyError, Intake, decode_body, native_intake, parse_json, segment_intake
+from ingest.intake import (
+    Body,
+    BodyError,
+    Intake,
+    body_without_credentials,
+    body_write_key,
+    decode_body,
+    native_intake,
+    parse_json,
+    segment_intake,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MISSING_KEY = "missing or unknown write key (send it as the HTTP basic auth user name)"
 RETRY_AFTER_S = 5
 
 
@@ -141,6 +157,7 @@ def create_app(
         )
 
     async def read_body(request: Request) -> bytes:
+        """The body as sent (compressed or not), at most `max_body_bytes`."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > max_body_bytes:
             raise BodyError(413, f"body is {declared} bytes; the limit is {max_body_bytes}")
@@ -150,32 +167,46 @@ def create_app(
             if size > max_body_bytes:
                 raise BodyError(413, f"body is over the {max_body_bytes}-byte limit")
             chunks.append(chunk)
-        return decode_body(b"".join(chunks), request.headers.get("content-encoding"), max_body_bytes)
-
-    def authorised(header_key: str | None, intake_key: Any) -> bool:
-        key = header_key or (intake_key if isinstance(intake_key, str) else None)
-        return key is not None and key in write_keys
+        return b"".join(chunks)
 
     async def take(request: Request, endpoint: str, build: Any) -> dict[str, Any]:
+        # Credentials first: nothing of a body is parsed or validated for a sender without a known write key.
         header_key = write_key_from_header(request.headers.get("authorization"))
         if header_key is not None and header_key not in write_keys:
-            # Checked before reading the body: an unknown key costs us nothing.
-            raise BodyError(401, "unknown write key")
+            raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
         received_at = datetime.now(UTC)
-        body = await read_body(request)
+        body = sent = await read_body(request)
+        parsed: Body | None = None
+        source = f"http:{endpoint}"
         try:
-            doc = parse_json(body)
-            intake: Intake = build(doc, received_at)
+            # Inflated at most to the same limit as sent (a gzip bomb is a 413).
+            body = decode_body(sent, request.headers.get("content-encoding"), max_body_bytes)
         except BodyError as exc:
-            if exc.status == 400 and header_key is not None:
-                # A body we cannot read is still kept (as a dead letter) for the sender to inspect.
-                letter = dead_letter(exc.reason, f"http:{endpoint}", body, received_at)
+            if header_key is None:  # no key could be read from it: the sender is unknown
+                raise BodyError(401, MISSING_KEY) from None
+            if exc.status == 400:
+                letter = dead_letter(exc.reason, source, body_without_credentials(sent), received_at)
                 await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
-        if not authorised(header_key, intake.write_key):
-            raise BodyError(401, "missing or unknown write key (send it as the HTTP basic auth user name)")
-        source = f"http:{endpoint}"
+        if header_key is None:
+            body_key, parsed = body_write_key(body)
+            if body_key is None or body_key not in write_keys:
+                raise BodyError(401, MISSING_KEY)
+        try:
+            parsed = parsed or parse_json(body)
+            try:
+                intake: Intake = build(parsed.doc, received_at, parsed.lenient)
+            except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+                # Items are judged one by one (a bad one is refused alone); this is a body no item reached.
+                raise BodyError(400, f"body cannot be read: {type(exc).__name__}: {exc}") from None
+        except BodyError as exc:
+            if exc.status == 400:
+                # A body we cannot read is still kept (as a dead letter) for the sender to inspect, less its keys.
+                letter = dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
+                await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
+                metrics.DEAD_LETTERED.labels("collector").inc()
+            raise
         messages = [
             Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode())
             for e in intake.accepted
@@ -199,14 +230,18 @@ def create_app(
 
     @app.post("/v1/events")
     async def events(request: Request) -> dict[str, Any]:
-        return await take(request, "/v1/events", lambda doc, at: native_intake(doc, at, max_event_bytes))
+        return await take(
+            request, "/v1/events", lambda doc, at, lenient: native_intake(doc, at, max_event_bytes, lenient=lenient)
+        )
 
     @app.post("/v1/batch")
     async def batch(request: Request) -> dict[str, Any]:
         return await take(
             request,
             "/v1/batch",
-            lambda doc, at: segment_intake(doc, at, single=False, max_event_bytes=max_event_bytes),
+            lambda doc, at, lenient: segment_intake(
+                doc, at, single=False, max_event_bytes=max_event_bytes, lenient=lenient
+            ),
         )
 
     @app.post("/v1/track")
@@ -214,7 +249,9 @@ def create_app(
         result = await take(
             request,
             "/v1/track",
-            lambda doc, at: segment_intake(doc, at, single=True, max_event_bytes=max_event_bytes),
+            lambda doc, at, lenient: segment_intake(
+                doc, at, single=True, max_event_bytes=max_event_bytes, lenient=lenient
+            ),
         )
         # A single refused track call is the caller's error (and a 4xx stops Segment's retries).
         return JSONResponse(result, status_code=400 if result["refused"] else 200)

@@ -10,6 +10,9 @@ already in the lake's JSON spelling). Whatever that plain path does not take goe
 `Event.from_bytes`, which either accepts it or refuses it with today's reason. So the
 plain path never refuses anything itself, and the row it builds is the one pydantic would
 have built (tests/test_ingest_fast_validate.py checks both on edge cases).
+
+Nothing a record holds makes `validate_batch` raise: a tombstone (no value), invalid UTF-8, JSON nested past
+any parser's depth, NaN, times outside the lake's range all come out as refusals with a reason.
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ import polars as pl
 import pyarrow as pa
 
 from flywheel.bus import Record, RecordBatch
-from flywheel.contract import MAX_EVENT_BYTES, SUPPORTED_SCHEMA_VERSIONS, Event, EventType, InvalidEvent
+from flywheel.contract import (
+    MAX_EVENT_BYTES,
+    MAX_PROPERTIES_DEPTH,
+    SUPPORTED_SCHEMA_VERSIONS,
+    Event,
+    EventType,
+    InvalidEvent,
+    check_properties,
+)
 from flywheel.lake.tables import EVENTS
 from ingest.compact_json import compact_json_encoder
 from ingest.lake_sink import rows_frame
@@ -102,6 +113,9 @@ class _PlainEnvelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 _PLAIN_DECODER = msgspec.json.Decoder(_PlainEnvelope)
+# What msgspec raises for bytes it cannot take: bad JSON (DecodeError, a ValueError), invalid UTF-8 inside a
+# string (UnicodeDecodeError, also a ValueError) and nesting past its depth limit (RecursionError).
+_UNDECODABLE = (ValueError, RecursionError)
 _PLAIN_LIST_DECODER = msgspec.json.Decoder(list[_PlainEnvelope])
 
 
@@ -113,7 +127,8 @@ def _decode_plain(values: list[bytes]) -> tuple[list[_PlainEnvelope], list[int]]
     is one JSON object: a value holding two would add an element, and one holding none (empty, blanks)
     would leave two commas in a row, which is no JSON. Otherwise, record by record.
     """
-    if values and max(map(len, values)) <= MAX_EVENT_BYTES:
+    # A tombstone (no value) never takes the plain path, nor lets the batch be decoded as one array.
+    if values and None not in values and max(map(len, values)) <= MAX_EVENT_BYTES:
         try:
             # One copy of the batch: the brackets ride on the first and last values.
             framed = list(values)
@@ -122,17 +137,17 @@ def _decode_plain(values: list[bytes]) -> tuple[list[_PlainEnvelope], list[int]]
             plain = _PLAIN_LIST_DECODER.decode(b",".join(framed))
             if len(plain) == len(values):
                 return plain, []
-        except msgspec.DecodeError:
+        except _UNDECODABLE:
             pass
     decode = _PLAIN_DECODER.decode
     plain = []
     slow: list[int] = []
     for i, raw in enumerate(values):
         try:
-            if len(raw) <= MAX_EVENT_BYTES:
+            if raw is not None and len(raw) <= MAX_EVENT_BYTES:
                 plain.append(decode(raw))
                 continue
-        except msgspec.DecodeError:
+        except _UNDECODABLE:
             pass
         slow.append(i)
     return plain, slow
@@ -179,6 +194,14 @@ def _repeat_a_key(canonical_texts: pl.Series) -> pl.Series:
     return repeated
 
 
+def _is_utf8(text: bytes) -> bool:
+    try:
+        text.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
     """Valid records as lake rows (`flywheel.lake.tables.EVENTS`, plus `_i`, the record's index, ascending),
     and refused records as (index, the contract's reason).
@@ -192,6 +215,16 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
     plain, slow = _decode_plain(values)
 
     frames: list[pl.DataFrame] = []
+    properties = [bytes(e.properties) for e in plain]
+    # msgspec checks the UTF-8 of what it decodes, not of a Raw: properties that are not UTF-8 go to pydantic.
+    not_utf8 = [k for k, text in enumerate(properties) if not text.isascii() and not _is_utf8(text)]
+    if not_utf8:
+        taken = set(slow)
+        plain_i = [i for i in range(len(values)) if i not in taken]
+        slow.extend(plain_i[k] for k in not_utf8)
+        drop = set(not_utf8)
+        plain = [e for k, e in enumerate(plain) if k not in drop]
+        properties = [text for k, text in enumerate(properties) if k not in drop]
     if plain:
         topics, partitions, offsets = batch.topics, batch.partitions, batch.offsets
         plain_i = list(range(len(values)))
@@ -212,7 +245,7 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
                 "ts": [e.ts for e in plain],
                 "received_at": [e.received_at for e in plain],
                 "source": [e.source for e in plain],
-                "properties": pl.Series([bytes(e.properties) for e in plain], dtype=pl.Binary),
+                "properties": pl.Series(properties, dtype=pl.Binary),
                 "kafka_topic": topics,
                 "kafka_partition": pl.Series(partitions, dtype=pl.Int32),
                 "kafka_offset": pl.Series(offsets, dtype=pl.Int64),
@@ -222,8 +255,7 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
         df = df.with_columns(
             _plain_times(df["ts"]),
             _plain_times(df["received_at"]),
-            # Valid UTF-8 already (msgspec checked the whole document).
-            pl.col("properties").cast(pl.String),
+            pl.col("properties").cast(pl.String),  # checked UTF-8 above
         )
         bad_time = pl.col("ts").is_null() | pl.col("received_at").is_null()
         if df.select(bad_time.any()).item():
@@ -238,8 +270,13 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
                     rewritten.append(text)
                     continue
                 try:
-                    rewritten.append(properties_json(_PROPERTIES_DECODER.decode(text)))
-                except msgspec.DecodeError:  # not an object: pydantic says why
+                    decoded = _PROPERTIES_DECODER.decode(text)
+                    # msgspec takes no NaN, Infinity or lone surrogate; only the depth is left to check, and a
+                    # text with fewer brackets than the limit cannot be deeper than it.
+                    if text.count("[") + text.count("{") > MAX_PROPERTIES_DEPTH:
+                        check_properties(decoded)
+                    rewritten.append(properties_json(decoded))
+                except _UNDECODABLE:  # not an object, or not storable: pydantic says why
                     rewritten.append(None)
             df = df.with_columns(pl.Series("properties", rewritten, dtype=pl.String))
             gone = df.filter(pl.col("properties").is_null())
@@ -253,11 +290,13 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
         slow.sort()
         rows: list[tuple[object, ...]] = []
         for i in slow:
-            record = Record(batch.topics[i], batch.partitions[i], batch.offsets[i], None, values[i], 0)
+            record = Record(batch.topics[i], batch.partitions[i], batch.offsets[i], None, values[i] or b"", 0)
             try:
                 rows.append((*event_row(Event.from_bytes(values[i]), record), i))
             except InvalidEvent as exc:
                 refused.append((i, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - a record that breaks the validator is refused, not fatal
+                refused.append((i, f"cannot be validated: {type(exc).__name__}: {exc}"))
         if rows:
             idx = pl.Series("_i", [r[-1] for r in rows], dtype=pl.Int64)
             frames.append(rows_frame([r[:-1] for r in rows]).with_columns(idx))

@@ -8,6 +8,7 @@ the reason and the item's bytes (for the dead-letter topic).
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent, describe_validation_error
 from ingest.compact_json import compact_json_encoder
-from ingest.segment import track_to_event
+from ingest.segment import shown, track_to_event
 
 _MSGSPEC_JSON = msgspec.json.Decoder()
 
@@ -41,14 +42,24 @@ class Refusal:
     sent_at: object = None  # the batch body's `sentAt`, kept with the dead letter for a replay's clock-skew correction
 
     def public(self) -> dict[str, Any]:
-        return {"index": self.index, "event_id": self.event_id, "reason": self.reason}
+        # A reason may quote what was sent: written back as valid UTF-8 whatever that held.
+        reason = self.reason.encode("utf-8", "backslashreplace").decode()
+        return {"index": self.index, "event_id": self.event_id, "reason": reason}
 
 
 @dataclass
 class Intake:
     accepted: list[Event] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
-    write_key: str | None = None  # a `writeKey` carried in the body (Segment libraries send it there too)
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A decoded body. `lenient`: msgspec refused it and `json.loads` took it (NaN, Infinity, lone
+    surrogates, huge numbers): its items then hold values only `json.dumps` writes back faithfully."""
+
+    doc: Any
+    lenient: bool = False
 
 
 def decode_body(raw: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
@@ -57,7 +68,7 @@ def decode_body(raw: bytes, content_encoding: str | None, max_bytes: int) -> byt
     if encoding in ("", "identity"):
         return raw
     if encoding not in ("gzip", "deflate"):
-        raise BodyError(415, f"Content-Encoding {encoding!r} is not supported; send gzip or none")
+        raise BodyError(415, f"Content-Encoding {shown(encoding)} is not supported; send gzip or none")
     inflater = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)  # 47: gzip or zlib header
     try:
         out = inflater.decompress(raw, max_bytes + 1)
@@ -68,39 +79,120 @@ def decode_body(raw: bytes, content_encoding: str | None, max_bytes: int) -> byt
     return out
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes) -> Body:
     # msgspec decodes several times faster than json.loads and to the same values; whatever it
-    # refuses (NaN, lone surrogates, huge numbers, bad JSON) goes to json.loads, which accepts
-    # it as before or gives today's error.
+    # refuses as JSON (NaN, lone surrogates, huge numbers) goes to json.loads, which takes it so that
+    # the item holding it is refused alone, with its reason (the contract refuses such values).
     try:
-        return _MSGSPEC_JSON.decode(body)
+        return Body(_MSGSPEC_JSON.decode(body))
     except msgspec.DecodeError:
         pass
+    except UnicodeDecodeError as exc:
+        raise BodyError(400, f"body is not UTF-8: {exc}") from None
+    except RecursionError:
+        raise BodyError(400, "body is nested too deeply to read") from None
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return Body(json.loads(body), lenient=True)
+    except RecursionError:
+        raise BodyError(400, "body is nested too deeply to read") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4300 digits
         raise BodyError(400, f"body is not JSON: {exc}") from None
+
+
+class _Credentials(msgspec.Struct):
+    writeKey: Any = None  # noqa: N815 - Segment's spelling
+
+
+_CREDENTIALS_ONLY = msgspec.json.Decoder(_Credentials)
+
+
+def body_write_key(body: bytes) -> tuple[str | None, Body | None]:
+    """The `writeKey` a body carries (Segment libraries may send it there instead of in the header), read
+    without building or validating anything else; and the decoded body when finding it took a full decode
+    (a body msgspec does not take). Raises nothing: a body it cannot read carries no key."""
+    try:
+        key = _CREDENTIALS_ONLY.decode(body).writeKey
+        return (key if isinstance(key, str) else None), None
+    except msgspec.ValidationError:  # JSON, but no object at the top
+        return None, None
+    except (ValueError, RecursionError):
+        pass
+    try:
+        parsed = parse_json(body)
+    except BodyError:
+        return None, None
+    key = parsed.doc.get("writeKey") if isinstance(parsed.doc, dict) else None
+    return (key if isinstance(key, str) else None), parsed
+
+
+# Where a write key or credentials can sit in a body: never copied into a dead letter.
+_CREDENTIAL_KEYS = frozenset({"writekey", "write_key", "authorization"})
+_CREDENTIAL_TEXT = re.compile(
+    rb'("(?:writeKey|write_key|authorization)"\s*:\s*)"(?:[^"\\]|\\.)*"', re.IGNORECASE
+)
+REDACTED = "[redacted]"
+
+
+def without_credentials(item: Any) -> Any:
+    """`item` with its credential fields' values redacted (a JSON object's top level, where Segment puts them)."""
+    if not isinstance(item, dict) or not any(isinstance(k, str) and k.lower() in _CREDENTIAL_KEYS for k in item):
+        return item
+    return {k: REDACTED if isinstance(k, str) and k.lower() in _CREDENTIAL_KEYS else v for k, v in item.items()}
+
+
+def body_without_credentials(body: bytes, parsed: Body | None = None) -> bytes:
+    """A refused body as it may be dead-lettered: a JSON object with its credentials redacted and written
+    back; any other body with every `"writeKey": "..."`-looking text redacted."""
+    if parsed is not None and isinstance(parsed.doc, dict):
+        stripped = without_credentials(parsed.doc)
+        return body if stripped is parsed.doc else _item_bytes(stripped, parsed.lenient)
+    return _CREDENTIAL_TEXT.sub(rb'\1"' + REDACTED.encode() + rb'"', body)
 
 
 _encode_item = compact_json_encoder(default=str)
 
 
-def _item_bytes(item: Any) -> bytes:
-    return _encode_item(item).encode()
+def _item_bytes(item: Any, lenient: bool = False) -> bytes:
+    """An item's bytes for its size check and its dead letter (`lenient`: see `Body`)."""
+    try:
+        if lenient:
+            return json.dumps(item, separators=(",", ":"), default=str).encode()
+        return _encode_item(item).encode()
+    except (ValueError, RecursionError):
+        # Deeper than the encoder goes (decoders and encoders differ by a few levels): only the reason is kept.
+        return b'"<item nested too deeply to write back>"'
 
 
 def _item_id(item: Any, key: str) -> str | None:
     value = item.get(key) if isinstance(item, dict) else None
-    return str(value) if value is not None else None
+    if value is None or isinstance(value, dict | list):
+        return None
+    return str(value)[:256].encode("utf-8", "backslashreplace").decode()
 
 
-def native_intake(doc: Any, received_at: datetime, max_event_bytes: int = MAX_EVENT_BYTES) -> Intake:
+# What validating one item can raise over what the item holds; the item is then refused, the rest goes on.
+_ITEM_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        return describe_validation_error(exc)
+    if isinstance(exc, InvalidEvent):
+        return str(exc)
+    if isinstance(exc, RecursionError):
+        return "nested too deeply to read"
+    return f"cannot be read: {type(exc).__name__}: {exc}"
+
+
+def native_intake(
+    doc: Any, received_at: datetime, max_event_bytes: int = MAX_EVENT_BYTES, *, lenient: bool = False
+) -> Intake:
     """`{"events": [<Event JSON>, ...]}`; the server sets `received_at`."""
     if not isinstance(doc, dict) or not isinstance(doc.get("events"), list):
         raise BodyError(400, 'body must be {"events": [<event>, ...]}')
-    intake = Intake(write_key=doc.get("writeKey"))
+    intake = Intake()
     for index, item in enumerate(doc["events"]):
-        raw = _item_bytes(item)
+        raw = _item_bytes(without_credentials(item), lenient)
         event_id = _item_id(item, "event_id")
         if len(raw) > max_event_bytes:
             intake.refused.append(
@@ -114,15 +206,22 @@ def native_intake(doc: Any, received_at: datetime, max_event_bytes: int = MAX_EV
             continue
         try:
             intake.accepted.append(Event.model_validate({**item, "received_at": received_at}))
-        except ValidationError as exc:
-            intake.refused.append(Refusal(index, event_id, describe_validation_error(exc), raw))
+        except _ITEM_ERRORS as exc:
+            intake.refused.append(Refusal(index, event_id, _reason(exc), raw))
     return intake
 
 
 def segment_intake(
-    doc: Any, received_at: datetime, *, single: bool, max_event_bytes: int = MAX_EVENT_BYTES
+    doc: Any,
+    received_at: datetime,
+    *,
+    single: bool,
+    max_event_bytes: int = MAX_EVENT_BYTES,
+    lenient: bool = False,
 ) -> Intake:
-    """A Segment `/v1/track` message or a `/v1/batch` body `{"batch": [...], "sentAt", "writeKey"}`."""
+    """A Segment `/v1/track` message or a `/v1/batch` body `{"batch": [...], "sentAt", "writeKey"}`.
+    An item that cannot be an event is refused alone (a whole batch refused would be retried forever by
+    Segment's and RudderStack's libraries)."""
     if not isinstance(doc, dict):
         raise BodyError(400, "body must be a JSON object")
     if single:
@@ -133,9 +232,9 @@ def segment_intake(
         messages, sent_at = doc["batch"], doc.get("sentAt")
     # Outside the items: a refused item's dead letter carries it apart (`Refusal.sent_at`).
     batch_sent_at = None if single else sent_at
-    intake = Intake(write_key=doc.get("writeKey"))
+    intake = Intake()
     for index, msg in enumerate(messages):
-        raw = _item_bytes(msg)
+        raw = _item_bytes(without_credentials(msg), lenient)
         message_id = _item_id(msg, "messageId")
         if len(raw) > max_event_bytes:
             if single:
@@ -145,6 +244,6 @@ def segment_intake(
             continue
         try:
             intake.accepted.append(track_to_event(msg, received_at=received_at, batch_sent_at=sent_at))
-        except InvalidEvent as exc:
-            intake.refused.append(Refusal(index, message_id, str(exc), raw, batch_sent_at))
+        except _ITEM_ERRORS as exc:
+            intake.refused.append(Refusal(index, message_id, _reason(exc), raw, batch_sent_at))
     return intake

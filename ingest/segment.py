@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +25,15 @@ SEGMENT_SOURCE = "segment"
 _TYPES = {t.value for t in EventType}
 
 
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 80
+
+
+def shown(value: object) -> str:
+    """`value` as a sender may be shown it in a reason: a short repr, valid UTF-8 whatever it holds."""
+    return _SHORT_REPR.repr(value).encode("utf-8", "backslashreplace").decode()
+
+
 def _parse_time(value: Any, field: str) -> datetime | None:
     if value is None:
         return None
@@ -32,7 +42,7 @@ def _parse_time(value: Any, field: str) -> datetime | None:
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise InvalidEvent(f"{field}: {value!r} is not an ISO 8601 time") from None
+        raise InvalidEvent(f"{field}: {shown(value)} is not an ISO 8601 time") from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
@@ -49,7 +59,13 @@ def corrected_time(msg: dict[str, Any], received_at: datetime, batch_sent_at: An
         return received_at
     if sent_at is None:
         return stamp
-    return received_at - (sent_at - stamp)
+    try:
+        return received_at - (sent_at - stamp)
+    except OverflowError:  # e.g. timestamp 0001-01-01, sentAt 9999-12-31: no such time
+        raise InvalidEvent(
+            "timestamp, sentAt: the clock-skew correction (received_at - (sentAt - timestamp)) falls outside"
+            " the years 1-9999"
+        ) from None
 
 
 def track_to_event(msg: Any, *, received_at: datetime, batch_sent_at: Any = None) -> Event:
@@ -58,13 +74,13 @@ def track_to_event(msg: Any, *, received_at: datetime, batch_sent_at: Any = None
         raise InvalidEvent(f"message must be a JSON object, got {type(msg).__name__}")
     kind = msg.get("type", "track")
     if kind != "track":
-        raise InvalidEvent(f"type {kind!r} is not supported; only track calls map onto events")
+        raise InvalidEvent(f"type {shown(kind)} is not supported; only track calls map onto events")
     name = msg.get("event")
     if not isinstance(name, str) or not name.strip():
         raise InvalidEvent("event: a track call needs an event name")
     event_type = normalise_event_name(name)
     if event_type not in _TYPES:
-        raise InvalidEvent(f"event: {name!r} is not an event type; expected one of {sorted(_TYPES)}")
+        raise InvalidEvent(f"event: {shown(name)} is not an event type; expected one of {sorted(_TYPES)}")
     properties = msg.get("properties") or {}
     if not isinstance(properties, dict):
         raise InvalidEvent("properties: must be a JSON object")

@@ -3,11 +3,13 @@
 One batch at a time (`run_once`):
 
 1. poll a batch column-wise (`Consumer.poll_columns`; consumer group, offsets committed by hand);
-2. validate it against the contract (`ingest.fast_validate.validate_batch`); a failure goes to the
-   dead-letter topic with its bytes, the reason and `kafka:<topic>/<partition>/<offset>`;
+2. validate it against the contract (`ingest.fast_validate.validate_batch`);
 3. de-duplicate by `event_id` and skip records whose Kafka position is already in the lake
    (`ingest.dedup.LakeDedup`: in memory per partition, loaded from the lake on assignment);
-4. write the lake (files visible only when complete), then commit the offsets (sent, not waited for).
+4. write the lake (files visible only when complete, `ingest.lake_sink.write_batch`);
+5. produce every record that could not be decoded, validated, partitioned or written to the dead-letter
+   topic, with its bytes, the reason and `kafka:<topic>/<partition>/<offset>`; then commit the offsets
+   (sent, not waited for). No record stops the worker: each is written or dead-lettered, then passed.
 
 A crash anywhere replays from the last commit that landed; the lake's Kafka positions turn
 the replay into a no-op for what was already written (the argument is in `ingest.dedup`).
@@ -24,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import polars as pl
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from flywheel.bus import (
@@ -43,7 +46,7 @@ from ingest.collector import kafka_reachable
 from ingest.dead_letters import dead_letter
 from ingest.dedup import LakeDedup
 from ingest.fast_validate import validate_batch
-from ingest.lake_sink import write_events
+from ingest.lake_sink import write_batch
 
 log = logging.getLogger(__name__)
 
@@ -220,27 +223,36 @@ class IngestWorker:
         return True, "connected and polling"
 
     def _process(self, batch: RecordBatch) -> BatchResult:
+        """Validate, de-duplicate, write, dead-letter, commit. Nothing a record holds makes this raise: a record
+        that cannot be decoded, validated, partitioned or written is dead-lettered with its reason and committed
+        past. Only the broker and the lake's I/O raise (the batch is then retried)."""
         assert self._consumer is not None and self._producer is not None
         metrics.EVENTS_IN.labels("worker", "kafka").inc(len(batch))
         clock = _StageClock()
-        valid, refused = validate_batch(batch)
-        letters = [
-            dead_letter(
-                reason, f"kafka:{batch.topics[i]}/{batch.partitions[i]}/{batch.offsets[i]}", batch.values[i]
-            ).outgoing(self.settings.dead_letter_topic)
-            for i, reason in refused
-        ]
+        valid, refused = _validate(batch)
         clock.lap("validate")
         ranges = batch.offset_range()
-        selection = self._dedup.select(valid.drop("_i"), {key: first for key, (first, _) in ranges.items()})
+        selection = self._dedup.select(valid, {key: first for key, (first, _) in ranges.items()})
         clock.lap("dedup")
+        written = 0
+        if selection.keep.height:
+            _, unwritten = write_batch(self._table, selection.keep)
+            written = selection.keep.height - len(unwritten)
+            if unwritten:
+                # De-duplication took their ids as written; the lake, reloaded, says otherwise.
+                self._dedup.reset()
+                refused += unwritten
+            clock.lap("write")
+        letters = [
+            dead_letter(
+                reason, f"kafka:{batch.topics[i]}/{batch.partitions[i]}/{batch.offsets[i]}", batch.values[i] or b""
+            ).outgoing(self.settings.dead_letter_topic)
+            for i, reason in sorted(refused)
+        ]
         if letters:
+            # Before the commit: a crash in between re-reads these records and dead-letters them again.
             self._producer.send_all(letters)
             clock.lap("dead_letter")
-        written = selection.keep.height
-        if written:
-            write_events(self._table, selection.keep)
-            clock.lap("write")
         if self.pause_before_commit_s:
             time.sleep(self.pause_before_commit_s)
         # Not waited for: the lake, not the commit, says what is written (`ingest.dedup`), so a commit lost
@@ -301,6 +313,27 @@ class IngestWorker:
                 except Exception:
                     log.warning("error while closing", exc_info=True)
         self._consumer = self._producer = None
+
+
+def _validate(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """`validate_batch`, which refuses rather than raises; should a record still break it (a bug), each record
+    is validated alone and the one that breaks it is refused, so the batch goes on."""
+    try:
+        return validate_batch(batch)
+    except Exception:  # noqa: BLE001 - one record must not stop ingest for good
+        log.exception("validating a batch of %d records failed; validating them one by one", len(batch))
+    frames = [pl.DataFrame(schema={**EVENTS.schema, "_i": pl.Int64})]
+    refused: list[tuple[int, str]] = []
+    for i in range(len(batch)):
+        one = RecordBatch([batch.topics[i]], [batch.partitions[i]], [batch.offsets[i]], [batch.values[i]])
+        try:
+            valid, no = validate_batch(one)
+        except Exception as exc:  # noqa: BLE001
+            refused.append((i, f"cannot be validated: {type(exc).__name__}: {exc}"))
+            continue
+        frames.append(valid.with_columns(pl.lit(i, dtype=pl.Int64).alias("_i")))
+        refused += [(i, reason) for _, reason in no]
+    return pl.concat(frames), refused
 
 
 def run_worker(

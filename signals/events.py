@@ -9,12 +9,15 @@ microseconds, and integers keep stream and batch arithmetic bit-identical.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from flywheel.contract import Event, EventType
+from flywheel.contract import LATEST_TIME, Event, EventType, InvalidEvent
+
+log = logging.getLogger(__name__)
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -29,6 +32,25 @@ def to_us(ts: datetime) -> int:
 
 def from_us(us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=us)
+
+
+_LATEST_US = to_us(LATEST_TIME)
+
+
+def decode_event(raw: bytes | None, window_us: int) -> Event | None:
+    """The event in a record's value, or None for one that carries no signal: a tombstone, bytes that fail
+    the contract, or an event so close to the end of time that its reward window (`window_us`) would end
+    past it (its record's `window_end` could not be written). Never raises over what a record holds."""
+    try:
+        event = Event.from_bytes(raw)
+    except InvalidEvent:
+        return None
+    except Exception:  # noqa: BLE001 - a record that breaks the decoder must not stop the stream
+        log.warning("skipping an event that could not be decoded", exc_info=True)
+        return None
+    if to_us(event.ts) + window_us > _LATEST_US:
+        return None
+    return event
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,14 +44,14 @@ from flywheel.bus import (
     next_offsets,
 )
 from flywheel.connections import redis_client
-from flywheel.contract import Event, EventType, InvalidEvent, RewardRecord
+from flywheel.contract import Event, EventType, RewardRecord
 from flywheel.lake import TempFileSweeper
 from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
-from signals.events import FeedbackEvent, GenerationInfo, to_us
+from signals.events import FeedbackEvent, GenerationInfo, decode_event, to_us
 from signals.reward import RewardDefinition
 from signals.sink import produce_rewards, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
@@ -263,11 +263,12 @@ class SignalsWorker:
     def _process(self, records: list[Record]) -> None:
         by_partition: dict[int, list[Event]] = defaultdict(list)
         for r in sorted(records, key=lambda r: (r.partition, r.offset)):
-            try:
-                by_partition[r.partition].append(Event.from_bytes(r.value))
-            except InvalidEvent:  # ingest dead-letters it; here it simply carries no signal
+            event = decode_event(r.value, self.window_us)
+            if event is None:  # ingest dead-letters it; here it simply carries no signal
                 self.stats.invalid += 1
                 metrics.EVENTS.labels("invalid").inc()
+                continue
+            by_partition[r.partition].append(event)
         self.stats.events += sum(len(v) for v in by_partition.values())
         bounds = {
             p: max(event_clock_us(e) for e in evs) - self.lateness_us for p, evs in by_partition.items()

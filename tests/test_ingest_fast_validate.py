@@ -80,16 +80,29 @@ CASES = [
     b'{"type":"accepted","user_id":"\\ud800","generation_id":"g"}',
     b"[]",
     _with(properties={"big": "x" * MAX_EVENT_BYTES}),
+    # Hostile records: each refused with a reason, none may raise.
+    _with(ts="0001-01-01T00:30:00+01:00"),  # year 1 as written, year 0 in UTC
+    _with(ts="9999-12-31T23:30:00-01:00"),  # year 10000 in UTC
+    _with(received_at="0001-01-01T00:59:59.999999+01:00"),
+    _with(ts="9999-12-31T23:59:59.999999Z"),  # the last instant the lake holds: accepted
+    _with(properties={}).replace(b'"properties": {}', b'"properties": {"x": NaN}'),
+    _with(properties={}).replace(b'"properties": {}', b'"properties": {"x": [1e400]}'),
+    _with(properties={}).replace(b'"properties": {}', b'"properties": {"x": ' + b"[" * 1000 + b"]" * 1000 + b"}"),
+    _with(properties={}).replace(b'"properties": {}', b'"properties": {"x": ' + b"[" * 70 + b"]" * 70 + b"}"),
+    _with(properties={}).replace(b'"properties": {}', b'"properties": {"x": ' + b"9" * 5000 + b"}"),
+    _with(properties={}).replace(b'"properties": {}', b'"properties": {"x": "\xff"}'),
+    _with(user_id="u").replace(b'"u"', b'"\xc3\x28"'),
+    None,  # a tombstone
 ]
 
 
-def _one(raw: bytes) -> RecordBatch:
+def _one(raw: bytes | None) -> RecordBatch:
     return RecordBatch(["events"], [0], [7], [raw])
 
 
 @pytest.mark.parametrize("raw", CASES)
-def test_batch_path_matches_pydantic(raw: bytes) -> None:
-    record = Record("events", 0, 7, None, raw, 0)
+def test_batch_path_matches_pydantic(raw: bytes | None) -> None:
+    record = Record("events", 0, 7, None, raw or b"", 0)
     try:
         expected: tuple[object, ...] | str = event_row(Event.from_bytes(raw), record)
     except InvalidEvent as exc:
@@ -100,7 +113,7 @@ def test_batch_path_matches_pydantic(raw: bytes) -> None:
     else:
         assert refused == [] and valid["_i"].to_list() == [0]
         # Events without an id or time get fresh defaults: compare the rest.
-        if b'"event_id"' in raw and b'"received_at"' in raw and b'"ts"' in raw:
+        if raw and b'"event_id"' in raw and b'"received_at"' in raw and b'"ts"' in raw:
             assert valid.drop("_i").to_dicts() == rows_frame([expected]).to_dicts()
 
 
@@ -115,19 +128,29 @@ def test_ordinary_events_take_the_plain_path(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize(
-    "properties", [{}, {"a": "é\n\u2028", "b": [1, 2.5, None, True, 10**30], "c": {"d": float("nan")}}]
+    "properties", [{}, {"a": "é\n\u2028\U0001f600", "b": [1, 2.5, None, True, 10**30, 1e300, -0.0], "c": {"d": 1.5e-7}}]
 )
-def test_properties_column_is_json_dumps(properties: dict[str, object]) -> None:
+def test_properties_column_is_compact_json_of_the_same_values(properties: dict[str, object]) -> None:
     from ingest.fast_validate import properties_json
 
-    assert properties_json(properties) == json.dumps(properties, separators=(",", ":"))
+    text = properties_json(properties)
+    assert json.loads(text) == properties and repr(json.loads(text)) == repr(properties)
+    assert ", " not in text and ": " not in text
 
 
-@pytest.mark.parametrize("item", [{"a": "é", "b": [1, 2.5, None, float("nan")], "c": {"d": True}}, [1, "x"], "s", 5])
-def test_refused_item_bytes_are_the_compact_json_of_the_item(item: object) -> None:
+@pytest.mark.parametrize("item", [{"a": "é", "b": [1, 2.5, None], "c": {"d": True}}, [1, "x"], "s", 5, {"s": "\ud800"}])
+def test_refused_item_bytes_are_compact_json_of_the_item(item: object) -> None:
     from ingest.intake import _item_bytes
 
-    assert _item_bytes(item) == json.dumps(item, separators=(",", ":"), default=str).encode()
+    assert json.loads(_item_bytes(item)) == item
+
+
+def test_leniently_parsed_items_are_written_back_as_json_dumps_does() -> None:
+    """NaN, which msgspec would write as null, keeps its spelling in a refused item's bytes."""
+    from ingest.intake import _item_bytes
+
+    item = {"a": "é", "b": [1, float("nan"), float("inf")]}
+    assert _item_bytes(item, lenient=True) == json.dumps(item, separators=(",", ":")).encode()
 
 
 @pytest.mark.parametrize(
@@ -136,7 +159,23 @@ def test_refused_item_bytes_are_the_compact_json_of_the_item(item: object) -> No
 def test_body_parse_matches_json_loads(body: bytes) -> None:
     from ingest.intake import parse_json
 
-    assert repr(parse_json(body)) == repr(json.loads(body))
+    assert repr(parse_json(body).doc) == repr(json.loads(body))
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"a":"\xff"}', "body is not UTF-8"),
+        (b"[" * 1000 + b"]" * 1000, "body is nested too deeply"),
+        (b"[" + b"9" * 5000 + b"]", "body is not JSON: Exceeds the limit (4300 digits)"),
+    ],
+)
+def test_unreadable_bodies_are_refused_with_a_reason(body: bytes, reason: str) -> None:
+    from ingest.intake import BodyError, parse_json
+
+    with pytest.raises(BodyError) as err:
+        parse_json(body)
+    assert err.value.status == 400 and err.value.reason.startswith(reason)
 
 
 def test_body_that_is_not_json_keeps_its_reason() -> None:
@@ -193,3 +232,22 @@ def test_values_that_are_not_one_object_each_are_judged_alone() -> None:
     valid, refused = validate_batch(RecordBatch(["events"] * 4, [0] * 4, [0, 1, 2, 3], raws))
     assert valid["_i"].to_list() == [3] and valid["event_id"].to_list() == ["b"]
     assert [i for i, _ in refused] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (_with(ts="0001-01-01T00:30:00+01:00"), "ts: Value error, 0001-01-01T00:30:00+01:00 is outside"),
+        (_with(ts="9999-12-31T23:30:00-01:00"), "ts: Value error, 9999-12-31T23:30:00-01:00 is outside"),
+        (_with(properties={}).replace(b"{}", b'{"x": NaN}'), "properties: Value error, nan is not a JSON number"),
+        (_with(properties={}).replace(b"{}", b'{"x": -Infinity}'), "properties: Value error, -inf is not a JSON"),
+        (_with(properties={}).replace(b"{}", b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b"}"), "body: Invalid JSON"),
+        (_with(properties={}).replace(b"{}", b'{"x": ' + b"[" * 70 + b"]" * 70 + b"}"), "properties: Value error"),
+        (_with(user_id="u").replace(b'"u"', b'"\xff"'), "body: Invalid JSON: invalid unicode code point"),
+        (None, "record has no value (a tombstone)"),
+    ],
+)
+def test_hostile_records_are_refused_with_a_reason_never_raised(raw: bytes | None, reason: str) -> None:
+    valid, refused = validate_batch(RecordBatch(["events", "events"], [0, 0], [7, 8], [raw, _with()]))
+    assert valid["_i"].to_list() == [1]
+    assert len(refused) == 1 and refused[0][0] == 0 and refused[0][1].startswith(reason), refused

@@ -55,10 +55,12 @@ def write_partitioned(df: pl.DataFrame, table_dir: Path, name: str, ts_column: s
     else:
         keyed = df.with_columns(hour.alias("_hour"))
         parts = [(h, part.drop("_hour")) for (h,), part in keyed.group_by("_hour", maintain_order=True)]
-    return [
-        write_atomic(part, table_dir / f"date={start:%Y-%m-%d}" / f"hour={start:%H}" / f"{name}.parquet")
-        for start, part in parts
-    ]
+    return [write_atomic(part, partition_dir(table_dir, start) / f"{name}.parquet") for start, part in parts]
+
+
+def partition_dir(table_dir: Path, hour_start: datetime) -> Path:
+    """The folder of `table_dir` that holds the rows of the hour starting at `hour_start`."""
+    return table_dir / f"date={hour_start:%Y-%m-%d}" / f"hour={hour_start:%H}"
 
 
 # A temporary file older than this cannot belong to a writer still at work (a batch takes well under a second).
