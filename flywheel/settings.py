@@ -131,6 +131,7 @@ class Settings(BaseSettings):
         Messages name the variable, never its value (and `hide_input_in_errors` keeps pydantic
         from echoing the input).
         """
+        problems = []
         for name, field in type(self).model_fields.items():
             value = getattr(self, name)
             if not isinstance(value, SecretStr):
@@ -138,18 +139,18 @@ class Settings(BaseSettings):
             env = f"FLYWHEEL_{name.upper()}"
             items = _secret_items(name, value)
             if not items:
-                raise ValueError(f"{env} is empty; set a secret value")
-            if self.environment != "production":
-                continue
-            default = field.default if isinstance(field.default, SecretStr) else SecretStr("")
-            if set(items) & set(_secret_items(name, default)):
-                raise ValueError(f"{env} still holds the development value; set a secret one")
-            if any(len(item) < MIN_SECRET_LENGTH for item in items):
-                raise ValueError(
-                    f"{env} is too short for production: every secret needs at least "
-                    f"{MIN_SECRET_LENGTH} characters (e.g. `python -c 'import secrets; "
-                    f"print(secrets.token_urlsafe(32))'`)"
-                )
+                problems.append(f"{env} is empty; set a secret value")
+            elif self.environment == "production":
+                default = field.default if isinstance(field.default, SecretStr) else SecretStr("")
+                if set(items) & set(_secret_items(name, default)):
+                    problems.append(f"{env} still holds the development value; set a secret one")
+                elif any(len(item) < MIN_SECRET_LENGTH for item in items):
+                    problems.append(f"{env} is too short for production")
+        if problems:
+            raise ValueError(
+                "; ".join(problems) + f" (production secrets need at least {MIN_SECRET_LENGTH} characters, "
+                "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            )
         return self
 
     @property
