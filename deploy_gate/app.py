@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from deploy_gate.api import read, write
 from deploy_gate.dashboard import page
-from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_gate_error
+from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_gate_error, dependency_down
 from deploy_gate.gate import DeployGate
 from deploy_gate.security import SECURITY_HEADERS, add_security_headers
 from flywheel.identity import Authenticator
@@ -41,10 +41,14 @@ def create_app(
             log.info("traffic split: champion %s, state %s", split.champion_version, split.state)
         except NoChampion as exc:  # serving waits for a split; say why there is none yet
             log.warning("no traffic split yet: %s", exc)
-        except Exception:
+        except Exception as exc:
             # A backend down at start must not keep the dashboard down; the first gate action
             # creates the split once the registry and Redis answer.
-            log.exception("could not check the traffic split at start")
+            down = dependency_down(exc)
+            if down is None:
+                log.exception("could not check the traffic split at start")
+            else:  # no traceback: a dependency's message may name its URL and password
+                log.warning("could not check the traffic split at start: %s does not answer", down)
         yield
 
     # No /docs or /redoc: Swagger UI loads its script from a CDN, which the CSP forbids;
@@ -65,8 +69,8 @@ def create_app(
         err = as_gate_error(exc)
         if err is None:  # MAPPED and as_gate_error disagree: a bug, answered as one
             return await internal_error(request, exc)
-        if err.status_code >= 500:
-            log.warning("%s %s: %s", request.method, request.url.path, err, exc_info=exc)
+        if err.status_code >= 500:  # no traceback: a dependency's message may name its URL
+            log.warning("%s %s: %s (%s)", request.method, request.url.path, err, type(exc).__name__)
         return answer(err)
 
     for cls in MAPPED:

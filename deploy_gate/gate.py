@@ -235,12 +235,13 @@ class DeployGate:
                 try:
                     step.run()
                 except Exception as exc:
-                    log.exception("gate %s failed at step %d: %s", plan.action, i + 1, step.description)
                     done = "; ".join(s.description for s in plan.steps[:i]) or "nothing"
                     where = f"{plan.action} failed at step {i + 1} ({step.description}); already applied: {done}"
                     down = dependency_down(exc)
-                    if down is not None:
+                    if down is not None:  # no traceback: a dependency's message may name its URL
+                        log.warning("%s: %s does not answer (%s)", where, down, type(exc).__name__)
                         raise DependencyUnavailable(f"{down} does not answer: {where}") from exc
+                    log.exception("gate %s", where)
                     raise ApplyFailed(where) from exc
             log.info("gate %s %s by %s: %s", plan.action, plan.version or "", plan.by, plan.reason)
             return self.splits.get()

@@ -102,7 +102,9 @@ def _reachable(method: Callable[P, R]) -> Callable[P, R]:
             return method(*args, **kwargs)
         except MlflowException as exc:
             if _is_unreachable(exc):
-                raise RegistryUnavailable("the model registry (MLflow) does not answer") from exc
+                # The chain is cut: MLflow's message names the store's URL, password included.
+                cause = type(exc.__cause__ or exc.__context__ or exc).__name__
+                raise RegistryUnavailable(f"the model registry (MLflow) does not answer ({cause})") from None
             raise
 
     return call

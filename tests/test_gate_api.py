@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,7 +306,9 @@ def test_redis_down_answers_503_with_a_reason(
     assert registry.gate_state(versions[1]) == "pending"
 
 
-def test_mlflow_down_answers_503(gate_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mlflow_down_answers_503(
+    gate_settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # A tracking server that does not answer; no retries, so the test does not wait for backoff.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
@@ -318,3 +321,7 @@ def test_mlflow_down_answers_503(gate_settings: Settings, monkeypatch: pytest.Mo
         assert r.status_code == 503, r.text
         assert r.json()["error"] == "dependency_unavailable" and "MLflow" in r.json()["detail"]
         assert "mlflow-password" not in r.text
+    ours = [rec for rec in caplog.records if rec.name.startswith(("deploy_gate", "model_registry"))]
+    assert ours  # the outage is logged ...
+    formatter = logging.Formatter()
+    assert all("mlflow-password" not in formatter.format(rec) for rec in ours)  # ... without the password
