@@ -209,6 +209,7 @@ def test_unknown_errors_are_not_echoed(gate_settings: Settings, gate: DeployGate
     assert r.status_code == 500
     assert r.json() == {"error": "internal", "detail": "internal error; see the gate's log"}
     assert "hunter2" not in r.text
+    assert all(r.headers.get(name) == value for name, value in SECURITY_HEADERS.items())
 
 
 def test_dashboard_page_shows_split_arms_and_pending_candidates(
