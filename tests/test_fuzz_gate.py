@@ -16,7 +16,9 @@ from urllib.parse import quote, urlencode
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, seed, settings as hyp_settings, strategies as st
+from hypothesis import HealthCheck, given, seed
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from deploy_gate.app import create_app
