@@ -20,7 +20,7 @@ def production(**overrides: str) -> Settings:
 
 def test_the_secret_fields_are_the_expected_ones() -> None:
     # If a secret were added as a plain str it would escape every check below.
-    assert {"approval_token", "write_keys"} <= set(SECRET_FIELDS)
+    assert {"approval_token", "write_keys", "serving_key"} <= set(SECRET_FIELDS)
     assert production().approval_token.get_secret_value() == f"approval_token-{GOOD}"
 
 
@@ -59,8 +59,9 @@ def test_each_write_key_is_checked_and_a_trailing_newline_is_not_part_of_a_secre
 
 def test_an_empty_production_token_from_the_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLYWHEEL_ENVIRONMENT", "production")
+    for name in SECRET_FIELDS:  # every other secret is good, so only the token is in question
+        monkeypatch.setenv(f"FLYWHEEL_{name.upper()}", f"{name}-{GOOD}")
     monkeypatch.setenv("FLYWHEEL_APPROVAL_TOKEN", "")
-    monkeypatch.setenv("FLYWHEEL_WRITE_KEYS", GOOD)
     with pytest.raises(ValidationError, match="FLYWHEEL_APPROVAL_TOKEN is empty"):
         Settings()
     leaked = "env-token-too-short"
