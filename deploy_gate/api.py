@@ -1,12 +1,13 @@
 """The gate's HTTP API: read the versions, split and metrics; approve, reject, promote, roll back.
 
-Changes need `Authorization: Bearer <approval token>`; every change says who and why, and
-`?dry_run=true` answers the plan without applying it (plan-then-apply over HTTP).
+Changes need `Authorization: Bearer <token>` of an identity with the approver role (or the
+bootstrap admin token, `FLYWHEEL_APPROVAL_TOKEN`); the history records that identity's name,
+never a name the client typed. Every change says why, and `?dry_run=true` answers the plan
+without applying it (plan-then-apply over HTTP).
 """
 
 from __future__ import annotations
 
-import hmac
 import re
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -14,13 +15,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from deploy_gate.errors import InvalidRequest, Unauthorized, UnknownVersion
+from deploy_gate.errors import InvalidRequest
 from deploy_gate.gate import DeployGate
 from deploy_gate.metrics import ArmMetrics, arm_metrics
 from deploy_gate.plan import Plan
 from deploy_gate.views import VersionView
 from flywheel.contract import TrafficSplit, utcnow
+from flywheel.identity import Authenticator, Identity
 from flywheel.settings import Settings
+from model_registry import UnknownVersion
 
 BUCKET = re.compile(r"^[1-9][0-9]{0,3}(m|h|d)$")
 
@@ -44,18 +47,20 @@ def get_settings(request: Request) -> Settings:
 Gate = Annotated[DeployGate, Depends(get_gate)]
 
 
-def require_approval_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """401 unless the bearer token equals the approval token (compared in constant time)."""
-    expected = get_settings(request).approval_token.encode()
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-        raise Unauthorized("a valid approval token is required: Authorization: Bearer <token>")
+def approver(request: Request, authorization: Annotated[str | None, Header()] = None) -> Identity:
+    """The identity behind the bearer token; 401 without a valid one, 403 below the approver role."""
+    auth: Authenticator = request.app.state.authenticator
+    return auth.require(authorization, "approver")
+
+
+Approver = Annotated[Identity, Depends(approver)]
 
 
 class ActionRequest(BaseModel):
+    """Why a change is made. Who makes it is the token's identity, so there is no `by` field."""
+
     model_config = ConfigDict(extra="forbid")
 
-    by: str = Field(min_length=1, max_length=200, description="Who makes the change.")
     reason: str = Field(min_length=1, max_length=2000, description="Why; kept in the history.")
 
 
@@ -83,7 +88,7 @@ class VersionDetail(VersionView):
 
 
 read = APIRouter(prefix="/api", tags=["read"])
-write = APIRouter(prefix="/api", tags=["change"], dependencies=[Depends(require_approval_token)])
+write = APIRouter(prefix="/api", tags=["change"])
 
 
 @read.get("/versions")
@@ -100,7 +105,7 @@ def get_version(version: str, gate: Gate) -> VersionDetail:
                 for c in gate.registry.gate_history(version)
             ]
             return VersionDetail(**v.model_dump(), history=history)
-    raise UnknownVersion(f"no model version {version!r} in the registry")
+    raise UnknownVersion(f"no model version {version!r} in the registry")  # 404 (deploy_gate.errors)
 
 
 @read.get("/split")
@@ -131,20 +136,24 @@ DryRun = Annotated[bool, Query(description="Answer the plan without applying it.
 
 
 @write.post("/versions/{version}/approve")
-def approve(version: str, body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
-    return _run(gate, gate.plan_approve(version, by=body.by, reason=body.reason), dry_run)
+def approve(
+    version: str, body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False
+) -> ActionResult:
+    return _run(gate, gate.plan_approve(version, by=who.name, reason=body.reason), dry_run)
 
 
 @write.post("/versions/{version}/reject")
-def reject(version: str, body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
-    return _run(gate, gate.plan_reject(version, by=body.by, reason=body.reason), dry_run)
+def reject(
+    version: str, body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False
+) -> ActionResult:
+    return _run(gate, gate.plan_reject(version, by=who.name, reason=body.reason), dry_run)
 
 
 @write.post("/promote")
-def promote(body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
-    return _run(gate, gate.plan_promote(by=body.by, reason=body.reason), dry_run)
+def promote(body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False) -> ActionResult:
+    return _run(gate, gate.plan_promote(by=who.name, reason=body.reason), dry_run)
 
 
 @write.post("/rollback")
-def rollback(body: ActionRequest, gate: Gate, dry_run: DryRun = False) -> ActionResult:
-    return _run(gate, gate.plan_rollback(by=body.by, reason=body.reason), dry_run)
+def rollback(body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False) -> ActionResult:
+    return _run(gate, gate.plan_rollback(by=who.name, reason=body.reason), dry_run)

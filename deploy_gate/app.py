@@ -1,7 +1,9 @@
 """The deploy gate service: API, dashboard page and the one error handler.
 
-`create_app(settings)` wires the real registry (MLflow) and Redis; on start it creates the
-traffic split with the champion when none exists, so serving has something to follow.
+`create_app(settings)` wires the real registry (MLflow), Redis and the token store; on start
+it creates the traffic split with the champion when none exists, so serving has something to
+follow. Every response carries the security headers (`deploy_gate.security`); errors map to
+statuses through `deploy_gate.errors.as_gate_error` (a dependency down is 503).
 """
 
 from __future__ import annotations
@@ -10,21 +12,24 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import JSONResponse
 
-from deploy_gate.api import Gate, check_bucket, read, write
-from deploy_gate.dashboard import render_dashboard
-from deploy_gate.errors import GateError, NoChampion, Unauthorized
+from deploy_gate.api import read, write
+from deploy_gate.dashboard import page
+from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_gate_error, dependency_down
 from deploy_gate.gate import DeployGate
-from deploy_gate.metrics import arm_metrics
+from deploy_gate.security import SECURITY_HEADERS, add_security_headers
+from flywheel.identity import Authenticator
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, *, gate: DeployGate | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, *, gate: DeployGate | None = None, authenticator: Authenticator | None = None
+) -> FastAPI:
     """The gate's FastAPI app; pass `gate` to share one already built (tests, `flywheel up`)."""
 
     @asynccontextmanager
@@ -36,40 +41,55 @@ def create_app(settings: Settings, *, gate: DeployGate | None = None) -> FastAPI
             log.info("traffic split: champion %s, state %s", split.champion_version, split.state)
         except NoChampion as exc:  # serving waits for a split; say why there is none yet
             log.warning("no traffic split yet: %s", exc)
-        except Exception:
+        except Exception as exc:
             # A backend down at start must not keep the dashboard down; the first gate action
             # creates the split once the registry and Redis answer.
-            log.exception("could not check the traffic split at start")
+            down = dependency_down(exc)
+            if down is None:
+                log.exception("could not check the traffic split at start")
+            else:  # no traceback: a dependency's message may name its URL and password
+                log.warning("could not check the traffic split at start: %s does not answer", down)
         yield
 
-    app = FastAPI(title="Flywheel deploy gate", lifespan=lifespan)
+    # No /docs or /redoc: Swagger UI loads its script from a CDN, which the CSP forbids;
+    # /openapi.json still describes the API.
+    app = FastAPI(title="Flywheel deploy gate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.gate = gate
+    app.state.authenticator = authenticator or Authenticator(settings)
+    add_security_headers(app)
 
-    @app.exception_handler(GateError)
-    async def gate_error(request: Request, exc: GateError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    def answer(err: GateError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, Unauthorized) else None
         return JSONResponse(
-            {"error": exc.code, "detail": str(exc)}, status_code=exc.status_code, headers=headers
+            {"error": err.code, "detail": str(err)}, status_code=err.status_code, headers=headers
         )
+
+    async def known_error(request: Request, exc: Exception) -> Response:
+        err = as_gate_error(exc)
+        if err is None:  # MAPPED and as_gate_error disagree: a bug, answered as one
+            return await internal_error(request, exc)
+        if err.status_code >= 500:  # no traceback: a dependency's message may name its URL
+            log.warning("%s %s: %s (%s)", request.method, request.url.path, err, type(exc).__name__)
+        return answer(err)
+
+    for cls in MAPPED:
+        app.add_exception_handler(cls, known_error)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # Never echo an unknown exception's text: it may hold paths, URIs or secrets.
+        # Never echo an unknown exception's text: it may hold paths, URIs or secrets. This handler
+        # runs outside the middleware, so it adds the security headers itself.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(
-            {"error": "internal", "detail": "internal error; see the gate's log"}, status_code=500
+            {"error": "internal", "detail": "internal error; see the gate's log"},
+            status_code=500,
+            headers=SECURITY_HEADERS,
         )
 
     app.include_router(read)
     app.include_router(write)
-
-    @app.get("/", response_class=HTMLResponse)
-    def dashboard(gate: Gate, bucket: str = "1h") -> HTMLResponse:
-        check_bucket(bucket)
-        status = gate.status()
-        page = render_dashboard(status, gate.history(20), arm_metrics(settings, bucket=bucket))
-        return HTMLResponse(page)
+    app.include_router(page)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:

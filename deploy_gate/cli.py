@@ -1,27 +1,51 @@
-"""`flywheel gate`: approvals, the traffic split and the dashboard server.
+"""`flywheel gate`: approvals, the traffic split, API tokens and the dashboard server.
 
 Every change is planned, shown, and applied only after confirmation (or `--yes`); a refusal
 prints the reason and exits non-zero.
+
+Who is recorded: the HTTP API records the identity behind the bearer token. These commands
+talk to the registry and Redis directly (whoever can run them holds those credentials), so
+they record the local operator's name, `--by` (default: the login name), marked
+"(local CLI)" in the history so it is never mistaken for a token identity.
 """
 
 from __future__ import annotations
 
+import getpass
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, NoReturn, cast
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from deploy_gate.errors import GateError
+from deploy_gate.errors import as_gate_error
 from deploy_gate.gate import DeployGate
 from deploy_gate.plan import Plan
+from flywheel.identity import ROLES, IdentityError, Role, TokenStore
 from flywheel.settings import get_settings
 
 app = typer.Typer(no_args_is_help=True)
+tokens = typer.Typer(no_args_is_help=True, help="API tokens: issue, revoke, list (only hashes are stored).")
+app.add_typer(tokens, name="tokens")
 console = Console(soft_wrap=True)  # long reasons and plans stay on one line, also in pipes
 
-By = Annotated[str, typer.Option("--by", help="Who makes the change (kept in the history).")]
+
+def _login() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name in this environment (some containers)
+        return ""
+
+
+By = Annotated[
+    str,
+    typer.Option(
+        "--by",
+        help="Your name, recorded as '<name> (local CLI)'; default: your login name. "
+        "(Over HTTP the token's identity is recorded instead.)",
+    ),
+]
 Reason = Annotated[str, typer.Option("--reason", help="Why (kept in the history).")]
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Apply without asking.")]
 
@@ -30,10 +54,19 @@ def _gate() -> DeployGate:
     return DeployGate.from_settings(get_settings())
 
 
-def _plan_and_apply(make_plan: Callable[[DeployGate], Plan], yes: bool) -> None:
+def _operator(by: str) -> str:
+    name = (by or _login()).strip()
+    if not name:
+        console.print("[red]refused:[/] say who you are: --by NAME")
+        raise typer.Exit(1)
+    return f"{name} (local CLI)"
+
+
+def _plan_and_apply(make_plan: Callable[[DeployGate, str], Plan], by: str, yes: bool) -> None:
+    operator = _operator(by)
     try:
         gate = _gate()
-        plan = make_plan(gate)
+        plan = make_plan(gate, operator)
         console.print(f"[bold]Plan: {plan.action} {plan.version or ''}[/] by {plan.by}: {plan.reason}")
         for i, step in enumerate(plan.describe(), 1):
             console.print(f"  {i}. {step}")
@@ -41,9 +74,8 @@ def _plan_and_apply(make_plan: Callable[[DeployGate], Plan], yes: bool) -> None:
             console.print("Nothing changed.")
             raise typer.Exit(1)
         split = gate.apply(plan)
-    except GateError as exc:
-        console.print(f"[red]refused:[/] {exc}")
-        raise typer.Exit(1) from None
+    except Exception as exc:
+        _refuse(exc)
     console.print(f"[green]applied.[/] split: {split.model_dump_json() if split else 'none'}")
 
 
@@ -52,9 +84,8 @@ def status() -> None:
     """The split, the champion and challenger, and candidates waiting for approval."""
     try:
         st = _gate().status()
-    except GateError as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(1) from None
+    except Exception as exc:
+        _refuse(exc)
     s = st.split
     if s is None:
         console.print("No traffic split yet (it is created with the champion on the first gate action).")
@@ -80,28 +111,84 @@ def status() -> None:
         console.print("Waiting for approval: " + ", ".join(v.version for v in st.pending))
 
 
-@app.command()
-def approve(version: str, by: By, reason: Reason, yes: Yes = False) -> None:
-    """Approve a pending candidate: it becomes the challenger with the configured share of traffic."""
-    _plan_and_apply(lambda g: g.plan_approve(version, by=by, reason=reason), yes)
+def _refuse(exc: Exception) -> NoReturn:
+    """Print why and exit 1 for a gate refusal; re-raise anything else (a bug)."""
+    err = as_gate_error(exc)
+    if err is None:
+        raise exc
+    console.print(f"[red]refused:[/] {err}")
+    raise typer.Exit(1) from None
 
 
 @app.command()
-def reject(version: str, by: By, reason: Reason, yes: Yes = False) -> None:
+def approve(version: str, reason: Reason, by: By = "", yes: Yes = False) -> None:
+    """Approve a pending candidate (its artifacts verified first): it becomes the challenger."""
+    _plan_and_apply(lambda g, who: g.plan_approve(version, by=who, reason=reason), by, yes)
+
+
+@app.command()
+def reject(version: str, reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Reject a pending candidate."""
-    _plan_and_apply(lambda g: g.plan_reject(version, by=by, reason=reason), yes)
+    _plan_and_apply(lambda g, who: g.plan_reject(version, by=who, reason=reason), by, yes)
 
 
 @app.command()
-def promote(by: By, reason: Reason, yes: Yes = False) -> None:
-    """Make the running challenger the champion (all traffic)."""
-    _plan_and_apply(lambda g: g.plan_promote(by=by, reason=reason), yes)
+def promote(reason: Reason, by: By = "", yes: Yes = False) -> None:
+    """Make the running challenger the champion (all traffic; its artifacts verified first)."""
+    _plan_and_apply(lambda g, who: g.plan_promote(by=who, reason=reason), by, yes)
 
 
 @app.command()
-def rollback(by: By, reason: Reason, yes: Yes = False) -> None:
+def rollback(reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Send all traffic back to the champion and mark the challenger rolled back."""
-    _plan_and_apply(lambda g: g.plan_rollback(by=by, reason=reason), yes)
+    _plan_and_apply(lambda g, who: g.plan_rollback(by=who, reason=reason), by, yes)
+
+
+def _store() -> TokenStore:
+    return TokenStore.from_settings(get_settings())
+
+
+@tokens.command("issue")
+def issue_token(
+    name: Annotated[str, typer.Option("--name", help="Who holds the token (recorded on every change).")],
+    role: Annotated[str, typer.Option("--role", help=f"One of {', '.join(ROLES)}.")] = "approver",
+) -> None:
+    """Issue a new random token for NAME and print it once; only its sha256 is stored."""
+    if role not in ROLES:
+        console.print(f"[red]refused:[/] unknown role {role!r}; use one of {', '.join(ROLES)}")
+        raise typer.Exit(1)
+    try:
+        token = _store().issue(name, cast(Role, role))
+    except IdentityError as exc:
+        console.print(f"[red]refused:[/] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"Token for {name} ({role}); shown only now, store it in a secret manager:")
+    typer.echo(token)
+
+
+@tokens.command("revoke")
+def revoke_token(name: Annotated[str, typer.Argument(help="Whose active token to revoke.")]) -> None:
+    """Revoke NAME's active token: it is refused (401) from now on."""
+    try:
+        _store().revoke(name)
+    except IdentityError as exc:
+        console.print(f"[red]refused:[/] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"Revoked the token of {name}.")
+
+
+@tokens.command("list")
+def list_tokens() -> None:
+    """Every issued token: name, role, created, revoked (never the token or its hash)."""
+    table = Table("name", "role", "created", "revoked")
+    for t in _store().list():
+        table.add_row(
+            t.name,
+            t.role,
+            f"{t.created_at:%Y-%m-%d %H:%M:%S}",
+            f"{t.revoked_at:%Y-%m-%d %H:%M:%S}" if t.revoked_at else "-",
+        )
+    console.print(table)
 
 
 @app.command()

@@ -1,8 +1,10 @@
 """The dashboard page: reward per arm over time, the split's state and history, pending candidates.
 
-Rendered on the server into one self-contained page (inline CSS, SVG and a few lines of
-script for the approve/reject buttons; nothing is fetched from elsewhere). Every value that
-came from a person or the registry is HTML-escaped.
+Rendered on the server (inline SVG); its style sheet and the few lines of script behind the
+buttons are served by the gate itself (`/static/gate.css`, `/static/gate.js`), never inline,
+so the Content-Security-Policy can forbid inline script (an injected `<script>` or `onclick`
+does not run) and nothing is fetched from elsewhere. Every value that came from a person or
+the registry is HTML-escaped, too.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from datetime import datetime
 from html import escape
 from urllib.parse import quote
 
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse
+
+from deploy_gate.api import Gate, check_bucket
 from deploy_gate.chart import reward_chart
-from deploy_gate.metrics import ArmMetrics
+from deploy_gate.metrics import ArmMetrics, arm_metrics
 from deploy_gate.views import GateStatus
 from flywheel.contract import TrafficSplit
 
@@ -29,16 +35,23 @@ th{font-weight:600;background:#fafafa}.num{text-align:right;font-variant-numeric
 input{padding:3px 6px}button{padding:3px 10px;cursor:pointer}#msg{margin:6px 0;font-weight:600}
 """
 
-# Posts to the API with the bearer token typed into the page; the token is never stored.
+# Posts to the API with the bearer token typed into the page; the token is never stored, and
+# the history records the token's identity. Buttons name their API path in data-action.
 SCRIPT = """
 async function gate(path){
   const f=document.getElementById('who');
   const r=await fetch(path,{method:'POST',headers:{'Content-Type':'application/json',
-    'Authorization':'Bearer '+f.token.value},body:JSON.stringify({by:f.by.value,reason:f.reason.value})});
+    'Authorization':'Bearer '+f.token.value},body:JSON.stringify({reason:f.reason.value})});
   const body=await r.json().catch(()=>({}));
   document.getElementById('msg').textContent=r.ok?'done: '+path:(r.status+': '+(body.detail||'failed'));
   if(r.ok){setTimeout(()=>location.reload(),600);}
 }
+document.addEventListener('DOMContentLoaded',()=>{
+  for(const f of document.querySelectorAll('form')){f.addEventListener('submit',e=>e.preventDefault());}
+  for(const b of document.querySelectorAll('button[data-action]')){
+    b.addEventListener('click',()=>gate(b.dataset.action));
+  }
+});
 """
 
 
@@ -47,7 +60,7 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 
 def _url(version: str) -> str:
-    """A version as a path segment that is also safe inside a JS string in an HTML attribute."""
+    """A version as a path segment that is also safe inside an HTML attribute."""
     return escape(quote(version, safe=""))
 
 
@@ -101,8 +114,8 @@ def _pending_section(status: GateStatus) -> str:
         f"<tr><td>v{escape(v.version)}</td><td>{_ts(v.created_at)}</td>"
         f"<td>{'v' + escape(v.parent_version) if v.parent_version else '–'}</td>"
         f"<td class=num>{v.sample_count}</td>"
-        f"<td><button onclick=\"gate('api/versions/{_url(v.version)}/approve')\">approve</button> "
-        f"<button onclick=\"gate('api/versions/{_url(v.version)}/reject')\">reject</button></td></tr>"
+        f'<td><button type="button" data-action="api/versions/{_url(v.version)}/approve">approve</button> '
+        f'<button type="button" data-action="api/versions/{_url(v.version)}/reject">reject</button></td></tr>'
         for v in status.pending
     )
     return (
@@ -145,7 +158,8 @@ def render_dashboard(status: GateStatus, history: list[TrafficSplit], metrics: A
     reward = f"reward definition {escape(metrics.reward_version)}, " if metrics.reward_version else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Flywheel deploy gate</title>
-<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="stylesheet" href="static/gate.css"><script src="static/gate.js"></script></head>
 <body>
 <h1>Flywheel deploy gate</h1>
 <div class="muted">Updated {_ts(metrics.computed_at)} · <a href="">refresh</a> · JSON:
@@ -158,15 +172,35 @@ def render_dashboard(status: GateStatus, history: list[TrafficSplit], metrics: A
 {reward_chart(metrics)}
 {_arms_table(metrics)}
 <h2>Candidates waiting for approval</h2>
-<form id="who" class="act" onsubmit="return false">
-<input name="by" placeholder="your name" required><input name="reason" placeholder="why" size="40" required>
-<input name="token" type="password" placeholder="approval token" autocomplete="off"></form>
+<form id="who" class="act">
+<input name="reason" placeholder="why" size="40" required>
+<input name="token" type="password" placeholder="your approver token" autocomplete="off"></form>
 {_pending_section(status)}
-<form class="act" onsubmit="return false">
-<button onclick="gate('api/promote')">promote challenger</button>
-<button onclick="gate('api/rollback')">roll back challenger</button></form>
+<form class="act">
+<button type="button" data-action="api/promote">promote challenger</button>
+<button type="button" data-action="api/rollback">roll back challenger</button></form>
 <div id="msg"></div>
 <h2>Split history</h2>{_history_section(history)}
 <h2>Versions</h2>{_versions_section(status)}
-<script>{SCRIPT}</script>
 </body></html>"""
+
+
+page = APIRouter(tags=["dashboard"])
+
+
+@page.get("/", response_class=HTMLResponse)
+def dashboard(request: Request, gate: Gate, bucket: str = "1h") -> HTMLResponse:
+    check_bucket(bucket)
+    status = gate.status()
+    metrics = arm_metrics(request.app.state.settings, bucket=bucket)
+    return HTMLResponse(render_dashboard(status, gate.history(20), metrics))
+
+
+@page.get("/static/gate.css", include_in_schema=False)
+def style() -> Response:
+    return Response(STYLE, media_type="text/css")
+
+
+@page.get("/static/gate.js", include_in_schema=False)
+def script() -> Response:
+    return Response(SCRIPT, media_type="text/javascript")

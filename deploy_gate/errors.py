@@ -1,10 +1,18 @@
 """The deploy gate's one error root: every refusal knows its HTTP status.
 
-The API maps `GateError` to a JSON answer in one exception handler; anything else
-is an internal error whose text never reaches a client.
+The API maps `GateError` to a JSON answer in one exception handler. Errors raised below
+the gate become gate errors in `as_gate_error`: an unknown version is 404, a refused
+token 401/403, a dependency that does not answer (Redis, MLflow, the token store) 503.
+Anything else is an internal error whose text never reaches a client.
 """
 
 from __future__ import annotations
+
+import redis
+import sqlalchemy.exc
+
+from flywheel.identity import NotAllowed, NotAuthenticated
+from model_registry import RegistryUnavailable, UnknownVersion
 
 
 class GateError(Exception):
@@ -15,13 +23,29 @@ class GateError(Exception):
 
 
 class Unauthorized(GateError):
+    """No bearer token, or one that identifies nobody."""
+
     status_code = 401
     code = "unauthorized"
 
 
-class UnknownVersion(GateError):
+class Forbidden(GateError):
+    """A valid token whose role does not allow the action."""
+
+    status_code = 403
+    code = "forbidden"
+
+
+class NotFound(GateError):
     status_code = 404
     code = "unknown_version"
+
+
+class CorruptArtifact(GateError):
+    """The version's stored files do not match its manifest; no user may receive it."""
+
+    status_code = 409
+    code = "artifact_corrupt"
 
 
 class NotPending(GateError):
@@ -72,3 +96,54 @@ class GateBusy(GateError):
 
     status_code = 409
     code = "gate_busy"
+
+
+class DependencyUnavailable(GateError):
+    """Redis, the registry or the token store does not answer; the request may be retried."""
+
+    status_code = 503
+    code = "dependency_unavailable"
+
+
+def dependency_down(exc: BaseException) -> str | None:
+    """Which dependency `exc` says is down, or None when it says something else."""
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return "Redis (the traffic split and the gate lock)"
+    if isinstance(exc, RegistryUnavailable):
+        return "the model registry (MLflow)"
+    if isinstance(exc, sqlalchemy.exc.OperationalError):
+        return "the token store"
+    return None
+
+
+# Every exception class `as_gate_error` answers for (the app registers one handler for each).
+MAPPED: tuple[type[Exception], ...] = (
+    GateError,
+    UnknownVersion,
+    NotAuthenticated,
+    NotAllowed,
+    RegistryUnavailable,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    sqlalchemy.exc.OperationalError,
+)
+
+
+def as_gate_error(exc: BaseException) -> GateError | None:
+    """The gate's answer for `exc`, or None for a bug (an internal error).
+
+    Messages come from errors whose text is known to be safe; a dependency's own error text
+    (which may hold a URI with a password) is never used.
+    """
+    if isinstance(exc, GateError):
+        return exc
+    if isinstance(exc, UnknownVersion):
+        return NotFound(str(exc))
+    if isinstance(exc, NotAuthenticated):
+        return Unauthorized(str(exc))
+    if isinstance(exc, NotAllowed):
+        return Forbidden(str(exc))
+    down = dependency_down(exc)
+    if down is not None:
+        return DependencyUnavailable(f"{down} does not answer; try again shortly")
+    return None

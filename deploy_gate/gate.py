@@ -23,21 +23,23 @@ from redis.exceptions import LockError
 from deploy_gate.errors import (
     ApplyFailed,
     ChallengerRunning,
+    CorruptArtifact,
+    DependencyUnavailable,
     GateBusy,
     InvalidRequest,
     NoChallenger,
     NoChampion,
     NotPending,
     StalePlan,
-    UnknownVersion,
+    dependency_down,
 )
 from deploy_gate.plan import Plan, Step
-from deploy_gate.registry import GateRegistry, open_registry
 from deploy_gate.views import GateStatus, VersionView
 from flywheel.connections import redis_client
 from flywheel.contract import TrafficSplit, utcnow
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
+from model_registry import ArtifactIntegrityError, ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class DeployGate:
     """Approvals and the traffic split for one experiment."""
 
     def __init__(
-        self, registry: GateRegistry, client: redis.Redis, settings: Settings, experiment: str = "default"
+        self, registry: ModelRegistry, client: redis.Redis, settings: Settings, experiment: str = "default"
     ) -> None:
         self.registry = registry
         self.settings = settings
@@ -59,7 +61,7 @@ class DeployGate:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DeployGate:
-        return cls(open_registry(settings), redis_client(settings), settings)
+        return cls(ModelRegistry(settings), redis_client(settings), settings)
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -81,10 +83,15 @@ class DeployGate:
 
     # ---- planning ------------------------------------------------------------------------
 
-    def plan_approve(self, version: str, *, by: str, reason: str) -> Plan:
-        """Approve a pending candidate and make it the challenger with `settings.challenger_share`."""
+    def plan_approve(self, version: str, *, by: str, reason: str, verify: bool = True) -> Plan:
+        """Approve a pending candidate and make it the challenger with `settings.challenger_share`.
+
+        With `verify` (always, except when `apply` re-plans a plan that was verified), the
+        candidate's artifacts are downloaded and checked against their manifest first: a version
+        no server could load must never take traffic.
+        """
         _require_who_why(by, reason)
-        state = self._gate_state(version)
+        state = self.registry.gate_state(version)
         if state != "pending":
             raise NotPending(f"version {version} is {state}; only a pending candidate can be approved")
         stored, split, steps = self._current_split()
@@ -94,6 +101,8 @@ class DeployGate:
                 f"{split.challenger_share:.0%} of traffic); "
                 f"promote it or roll it back before approving {version}"
             )
+        if verify:
+            self._verify(version)
         share = self.settings.challenger_share
         after = split.model_copy(
             update={
@@ -125,7 +134,7 @@ class DeployGate:
 
     def plan_reject(self, version: str, *, by: str, reason: str) -> Plan:
         _require_who_why(by, reason)
-        state = self._gate_state(version)
+        state = self.registry.gate_state(version)
         if state != "pending":
             raise NotPending(f"version {version} is {state}; only a pending candidate can be rejected")
         split = self.splits.get()
@@ -135,14 +144,16 @@ class DeployGate:
         )
         return Plan("reject", version, by, reason, split, split, (step,))
 
-    def plan_promote(self, *, by: str, reason: str) -> Plan:
-        """The challenger becomes the champion and takes all traffic."""
+    def plan_promote(self, *, by: str, reason: str, verify: bool = True) -> Plan:
+        """The challenger becomes the champion and takes all traffic (its artifacts verified first)."""
         _require_who_why(by, reason)
         split = self.splits.get()
         if split is None or not _challenger_live(split):
             raise NoChallenger("no challenger is running; approve a candidate first")
         new, old = split.challenger_version, split.champion_version
         assert new is not None  # _challenger_live checked it
+        if verify:
+            self._verify(new)
         after = split.model_copy(
             update={
                 "champion_version": new,
@@ -224,11 +235,14 @@ class DeployGate:
                 try:
                     step.run()
                 except Exception as exc:
-                    log.exception("gate %s failed at step %d: %s", plan.action, i + 1, step.description)
                     done = "; ".join(s.description for s in plan.steps[:i]) or "nothing"
-                    raise ApplyFailed(
-                        f"{plan.action} failed at step {i + 1} ({step.description}); already applied: {done}"
-                    ) from exc
+                    where = f"{plan.action} failed at step {i + 1} ({step.description}); already applied: {done}"
+                    down = dependency_down(exc)
+                    if down is not None:  # no traceback: a dependency's message may name its URL
+                        log.warning("%s: %s does not answer (%s)", where, down, type(exc).__name__)
+                        raise DependencyUnavailable(f"{down} does not answer: {where}") from exc
+                    log.exception("gate %s", where)
+                    raise ApplyFailed(where) from exc
             log.info("gate %s %s by %s: %s", plan.action, plan.version or "", plan.by, plan.reason)
             return self.splits.get()
 
@@ -249,12 +263,14 @@ class DeployGate:
     def _replan(self, plan: Plan) -> Plan:
         if plan.action == "approve":
             assert plan.version is not None
-            return self.plan_approve(plan.version, by=plan.by, reason=plan.reason)
+            # Verified when the plan was made; checking again under the lock would download the
+            # whole model a second time while every other gate action waits.
+            return self.plan_approve(plan.version, by=plan.by, reason=plan.reason, verify=False)
         if plan.action == "reject":
             assert plan.version is not None
             return self.plan_reject(plan.version, by=plan.by, reason=plan.reason)
         if plan.action == "promote":
-            return self.plan_promote(by=plan.by, reason=plan.reason)
+            return self.plan_promote(by=plan.by, reason=plan.reason, verify=False)
         return self.plan_rollback(by=plan.by, reason=plan.reason)
 
     def _current_split(self) -> tuple[TrafficSplit | None, TrafficSplit, list[Step]]:
@@ -287,11 +303,13 @@ class DeployGate:
             ],
         )
 
-    def _gate_state(self, version: str) -> str:
+    def _verify(self, version: str) -> None:
         try:
-            return self.registry.gate_state(version)
-        except LookupError:  # model_registry.UnknownVersion
-            raise UnknownVersion(f"no model version {version!r} in the registry") from None
+            self.registry.verify(version)
+        except ArtifactIntegrityError as exc:
+            raise CorruptArtifact(
+                f"{exc}; refusing to send traffic to it (register the checkpoint again)"
+            ) from None
 
     def _put(self, split: TrafficSplit) -> None:
         self.splits.put(split.model_copy(update={"changed_at": utcnow()}))

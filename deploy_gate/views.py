@@ -6,8 +6,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from deploy_gate.registry import VersionLike
 from flywheel.contract import TrafficSplit
+from model_registry import VersionInfo
 
 
 class VersionView(BaseModel):
@@ -22,7 +22,7 @@ class VersionView(BaseModel):
     run_id: str | None
 
     @classmethod
-    def of(cls, info: VersionLike) -> VersionView:
+    def of(cls, info: VersionInfo) -> VersionView:
         return cls(
             version=info.version,
             created_at=info.created_at,

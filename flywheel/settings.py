@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Secrets (every `SecretStr` field) are never empty, and in production at least this long and
+# never their development default. Values are never echoed: errors name the variable only.
+MIN_SECRET_LENGTH = 24
+# Secret fields holding a comma-separated list; each item is checked as one secret.
+_LIST_SECRETS = frozenset({"write_keys"})
 
 
 class Settings(BaseSettings):
@@ -23,7 +29,9 @@ class Settings(BaseSettings):
     (`KAFKA_BOOTSTRAP_SERVERS`, `REDIS_URL`, `MLFLOW_TRACKING_URI`).
     """
 
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="forbid", populate_by_name=True)
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_", extra="forbid", populate_by_name=True, hide_input_in_errors=True
+    )
 
     environment: Literal["development", "production"] = "development"
     data_dir: Path = Field(default=Path("var"), description="Lake, models, MLflow and embedded state.")
@@ -75,15 +83,24 @@ class Settings(BaseSettings):
     gate_port: int = 8002
     trainer_port: int = 8003
     ingest_metrics_port: int = Field(default=9101, ge=0, description="Ingest worker /metrics and health; 0 = off.")
-    write_keys: str = Field(
-        default="dev-write-key",
+    write_keys: SecretStr = Field(
+        default=SecretStr("dev-write-key"),
         description="Comma-separated write keys the collector accepts (HTTP basic auth user).",
     )
-    approval_token: str = Field(default="dev-approval-token", description="Bearer token for approvals.")
     serving_key: SecretStr = Field(
         default=SecretStr("dev-serving-key"),
         description="HMAC key serving signs its generation events with; the trainer learns off-policy only "
         "from generations whose signature verifies under it. Serving and the trainer need the same key.",
+    )
+    approval_token: SecretStr = Field(
+        default=SecretStr("dev-approval-token"),
+        description="Bootstrap admin bearer token for the gate and trainer APIs (identity "
+        "'admin (FLYWHEEL_APPROVAL_TOKEN)'); issue personal tokens with `flywheel gate tokens issue`.",
+    )
+    token_store_url: str = Field(
+        default="",
+        description="SQLAlchemy URL of the issued-token store (hashes only); empty: SQLite under data_dir. "
+        "Give the gate and the trainer the same one (e.g. the PostgreSQL that holds MLflow).",
     )
 
     # Loop timing
@@ -98,18 +115,47 @@ class Settings(BaseSettings):
     def _strip(cls, value: str) -> str:
         return value.strip()
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strip_secrets(cls, value: Any, info: ValidationInfo) -> Any:
+        # A trailing newline from a mounted secret file must not become part of the token.
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and field.annotation is SecretStr and isinstance(value, str):
+            return value.strip()
+        return value
+
     @model_validator(mode="after")
-    def _refuse_default_secrets_in_production(self) -> Settings:
-        if self.environment == "production":
-            if "dev-write-key" in self.write_key_set:
-                raise ValueError("FLYWHEEL_WRITE_KEYS still holds the development key; set real write keys.")
-            if self.approval_token == "dev-approval-token":
-                raise ValueError("FLYWHEEL_APPROVAL_TOKEN is the development token; set a secret one.")
+    def _check_secrets(self) -> Settings:
+        """Every secret is set; in production none is short or still its development default.
+
+        Messages name the variable, never its value (and `hide_input_in_errors` keeps pydantic
+        from echoing the input).
+        """
+        problems = []
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if not isinstance(value, SecretStr):
+                continue
+            env = f"FLYWHEEL_{name.upper()}"
+            items = _secret_items(name, value)
+            if not items:
+                problems.append(f"{env} is empty; set a secret value")
+            elif self.environment == "production":
+                default = field.default if isinstance(field.default, SecretStr) else SecretStr("")
+                if set(items) & set(_secret_items(name, default)):
+                    problems.append(f"{env} still holds the development value; set a secret one")
+                elif any(len(item) < MIN_SECRET_LENGTH for item in items):
+                    problems.append(f"{env} is too short for production")
+        if problems:
+            raise ValueError(
+                "; ".join(problems) + f" (production secrets need at least {MIN_SECRET_LENGTH} characters, "
+                "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            )
         return self
 
     @property
     def write_key_set(self) -> frozenset[str]:
-        return frozenset(k.strip() for k in self.write_keys.split(",") if k.strip())
+        return frozenset(_secret_items("write_keys", self.write_keys))
 
     @property
     def lake_dir(self) -> Path:
@@ -122,6 +168,13 @@ class Settings(BaseSettings):
     @property
     def resolved_mlflow_uri(self) -> str:
         return self.mlflow_tracking_uri or self.embedded_mlflow_uri
+
+
+def _secret_items(name: str, value: SecretStr) -> list[str]:
+    raw = value.get_secret_value()
+    if name in _LIST_SECRETS:
+        return [k.strip() for k in raw.split(",") if k.strip()]
+    return [raw] if raw.strip() else []
 
 
 @lru_cache(maxsize=1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from pydantic import SecretStr
 
 from flywheel.settings import Settings
 
@@ -112,5 +113,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     """Environment variables that hand `settings` to a child process."""
     env: dict[str, str] = {}
     for name in Settings.model_fields:
-        env[f"FLYWHEEL_{name.upper()}"] = str(getattr(settings, name))
+        value = getattr(settings, name)
+        # str() of a SecretStr is its mask; a child needs the real value.
+        env[f"FLYWHEEL_{name.upper()}"] = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
     return env

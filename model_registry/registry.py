@@ -10,17 +10,20 @@ rewritten. Works on any MLflow store (SQLite by default, PostgreSQL, a tracking 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
+import sqlalchemy.exc
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -68,6 +71,45 @@ class UnknownVersion(LookupError):
     """The registry holds no such version."""
 
 
+class RegistryUnavailable(RuntimeError):
+    """The MLflow store does not answer (server or database down); try again later.
+
+    Its text never holds the store's URI (which may carry a password).
+    """
+
+
+_NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _is_unreachable(exc: MlflowException) -> bool:
+    """MLflow wraps an unreachable store as TEMPORARILY_UNAVAILABLE (database) or as a generic
+    error caused by a requests failure (tracking server)."""
+    if exc.error_code == "TEMPORARILY_UNAVAILABLE":
+        return True
+    cause = exc.__cause__ or exc.__context__
+    # requests' errors are OSErrors; a database that does not answer is an OperationalError.
+    return isinstance(cause, OSError | sqlalchemy.exc.OperationalError)
+
+
+def _reachable(method: Callable[P, R]) -> Callable[P, R]:
+    """Raise `RegistryUnavailable` instead of MLflow's error when the store does not answer."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except MlflowException as exc:
+            if _is_unreachable(exc):
+                # The chain is cut: MLflow's message names the store's URL, password included.
+                cause = type(exc.__cause__ or exc.__context__ or exc).__name__
+                raise RegistryUnavailable(f"the model registry (MLflow) does not answer ({cause})") from None
+            raise
+
+    return call
+
+
 def _run_of(mv: ModelVersion) -> str:
     """The run holding a version's artifacts; every version `register` writes names one."""
     if mv.run_id is None:  # made outside this registry (e.g. by hand in the MLflow UI)
@@ -107,6 +149,7 @@ class ModelRegistry:
         return self._client
 
     # -- registration ------------------------------------------------------------------
+    @_reachable
     def register(self, model_dir: Path, lineage: ModelLineage) -> str:
         """Log `model_dir` and its manifest as artifacts and create a version in gate state "pending".
 
@@ -160,21 +203,30 @@ class ModelRegistry:
 
     # -- reading -----------------------------------------------------------------------
     def _version(self, version: str) -> ModelVersion:
+        # Versions are positive integers; anything else (or one too big for the store) is unknown.
+        if not (str(version).isdigit() and 0 < int(version) < 2**31):
+            raise UnknownVersion(f"model {self._name!r} has no version {version!r}")
         try:
-            return self._client.get_model_version(self._name, str(version))
+            return self._client.get_model_version(self._name, str(int(version)))
         except MlflowException as exc:
-            raise UnknownVersion(f"model {self._name!r} has no version {version!r}") from exc
+            if exc.error_code in _NOT_FOUND:
+                raise UnknownVersion(f"model {self._name!r} has no version {version!r}") from exc
+            raise
 
+    @_reachable
     def lineage(self, version: str) -> ModelLineage:
         return ModelLineage.model_validate_json(self._version(version).tags[TAG_LINEAGE])
 
+    @_reachable
     def versions(self) -> list[VersionInfo]:
         """Every version, newest first."""
         try:
             found = self._client.search_model_versions(f"name='{self._name}'")
             model_aliases = self._client.get_registered_model(self._name).aliases
-        except MlflowException:  # nothing registered yet
-            return []
+        except MlflowException as exc:
+            if exc.error_code in _NOT_FOUND:  # nothing registered yet
+                return []
+            raise
         # search results carry no aliases on every store; the registered model has them all
         aliases: dict[str, list[str]] = {}
         for alias, version in model_aliases.items():
@@ -182,9 +234,11 @@ class ModelRegistry:
         infos = [_info(mv, aliases.get(str(mv.version), [])) for mv in found if TAG_LINEAGE in mv.tags]
         return sorted(infos, key=lambda v: int(v.version), reverse=True)
 
+    @_reachable
     def gate_state(self, version: str) -> str:
         return str(self._version(version).tags.get(TAG_GATE_STATE, "pending"))
 
+    @_reachable
     def gate_history(self, version: str) -> list[GateChange]:
         """Every gate-state change of `version`, oldest first."""
         tags = self._version(version).tags
@@ -192,6 +246,7 @@ class ModelRegistry:
         return [_change_from_json(tags[k]) for k in keys]
 
     # -- changing ----------------------------------------------------------------------
+    @_reachable
     def set_gate_state(self, version: str, state: str, *, by: str, reason: str = "") -> None:
         """Move `version` to `state`, recording who did it, when and why."""
         if state not in GATE_STATES:
@@ -208,22 +263,28 @@ class ModelRegistry:
         self._client.set_model_version_tag(self._name, str(version), _history_key(seq), _change_json(change))
         self._client.set_model_version_tag(self._name, str(version), TAG_GATE_STATE, state)
 
+    @_reachable
     def set_alias(self, alias: str, version: str) -> None:
         self._version(version)
         self._client.set_registered_model_alias(self._name, alias, str(version))
 
+    @_reachable
     def delete_alias(self, alias: str) -> None:
         """Remove `alias` (no error when it is not set)."""
         if self.alias(alias) is not None:
             self._client.delete_registered_model_alias(self._name, alias)
 
+    @_reachable
     def alias(self, alias: str) -> str | None:
         try:
             return str(self._client.get_model_version_by_alias(self._name, alias).version)
-        except MlflowException:
-            return None
+        except MlflowException as exc:
+            if exc.error_code in _NOT_FOUND:
+                return None
+            raise
 
     # -- fetching ----------------------------------------------------------------------
+    @_reachable
     def fetch(self, version: str) -> Path:
         """A verified local copy of `version`'s checkpoint, cached under data_dir/models/<version>.
 
@@ -242,13 +303,7 @@ class ModelRegistry:
         self._cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self._cache_dir))
         try:
-            local = Path(self._client.download_artifacts(_run_of(mv), ARTIFACT_DIR, str(staging)))
-            try:
-                verify(local, manifest)
-            except ArtifactIntegrityError as exc:
-                raise ArtifactIntegrityError(
-                    f"version {version} of {self._name!r} (run {mv.run_id}) is corrupted: {exc}"
-                ) from None
+            local = self._download_verified(mv, manifest, staging)
             try:
                 os.replace(local, target)
             except OSError:
@@ -257,6 +312,28 @@ class ModelRegistry:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return target
+
+    @_reachable
+    def verify(self, version: str) -> None:
+        """Download `version`'s artifacts to a scratch folder and check every file's sha256.
+
+        Raises `ArtifactIntegrityError` naming each bad file; keeps nothing (the gate checks a
+        candidate this way before it lets any user receive it).
+        """
+        mv = self._version(version)
+        manifest = self._manifest(mv)
+        with tempfile.TemporaryDirectory(prefix=f"verify-{version}-") as tmp:
+            self._download_verified(mv, manifest, Path(tmp))
+
+    def _download_verified(self, mv: ModelVersion, manifest: dict[str, Any], into: Path) -> Path:
+        local = Path(self._client.download_artifacts(_run_of(mv), ARTIFACT_DIR, str(into)))
+        try:
+            verify(local, manifest)
+        except ArtifactIntegrityError as exc:
+            raise ArtifactIntegrityError(
+                f"version {mv.version} of {self._name!r} (run {mv.run_id}) is corrupted: {exc}"
+            ) from None
+        return local
 
     def _manifest(self, mv: ModelVersion) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:

@@ -13,13 +13,12 @@ from deploy_gate.errors import (
     NoChampion,
     NotPending,
     StalePlan,
-    UnknownVersion,
 )
 from deploy_gate.gate import DeployGate
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage
 from flywheel.settings import Settings
-from model_registry import ModelRegistry
+from model_registry import ModelRegistry, UnknownVersion
 
 
 @pytest.fixture

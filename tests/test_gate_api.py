@@ -1,27 +1,46 @@
-"""The gate's HTTP API and dashboard, on the real registry (MLflow on SQLite) and Redis."""
+"""The gate's HTTP API and dashboard, on the real registry (MLflow on SQLite), Redis and token store."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from deploy_gate.app import create_app
 from deploy_gate.gate import DeployGate
+from deploy_gate.security import SECURITY_HEADERS
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage
+from flywheel.identity import BOOTSTRAP_NAME, TokenStore
 from flywheel.settings import Settings
+from launcher.embedded import free_port
 from model_registry import ModelRegistry
 
-TOKEN = "s3cret-approval-token"
+TOKEN = "s3cret-approval-token-of-the-admin"
 
 
 @pytest.fixture
 def gate_settings(settings: Settings) -> Settings:
-    return settings.model_copy(update={"approval_token": TOKEN})
+    return settings.model_copy(update={"approval_token": SecretStr(TOKEN)})
+
+
+@pytest.fixture
+def tokens(gate_settings: Settings) -> dict[str, str]:
+    """Issued tokens by holder: an approver, a viewer, and an approver whose token was revoked."""
+    store = TokenStore.from_settings(gate_settings)
+    issued = {
+        "alice": store.issue("alice", "approver"),
+        "victor": store.issue("victor", "viewer"),
+        "rita": store.issue("rita", "approver"),
+    }
+    store.revoke("rita")
+    return issued
 
 
 @pytest.fixture
@@ -61,7 +80,7 @@ def auth(token: str = TOKEN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-WHO = {"by": "ana", "reason": "offline checks pass"}
+WHY = {"reason": "offline checks pass"}
 
 
 def test_start_creates_the_split_with_the_champion(client: TestClient, versions: tuple[str, str]) -> None:
@@ -71,24 +90,29 @@ def test_start_creates_the_split_with_the_champion(client: TestClient, versions:
     assert [v["version"] for v in client.get("/api/versions").json()] == [versions[1], versions[0]]
 
 
-@pytest.mark.parametrize(
-    "headers",
-    [
-        {},
-        auth("wrong-token"),
-        auth(TOKEN + "x"),
-        {"Authorization": TOKEN},
-        {"Authorization": f"Basic {TOKEN}"},
-    ],
-    ids=["missing", "wrong", "longer", "no-scheme", "basic"],
-)
-def test_a_bad_approval_token_is_refused_and_nothing_changes(
+REFUSED: dict[str, tuple[dict[str, str] | str, int]] = {
+    "missing": ({}, 401),
+    "empty": ({"Authorization": "Bearer "}, 401),
+    "scheme-only": ({"Authorization": "Bearer"}, 401),
+    "wrong": (auth("wrong-token"), 401),
+    "longer": (auth(TOKEN + "x"), 401),
+    "no-scheme": ({"Authorization": TOKEN}, 401),
+    "basic": ({"Authorization": f"Basic {TOKEN}"}, 401),
+    "revoked": ("rita", 401),
+    "viewer": ("victor", 403),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_bad_or_insufficient_token_is_refused_and_nothing_changes(
     client: TestClient,
-    gate: DeployGate,
     registry: ModelRegistry,
     versions: tuple[str, str],
-    headers: dict[str, str],
+    tokens: dict[str, str],
+    case: str,
 ) -> None:
+    given, status = REFUSED[case]
+    headers = auth(tokens[given]) if isinstance(given, str) else given
     before = client.get("/api/split").json()
     for path in (
         f"/api/versions/{versions[1]}/approve",
@@ -96,49 +120,74 @@ def test_a_bad_approval_token_is_refused_and_nothing_changes(
         "/api/promote",
         "/api/rollback",
     ):
-        r = client.post(path, json=WHO, headers=headers)
-        assert r.status_code == 401, path
-        assert r.headers["www-authenticate"] == "Bearer"
-        assert TOKEN not in r.text
+        r = client.post(path, json=WHY, headers=headers)
+        assert r.status_code == status, (path, r.text)
+        assert r.json()["error"] == ("unauthorized" if status == 401 else "forbidden")
+        if status == 401:
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert TOKEN not in r.text and all(t not in r.text for t in tokens.values())
     assert registry.gate_state(versions[1]) == "pending"
     assert registry.alias("challenger") is None
     assert client.get("/api/split").json() == before
+
+
+def test_an_approval_records_the_identity_behind_the_token_not_a_typed_name(
+    client: TestClient, registry: ModelRegistry, versions: tuple[str, str], tokens: dict[str, str]
+) -> None:
+    candidate = versions[1]
+    claimed = client.post(
+        f"/api/versions/{candidate}/approve", json={"by": "mallory", **WHY}, headers=auth(tokens["alice"])
+    )
+    assert claimed.status_code == 422  # no client-chosen name any more
+    r = client.post(f"/api/versions/{candidate}/approve", json=WHY, headers=auth(tokens["alice"]))
+    assert r.status_code == 200, r.text
+    assert r.json()["plan"]["by"] == "alice"
+    assert registry.gate_history(candidate)[-1].by == "alice"
+    assert client.get("/api/split").json()["split"]["changed_by"] == "alice"
+    # The bootstrap token acts as the admin identity named after the setting.
+    back = client.post("/api/rollback", json={"reason": "guardrail"}, headers=auth())
+    assert back.status_code == 200
+    assert registry.gate_history(candidate)[-1].by == BOOTSTRAP_NAME
 
 
 def test_approve_over_http_makes_the_challenger(
     client: TestClient, registry: ModelRegistry, versions: tuple[str, str], gate_settings: Settings
 ) -> None:
     champion, candidate = versions
-    dry = client.post(f"/api/versions/{candidate}/approve?dry_run=true", json=WHO, headers=auth())
+    dry = client.post(f"/api/versions/{candidate}/approve?dry_run=true", json=WHY, headers=auth())
     assert dry.status_code == 200 and dry.json()["applied"] is False
     assert any("becomes the challenger" in s for s in dry.json()["plan"]["steps"])
     assert registry.gate_state(candidate) == "pending"  # a dry run changes nothing
 
-    r = client.post(f"/api/versions/{candidate}/approve", json=WHO, headers=auth())
+    r = client.post(f"/api/versions/{candidate}/approve", json=WHY, headers=auth())
     assert r.status_code == 200, r.text
     split = client.get("/api/split").json()["split"]
     assert (split["champion_version"], split["challenger_version"]) == (champion, candidate)
-    assert split["challenger_share"] == gate_settings.challenger_share and split["changed_by"] == "ana"
+    assert split["challenger_share"] == gate_settings.challenger_share
+    assert split["changed_by"] == BOOTSTRAP_NAME
     assert registry.gate_state(candidate) == "approved" and registry.alias("challenger") == candidate
     detail = client.get(f"/api/versions/{candidate}").json()
     assert [(h["state"], h["by"]) for h in detail["history"]] == [
         ("pending", "registry"),
-        ("approved", "ana"),
+        ("approved", BOOTSTRAP_NAME),
     ]
 
-    again = client.post(f"/api/versions/{candidate}/approve", json=WHO, headers=auth())
+    again = client.post(f"/api/versions/{candidate}/approve", json=WHY, headers=auth())
     assert again.status_code == 409 and again.json()["error"] == "not_pending"
 
-    back = client.post("/api/rollback", json={"by": "oncall", "reason": "guardrail"}, headers=auth())
+    back = client.post("/api/rollback", json={"reason": "guardrail"}, headers=auth())
     assert back.status_code == 200
     split = client.get("/api/split").json()["split"]
     assert (split["challenger_share"], split["state"]) == (0.0, "rolled_back")
 
 
 def test_errors_are_mapped_and_requests_validated(client: TestClient) -> None:
-    assert client.post("/api/versions/999/approve", json=WHO, headers=auth()).status_code == 404
-    assert client.post("/api/promote", json=WHO, headers=auth()).json()["error"] == "no_challenger"
-    assert client.post("/api/promote", json={"by": "ana"}, headers=auth()).status_code == 422  # no reason
+    for version in ("999", "abc", "1" * 30, "-1"):
+        r = client.post(f"/api/versions/{version}/approve", json=WHY, headers=auth())
+        assert (r.status_code, r.json()["error"]) == (404, "unknown_version"), version
+        assert client.get(f"/api/versions/{version}").status_code == 404
+    assert client.post("/api/promote", json=WHY, headers=auth()).json()["error"] == "no_challenger"
+    assert client.post("/api/promote", json={}, headers=auth()).status_code == 422  # no reason
     assert client.get("/api/metrics/arms?bucket=drop table").status_code == 422
 
 
@@ -160,6 +209,7 @@ def test_unknown_errors_are_not_echoed(gate_settings: Settings, gate: DeployGate
     assert r.status_code == 500
     assert r.json() == {"error": "internal", "detail": "internal error; see the gate's log"}
     assert "hunter2" not in r.text
+    assert all(r.headers.get(name) == value for name, value in SECURITY_HEADERS.items())
 
 
 def test_dashboard_page_shows_split_arms_and_pending_candidates(
@@ -174,6 +224,105 @@ def test_dashboard_page_shows_split_arms_and_pending_candidates(
     page = r.text
     assert "Satisfaction per arm" in page and "running" in page
     assert f"champion <b>v{champion}</b>" in page and f"challenger <b>v{candidate}</b> 20%" in page
-    assert f"api/versions/{waiting}/approve" in page  # the pending candidate, with its buttons
+    assert f'data-action="api/versions/{waiting}/approve"' in page  # the pending candidate's buttons
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "http://" not in page and "https://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    # No inline script or handler: the CSP forbids them, so the page's own code is served apart.
+    assert "<script>" not in page and "onclick" not in page and "<style>" not in page
+    js = client.get("/static/gate.js")
+    assert js.status_code == 200 and "data-action" in js.text and "Authorization" in js.text
+    assert client.get("/static/gate.css").headers["content-type"].startswith("text/css")
+
+
+def test_every_response_carries_the_security_headers(
+    client: TestClient, versions: tuple[str, str]
+) -> None:
+    responses = [
+        client.get("/"),
+        client.get("/static/gate.js"),
+        client.get("/api/versions"),
+        client.get("/api/versions/999"),  # 404 from the error handler
+        client.post("/api/promote", json=WHY),  # 401
+        client.get("/api/split?limit=0"),  # 422 from validation
+        client.get("/no-such-page"),
+    ]
+    for r in responses:
+        for name, value in SECURITY_HEADERS.items():
+            assert r.headers.get(name) == value, (r.request.url, name)
+    csp = SECURITY_HEADERS["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp
+    assert client.get("/docs").status_code == 404  # Swagger UI would need a CDN script
+
+
+def corrupt_stored_weights(settings: Settings, registry: ModelRegistry, version: str) -> None:
+    """Flip bytes of `version`'s stored model.safetensors in the artifact store (bit rot, tampering)."""
+    run_id = registry.lineage(version).run_id
+    stored = next(p for p in (settings.data_dir / "mlflow" / "artifacts").rglob("model.safetensors")
+                  if run_id in p.parts)  # fmt: skip
+    stored.write_bytes(b"\xff" * 8 + stored.read_bytes()[8:])
+
+
+def test_a_corrupted_artifact_cannot_be_approved_or_promoted(
+    client: TestClient, gate_settings: Settings, registry: ModelRegistry, versions: tuple[str, str],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    champion, candidate = versions
+    corrupt_stored_weights(gate_settings, registry, candidate)
+    for path in (f"/api/versions/{candidate}/approve?dry_run=true", f"/api/versions/{candidate}/approve"):
+        r = client.post(path, json=WHY, headers=auth())
+        assert r.status_code == 409, r.text
+        assert r.json()["error"] == "artifact_corrupt" and "model.safetensors" in r.json()["detail"]
+    assert registry.gate_state(candidate) == "pending" and registry.alias("challenger") is None
+    assert client.get("/api/split").json()["split"]["challenger_version"] is None
+
+    # A challenger whose artifact went bad after its approval is not promoted either.
+    healthy = register(registry, tmp_path, parent=champion)
+    assert client.post(f"/api/versions/{healthy}/approve", json=WHY, headers=auth()).status_code == 200
+    corrupt_stored_weights(gate_settings, registry, healthy)
+    r = client.post("/api/promote", json=WHY, headers=auth())
+    assert (r.status_code, r.json()["error"]) == (409, "artifact_corrupt")
+    assert registry.alias("champion") == champion
+    assert client.get("/api/split").json()["split"]["challenger_version"] == healthy
+    # Rolling it back is always possible.
+    assert client.post("/api/rollback", json=WHY, headers=auth()).status_code == 200
+
+
+def test_redis_down_answers_503_with_a_reason(
+    gate_settings: Settings, registry: ModelRegistry, versions: tuple[str, str]
+) -> None:
+    # A real Redis client pointed at a port where nothing listens: Redis is down.
+    down = redis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
+    gate = DeployGate(registry, down, gate_settings)
+    with TestClient(create_app(gate_settings, gate=gate)) as c:
+        answers = [
+            c.get("/api/split"),
+            c.get("/"),
+            c.post(f"/api/versions/{versions[1]}/approve", json=WHY, headers=auth()),
+            c.post("/api/rollback", json=WHY, headers=auth()),
+        ]
+    for r in answers:
+        assert r.status_code == 503, (r.request.url, r.text)
+        assert r.json()["error"] == "dependency_unavailable" and "Redis" in r.json()["detail"]
+        assert r.headers["x-frame-options"] == "DENY"
+    assert registry.gate_state(versions[1]) == "pending"
+
+
+def test_mlflow_down_answers_503(
+    gate_settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A tracking server that does not answer; no retries, so the test does not wait for backoff.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    secret_uri = f"http://mlflow-user:mlflow-password@127.0.0.1:{free_port()}"
+    down = gate_settings.model_copy(update={"mlflow_tracking_uri": secret_uri})
+    gate = DeployGate(ModelRegistry(down), redis_client(down), down)
+    with TestClient(create_app(down, gate=gate)) as c:
+        answers = [c.get("/api/versions"), c.post("/api/versions/1/approve", json=WHY, headers=auth())]
+    for r in answers:
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == "dependency_unavailable" and "MLflow" in r.json()["detail"]
+        assert "mlflow-password" not in r.text
+    ours = [rec for rec in caplog.records if rec.name.startswith(("deploy_gate", "model_registry"))]
+    assert ours  # the outage is logged ...
+    formatter = logging.Formatter()
+    assert all("mlflow-password" not in formatter.format(rec) for rec in ours)  # ... without the password

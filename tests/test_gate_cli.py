@@ -71,3 +71,44 @@ def test_approve_shows_the_plan_and_applies_only_when_confirmed(
     back = runner.invoke(app, ["rollback", "--by", "oncall", "--reason", "guardrail", "--yes"])
     assert back.exit_code == 0, back.output
     assert splits.get().challenger_share == 0.0  # type: ignore[union-attr]
+
+
+def test_tokens_are_issued_once_listed_without_their_value_and_revoked(env_settings: Settings) -> None:
+    from flywheel.identity import Authenticator, NotAuthenticated, TokenStore
+
+    runner = CliRunner()
+    issued = runner.invoke(app, ["tokens", "issue", "--name", "alice", "--role", "approver"])
+    assert issued.exit_code == 0, issued.output
+    token = issued.output.strip().splitlines()[-1]
+    assert len(token) >= 40
+    auth = Authenticator(env_settings, TokenStore.from_settings(env_settings))
+    assert auth.require(f"Bearer {token}", "approver").name == "alice"
+
+    twice = runner.invoke(app, ["tokens", "issue", "--name", "alice"])
+    assert twice.exit_code == 1 and "already has an active token" in twice.output
+    bad_role = runner.invoke(app, ["tokens", "issue", "--name", "bob", "--role", "root"])
+    assert bad_role.exit_code == 1 and "unknown role" in bad_role.output
+
+    listed = runner.invoke(app, ["tokens", "list"])
+    assert listed.exit_code == 0 and "alice" in listed.output and "approver" in listed.output
+    assert token not in listed.output
+    raw = (env_settings.data_dir / "tokens.db").read_bytes()
+    assert token.encode() not in raw  # only the hash is stored
+
+    revoked = runner.invoke(app, ["tokens", "revoke", "alice"])
+    assert revoked.exit_code == 0, revoked.output
+    with pytest.raises(NotAuthenticated):
+        auth.require(f"Bearer {token}", "viewer")
+    assert runner.invoke(app, ["tokens", "revoke", "alice"]).exit_code == 1
+    # A revoked name can be given a new token.
+    assert runner.invoke(app, ["tokens", "issue", "--name", "alice"]).exit_code == 0
+
+
+def test_the_cli_records_its_local_operator(env_settings: Settings, tmp_path: Path) -> None:
+    registry = ModelRegistry(env_settings)
+    champion = register(registry, tmp_path, "a")
+    registry.set_alias("champion", champion)
+    candidate = register(registry, tmp_path, "b")
+    done = CliRunner().invoke(app, ["approve", candidate, "--by", "ana", "--reason", "ok", "--yes"])
+    assert done.exit_code == 0, done.output
+    assert registry.gate_history(candidate)[-1].by == "ana (local CLI)"

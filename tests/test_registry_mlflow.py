@@ -117,3 +117,37 @@ def postgres_uri() -> Iterator[str]:
 def test_registry_on_postgresql(settings: Settings, postgres_uri: str, tmp_path: Path) -> None:
     pg = settings.model_copy(update={"mlflow_tracking_uri": postgres_uri})
     _exercise(ModelRegistry(pg), tmp_path)
+
+
+def test_verify_names_the_bad_file_and_keeps_nothing(settings: Settings, tmp_path: Path) -> None:
+    registry = ModelRegistry(settings)
+    version = registry.register(_checkpoint(tmp_path / "ck"), ModelLineage(base="tiny"))
+    registry.verify(version)  # intact: no error
+    stored = next((settings.data_dir / "mlflow" / "artifacts").rglob("tokenizer.json"))
+    stored.write_text('{"evil": 1}')
+    with pytest.raises(ArtifactIntegrityError, match=r"tok/tokenizer\.json: "):
+        registry.verify(version)
+    assert not (settings.data_dir / "models" / version).exists()
+
+
+@pytest.mark.parametrize("version", ["999", "0", "-1", "abc", "1" * 30, "1 OR 1=1", ""])
+def test_a_malformed_or_missing_version_is_unknown(settings: Settings, tmp_path: Path, version: str) -> None:
+    registry = ModelRegistry(settings)
+    registry.register(_checkpoint(tmp_path / "ck"), ModelLineage(base="tiny"))
+    with pytest.raises(UnknownVersion):
+        registry.gate_state(version)
+
+
+def test_an_unreachable_tracking_server_is_reported_without_its_uri(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from launcher.embedded import free_port
+    from model_registry import RegistryUnavailable
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = f"http://user:pa55word@127.0.0.1:{free_port()}"
+    registry = ModelRegistry(settings.model_copy(update={"mlflow_tracking_uri": uri}))
+    for call in (registry.versions, lambda: registry.alias("champion"), lambda: registry.gate_state("1")):
+        with pytest.raises(RegistryUnavailable) as err:
+            call()
+        assert "pa55word" not in str(err.value)

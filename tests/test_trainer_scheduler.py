@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
+import pytest
 import redis
+from pydantic import SecretStr
 
 from flywheel.settings import Settings
 from trainer.config import TrainerConfig
@@ -78,6 +81,78 @@ def test_guarded_cycle_skips_while_the_lock_is_held(settings: Settings) -> None:
     )
 
 
+def test_the_job_store_holds_no_secret(settings: Settings, tmp_path: Path) -> None:
+    secrets = {
+        "approval_token": "approval-token-that-must-not-be-stored",
+        "write_keys": "write-key-that-must-not-be-stored",
+    }
+    redis_password = "redis-password-that-must-not-be-stored"
+    # No Redis call happens while the job is only stored, so the password need not be real.
+    s = Settings.model_validate(
+        {
+            **settings.model_dump(),
+            **secrets,
+            "redis_url": f"redis://:{redis_password}@127.0.0.1:6379/0",
+        }
+    )
+    store = tmp_path / "jobs.db"
+    scheduler = TrainerScheduler(s, interval_s=3600, jobstore_url=f"sqlite:///{store}")
+    scheduler.start()
+    scheduler.shutdown()
+    with sqlite3.connect(store) as db:
+        rows = [bytes(r[0]) for r in db.execute("SELECT job_state FROM apscheduler_jobs")]
+    assert len(rows) == 1 and b"scheduled_cycle" in rows[0]  # the job is there ...
+    for secret in [*secrets.values(), redis_password]:
+        assert secret.encode() not in rows[0]  # ... and no secret in it
+    assert b"redis://" not in rows[0] and b"approval_token" not in rows[0]
+
+
+@pytest.mark.parametrize(
+    "case", ["missing", "empty", "scheme-only", "wrong", "basic", "revoked", "viewer", "approver", "admin"]
+)
+def test_the_api_triggers_a_cycle_now_only_for_an_approver(
+    settings: Settings, tmp_path: Path, case: str
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from flywheel.identity import TokenStore
+    from trainer.api import create_app
+
+    admin = "bootstrap-admin-token-of-the-trainer"
+    settings = settings.model_copy(update={"approval_token": SecretStr(admin)})
+    store = TokenStore.from_settings(settings)
+    issued = {role: store.issue(f"{role}-1", role) for role in ("viewer", "approver")}
+    revoked = store.issue("gone", "approver")
+    store.revoke("gone")
+    headers, status = {
+        "missing": ({}, 401),
+        "empty": ({"Authorization": "Bearer "}, 401),
+        "scheme-only": ({"Authorization": "Bearer"}, 401),
+        "wrong": ({"Authorization": "Bearer wrong"}, 401),
+        "basic": ({"Authorization": f"Basic {admin}"}, 401),
+        "revoked": ({"Authorization": f"Bearer {revoked}"}, 401),
+        "viewer": ({"Authorization": f"Bearer {issued['viewer']}"}, 403),
+        "approver": ({"Authorization": f"Bearer {issued['approver']}"}, 202),
+        "admin": ({"Authorization": f"Bearer {admin}"}, 202),
+    }[case]
+    scheduler = TrainerScheduler(settings, interval_s=3600, jobstore_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+                                 cycle="test_trainer_scheduler:recording_cycle")  # fmt: skip
+    planned = scheduler.start()
+    try:
+        client = TestClient(create_app(settings, scheduler))
+        resp = client.post("/api/run", headers=headers)
+        assert resp.status_code == status, resp.text
+        if status != 202:
+            assert scheduler.next_run_time() == planned and scheduler.results == []  # nothing triggered
+        else:
+            deadline = time.monotonic() + 20
+            while not scheduler.results and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [r.reason for r in scheduler.results] == ["recorded"]
+    finally:
+        scheduler.shutdown()
+
+
 def test_the_api_triggers_a_cycle_now_only_with_the_token(settings: Settings, tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
@@ -91,7 +166,8 @@ def test_the_api_triggers_a_cycle_now_only_with_the_token(settings: Settings, tm
         assert client.post("/api/run").status_code == 401
         assert client.post("/api/run", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert scheduler.next_run_time() == planned and scheduler.results == []
-        resp = client.post("/api/run", headers={"Authorization": f"Bearer {settings.approval_token}"})
+        token = settings.approval_token.get_secret_value()
+        resp = client.post("/api/run", headers={"Authorization": f"Bearer {token}"})
         assert resp.status_code == 202
         deadline = time.monotonic() + 20
         while not scheduler.results and time.monotonic() < deadline:

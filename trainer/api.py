@@ -2,27 +2,42 @@
 
 `POST /api/run` moves the scheduled job's next run to now, so a manual cycle still goes
 through the replica-wide lock and the persistent schedule (it never trains beside a
-running cycle). It needs the ML ops bearer token (`FLYWHEEL_APPROVAL_TOKEN`).
+running cycle). It needs the bearer token of an approver (issued with `flywheel gate tokens
+issue`, from the token store the gate uses) or the bootstrap admin token
+(`FLYWHEEL_APPROVAL_TOKEN`): no token or an unknown / revoked one is 401, a viewer's 403.
 """
 
 from __future__ import annotations
 
-import hmac
+import logging
 from typing import Any
 
+import sqlalchemy.exc
 from fastapi import FastAPI, Header, HTTPException
 
+from flywheel.identity import Authenticator, NotAllowed, NotAuthenticated
 from flywheel.settings import Settings
 from trainer.scheduler import TrainerScheduler
 
+log = logging.getLogger(__name__)
 
-def create_app(settings: Settings, scheduler: TrainerScheduler) -> FastAPI:
+
+def create_app(
+    settings: Settings, scheduler: TrainerScheduler, *, authenticator: Authenticator | None = None
+) -> FastAPI:
     app = FastAPI(title="Flywheel trainer")
+    auth = authenticator or Authenticator(settings)
 
-    def require_token(authorization: str | None) -> None:
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.approval_token.encode()):
-            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+    def require_approver(authorization: str | None) -> str:
+        try:
+            return auth.require(authorization, "approver").name
+        except NotAuthenticated as exc:
+            raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
+        except NotAllowed as exc:
+            raise HTTPException(403, str(exc)) from None
+        except sqlalchemy.exc.OperationalError:
+            log.warning("the token store does not answer", exc_info=True)
+            raise HTTPException(503, "the token store does not answer; try again shortly") from None
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -43,7 +58,8 @@ def create_app(settings: Settings, scheduler: TrainerScheduler) -> FastAPI:
 
     @app.post("/api/run", status_code=202)
     def run(authorization: str | None = Header(default=None)) -> dict[str, Any]:
-        require_token(authorization)
+        who = require_approver(authorization)
+        log.info("training cycle requested now by %s", who)
         scheduler.run_now()
         next_run = scheduler.next_run_time()
         return {"scheduled_at": next_run.isoformat() if next_run else None}

@@ -5,6 +5,9 @@
 - Missed runs (the process was down) coalesce into one run; one instance at a time per process.
 - A Redis lock (renewed while the cycle runs) makes replicas skip while another one trains;
   each replica keeps its own job store, the lock is what they share.
+- The job store holds no secret: a job is a reference to `scheduled_cycle` with the trainer
+  config and the id of the scheduler that runs it; the settings (Redis URL with its password,
+  tokens, keys) stay in this process's memory and are looked up by that id when the job runs.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import importlib
 import logging
 import threading
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -24,15 +28,16 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from flywheel.connections import redis_client
-from flywheel.settings import Settings
+from flywheel.settings import Settings, get_settings
 from trainer.config import TrainerConfig
 from trainer.cycle import CycleResult
 
 log = logging.getLogger(__name__)
 JOB_ID = "flywheel-trainer-cycle"
 DEFAULT_CYCLE = "trainer.cycle:run_cycle"
-# Secrets the trainer never needs are kept out of the persisted job arguments.
-_NOT_PERSISTED = {"write_keys", "approval_token"}
+# The settings of each scheduler in this process, by scheduler id: what a stored job names
+# instead of the settings themselves.
+_SETTINGS: dict[str, Settings] = {}
 
 
 def lock_key(settings: Settings) -> str:
@@ -85,11 +90,14 @@ def guarded_cycle(settings: Settings, config: TrainerConfig, cycle: str = DEFAUL
     return result
 
 
-def scheduled_cycle(
-    settings: dict[str, Any], config: dict[str, Any], cycle: str = DEFAULT_CYCLE
-) -> CycleResult:
-    """The job APScheduler stores and runs (plain arguments, so the job store can persist them)."""
-    return guarded_cycle(Settings(**settings), TrainerConfig.from_dict(config), cycle)
+def scheduled_cycle(scheduler_id: str, config: dict[str, Any], cycle: str = DEFAULT_CYCLE) -> CycleResult:
+    """The job APScheduler stores and runs: plain, secret-free arguments only.
+
+    The settings are this process's: those of the scheduler `scheduler_id` (it registered them
+    before starting), else the environment's.
+    """
+    settings = _SETTINGS.get(scheduler_id) or get_settings()
+    return guarded_cycle(settings, TrainerConfig.from_dict(config), cycle)
 
 
 class TrainerScheduler:
@@ -108,11 +116,9 @@ class TrainerScheduler:
         if jobstore_url is None:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             jobstore_url = f"sqlite:///{(settings.data_dir / 'trainer-schedule.db').resolve()}"
-        self._kwargs = {
-            "settings": settings.model_dump(mode="json", exclude=_NOT_PERSISTED),
-            "config": (config or TrainerConfig()).to_dict(),
-            "cycle": cycle,
-        }
+        self._id = uuid.uuid4().hex
+        _SETTINGS[self._id] = settings
+        self._kwargs = {"scheduler_id": self._id, "config": (config or TrainerConfig()).to_dict(), "cycle": cycle}
         self._scheduler = BackgroundScheduler(
             jobstores={"default": SQLAlchemyJobStore(url=jobstore_url)},
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
@@ -156,3 +162,4 @@ class TrainerScheduler:
     def shutdown(self, wait: bool = True) -> None:
         if self._scheduler.running:
             self._scheduler.shutdown(wait=wait)
+        _SETTINGS.pop(self._id, None)

@@ -1,0 +1,79 @@
+"""Secrets in Settings: never empty, long and non-default in production, never echoed in an error."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from flywheel.settings import MIN_SECRET_LENGTH, Settings
+
+GOOD = "k" * MIN_SECRET_LENGTH
+SECRET_FIELDS = [name for name, f in Settings.model_fields.items() if f.annotation is SecretStr]
+
+
+def production(**overrides: str) -> Settings:
+    """Production settings with every secret set to a good value, then `overrides` applied."""
+    values: dict[str, str] = {name: f"{name}-{GOOD}" for name in SECRET_FIELDS}
+    values.update(overrides)
+    return Settings(environment="production", **values)  # type: ignore[arg-type]
+
+
+def test_the_secret_fields_are_the_expected_ones() -> None:
+    # If a secret were added as a plain str it would escape every check below.
+    assert {"approval_token", "write_keys", "serving_key"} <= set(SECRET_FIELDS)
+    assert production().approval_token.get_secret_value() == f"approval_token-{GOOD}"
+
+
+@pytest.mark.parametrize("field", SECRET_FIELDS)
+@pytest.mark.parametrize("environment", ["development", "production"])
+def test_an_empty_secret_is_refused_at_load_and_never_echoed(field: str, environment: str) -> None:
+    for empty in ("", "   ", "\n"):
+        with pytest.raises(ValidationError, match=f"FLYWHEEL_{field.upper()} is empty"):
+            if environment == "production":
+                production(**{field: empty})
+            else:
+                Settings(**{field: empty})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", SECRET_FIELDS)
+def test_a_short_or_default_secret_is_refused_in_production_without_its_value(field: str) -> None:
+    short = "hunter2-but-too-short"  # 21 characters
+    with pytest.raises(ValidationError) as err:
+        production(**{field: short})
+    assert f"FLYWHEEL_{field.upper()} is too short" in str(err.value)
+    assert short not in str(err.value) and short not in repr(err.value)
+    default = Settings.model_fields[field].default.get_secret_value()
+    with pytest.raises(ValidationError, match="development value") as err:
+        production(**{field: default})
+    assert default not in str(err.value)
+
+
+def test_each_write_key_is_checked_and_a_trailing_newline_is_not_part_of_a_secret() -> None:
+    s = production(write_keys=f" {GOOD}a , {GOOD}b ,", approval_token=f"{GOOD}\n")
+    assert s.write_key_set == {f"{GOOD}a", f"{GOOD}b"}
+    assert s.approval_token.get_secret_value() == GOOD
+    with pytest.raises(ValidationError, match="FLYWHEEL_WRITE_KEYS is too short") as err:
+        production(write_keys=f"{GOOD},short-key-value")
+    assert "short-key-value" not in str(err.value)
+
+
+def test_an_empty_production_token_from_the_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLYWHEEL_ENVIRONMENT", "production")
+    for name in SECRET_FIELDS:  # every other secret is good, so only the token is in question
+        monkeypatch.setenv(f"FLYWHEEL_{name.upper()}", f"{name}-{GOOD}")
+    monkeypatch.setenv("FLYWHEEL_APPROVAL_TOKEN", "")
+    with pytest.raises(ValidationError, match="FLYWHEEL_APPROVAL_TOKEN is empty"):
+        Settings()
+    leaked = "env-token-too-short"
+    monkeypatch.setenv("FLYWHEEL_APPROVAL_TOKEN", leaked)
+    with pytest.raises(ValidationError) as err:
+        Settings()
+    assert leaked not in str(err.value)
+    monkeypatch.setenv("FLYWHEEL_APPROVAL_TOKEN", "x" * 40)
+    assert "x" * 40 not in repr(Settings()) and "x" * 40 not in str(Settings().model_dump())
+
+
+def test_an_invalid_value_next_to_a_secret_does_not_echo_the_input() -> None:
+    with pytest.raises(ValidationError) as err:
+        Settings(approval_token=f"{GOOD}-visible?", topic_partitions="many")  # type: ignore[arg-type]
+    assert "visible?" not in str(err.value) and "many" not in str(err.value)
