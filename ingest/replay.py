@@ -42,8 +42,9 @@ def revalidate(letter: DeadLetter) -> Event:
         return Event.from_bytes(letter.original)
     try:
         doc = json.loads(letter.original)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidEvent(f"not JSON: {exc}") from None
+    # ValueError covers invalid UTF-8, bad JSON and integers past Python's digit limit; RecursionError, deep nesting.
+    except (ValueError, RecursionError) as exc:
+        raise InvalidEvent(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if letter.source == "http:/v1/events":
         if not isinstance(doc, dict):
             raise InvalidEvent("event must be a JSON object")

