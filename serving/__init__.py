@@ -11,18 +11,24 @@ if TYPE_CHECKING:
 
 
 def build_serving_app(settings: Settings) -> FastAPI:
-    """The serving app wired to the real split (Redis), registry (MLflow) and Kafka."""
+    """The serving app wired to the real split (Redis), registry (MLflow) and Kafka; starts whether or not
+    they answer yet, and says on `/readyz` which do not."""
     from flywheel.bus import make_producer
     from flywheel.connections import redis_client
+    from flywheel.ops import LazyProducer, ProcessHealth, kafka_dependency, mlflow_dependency, redis_dependency
     from flywheel.traffic import TrafficSplitStore
     from model_registry import ModelRegistry
     from serving.app import create_app
     from serving.pool import PolicyPool
 
+    kafka = kafka_dependency(settings)
+    health = ProcessHealth("serving", [kafka, redis_dependency(settings), mlflow_dependency(settings)])
     store = TrafficSplitStore(redis_client(settings), settings)
     registry = ModelRegistry(settings)
     pool = PolicyPool(store.get, lambda v: str(registry.fetch(v)), device=settings.device)
-    return create_app(pool, make_producer(settings), settings.events_topic)
+    # Made on first use: serving starts (and answers 503) while Kafka is down.
+    producer = LazyProducer(lambda: make_producer(settings), kafka)
+    return create_app(pool, producer, settings.events_topic, health=health)
 
 
 __all__ = ["build_serving_app"]

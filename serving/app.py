@@ -4,6 +4,10 @@ Each request is routed to champion or challenger by the traffic split (sticky pe
 user), answered by that version, and logged as a `generation` event on Kafka with
 the completion's token ids and behaviour log-probs, *before* the answer returns:
 a completion whose generation record could not be logged is never shown.
+
+Outages (Kafka, Redis, MLflow; at start too) are waited out, never a reason to exit: completions are
+503 while Kafka is down, the split refresher keeps the split it has while Redis or the registry is
+down (one log line per outage, retries with backoff), and `/readyz` (`flywheel.ops`) names what is down.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import Response
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer
 from flywheel.contract import Event, EventType, GenerationRecord
+from flywheel.ops import ProcessHealth, freeze_startup, ops_router
+from flywheel.ops.deps import Dependency, describe
 from serving.pool import NoModelReady, PolicyPool
 
 log = logging.getLogger(__name__)
@@ -60,29 +65,33 @@ def create_app(
     events_topic: str,
     *,
     refresh_interval_s: float = 1.0,
+    health: ProcessHealth | None = None,
 ) -> FastAPI:
+    """`health`: the process's dependencies (`serving.build_serving_app` gives Kafka, Redis and MLflow);
+    a `split` check is added to it."""
     metrics = ServingMetrics()
     stop = threading.Event()
+    health = health or ProcessHealth("serving")
+    health.add_check("split", lambda: _split_check(pool))
+    refresh = _Refresher(pool, health)
 
     def refresher() -> None:
-        while not stop.wait(refresh_interval_s):
-            try:
-                pool.refresh()
-            except Exception:  # keep serving the current split; the next tick retries
-                log.exception("traffic split refresh failed")
+        while not stop.wait(refresh.delay(refresh_interval_s)):
+            refresh()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        with contextlib.suppress(Exception):
-            pool.refresh()
+        refresh()
         thread = threading.Thread(target=refresher, name="split-refresher", daemon=True)
         thread.start()
+        freeze_startup()
         yield
         stop.set()
         thread.join(timeout=5)
 
     app = FastAPI(title="Flywheel serving", lifespan=lifespan)
     app.state.pool = pool
+    app.state.health = health
 
     @app.exception_handler(NoModelReady)
     async def _not_ready(_: Request, exc: NoModelReady) -> JSONResponse:
@@ -121,7 +130,9 @@ def create_app(
             producer.send_all([Outgoing(events_topic, event.to_bytes(), key=generation_id.encode())])
         except BrokerUnavailable as exc:
             metrics.log_failures.inc()
-            log.error("generation %s not logged, not shown: %s", generation_id, exc)
+            # Not a line per request: the Kafka dependency logs the outage once (`flywheel.ops`).
+            log.debug("generation not logged, not shown", extra={"generation_id": generation_id,
+                                                                  "detail": str(exc)})
             raise HTTPException(503, "the generation could not be logged; retry later",
                                 headers={"Retry-After": "5"}) from None
         metrics.requests.labels(route.arm, route.version).inc()
@@ -145,19 +156,48 @@ def create_app(
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": v, "object": "model"} for v in pool.loaded_versions]}
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    def readyz() -> JSONResponse:
-        split = pool.split
-        if split is None:
-            return JSONResponse({"ready": False, "reason": "no traffic split loaded"}, status_code=503)
-        return JSONResponse({"ready": True, "split": split.model_dump(mode="json")})
-
-    @app.get("/metrics")
-    def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+    app.include_router(ops_router(health, lambda: generate_latest(metrics.registry) + generate_latest(REGISTRY)))
 
     return app
+
+
+def _split_check(pool: PolicyPool) -> tuple[bool, str]:
+    split = pool.split
+    if split is None:
+        return False, "no traffic split loaded yet"
+    challenger = f", challenger {split.challenger_version} at {split.challenger_share:.0%}" \
+        if split.challenger_version else ""
+    return True, f"champion {split.champion_version}{challenger}"
+
+
+class _Refresher:
+    """One split refresh; an outage marks its dependency down (one line) and backs off, never a traceback."""
+
+    def __init__(self, pool: PolicyPool, health: ProcessHealth) -> None:
+        self._pool = pool
+        self._health = health
+        self._blamed: set[Dependency] = set()
+        self._failures = 0
+        self._last_error = ""
+
+    def delay(self, interval_s: float) -> float:
+        return min(5.0, interval_s * 2 ** min(self._failures, 8)) if self._failures else interval_s
+
+    def __call__(self) -> None:
+        try:
+            self._pool.refresh()
+        except Exception as exc:  # keep serving the current split; the next tick retries
+            self._failures += 1
+            dep = self._health.blame(exc)
+            if dep is not None:
+                dep.failed(exc)
+                self._blamed.add(dep)
+            elif describe(exc) != self._last_error:  # a new error: once, with its traceback
+                log.exception("traffic split refresh failed")
+            self._last_error = describe(exc)
+            return
+        for dep in self._blamed:
+            dep.recovered()
+        self._blamed.clear()
+        self._failures = 0
+        self._last_error = ""

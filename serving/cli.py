@@ -24,4 +24,5 @@ def serve(
         host=host or settings.bind_host,
         port=port or settings.serving_port,
         log_level="warning",
+        log_config=None,  # its records go through the process's JSON logging (`flywheel.logs`)
     )

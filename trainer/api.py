@@ -2,7 +2,8 @@
 
 `POST /api/run` moves the scheduled job's next run to now, so a manual cycle still goes
 through the replica-wide lock and the persistent schedule (it never trains beside a
-running cycle). It needs the ML ops bearer token (`FLYWHEEL_APPROVAL_TOKEN`).
+running cycle). It needs the ML ops bearer token (`FLYWHEEL_APPROVAL_TOKEN`). `/metrics`, `/healthz` and
+`/readyz` are the ones every process answers (`flywheel.ops`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException
 
+from flywheel.ops import ops_router
 from flywheel.settings import Settings
 from trainer.scheduler import TrainerScheduler
 
@@ -24,9 +26,7 @@ def create_app(settings: Settings, scheduler: TrainerScheduler) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.approval_token.encode()):
             raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    app.include_router(ops_router(scheduler.health))
 
     @app.get("/api/status")
     def status() -> dict[str, Any]:
