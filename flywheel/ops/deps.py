@@ -65,6 +65,7 @@ class Dependency:
         self._detail = "not checked yet"
         self._down_since: float | None = None
         self._failed_at: float | None = None
+        self.reported_failures = 0  # how often the code using the service saw it fail (`failed`)
 
     # ------------------------------------------------------------ state
 
@@ -93,6 +94,7 @@ class Dependency:
         """The code that used the service saw it fail."""
         with self._lock:
             self._failed_at = time.monotonic()
+            self.reported_failures += 1
         self._set(False, exc if isinstance(exc, str) else describe(exc))
 
     def recovered(self, detail: str = "answering again") -> None:

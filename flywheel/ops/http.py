@@ -109,5 +109,5 @@ def serve_ops(port: int, health: ProcessHealth, host: str = "127.0.0.1",
     server = OpsServer(port, health, host, metrics)
     threading.Thread(target=server.serve_forever, name=f"{health.process}-ops-http", daemon=True).start()
     log.info("%s serves /metrics, /healthz and /readyz", health.process,
-             extra={"process": health.process, "url": f"http://{host}:{server.port}/readyz"})
+             extra={"service": health.process, "url": f"http://{host}:{server.port}/readyz"})
     return server

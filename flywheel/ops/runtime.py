@@ -81,7 +81,7 @@ def run_worker(
             server = serve_ops(port, health, host, metrics)
         except OSError as exc:  # another process on this host holds the port: the work matters more
             log.error("%s does not serve /metrics and health: port taken", health.process,
-                      extra={"process": health.process, "host": host, "port": port, "detail": str(exc)})
+                      extra={"service": health.process, "host": host, "port": port, "detail": str(exc)})
     try:
         loop(stop)
     finally:
