@@ -62,6 +62,7 @@ def configure_logging(verbose: bool = False, *, stream: TextIO | None = None) ->
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logging.captureWarnings(True)  # library warnings become JSON lines too, not raw multi-line text
     for name in _CHATTY:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
     # uvicorn's loggers carry their own handlers when it configures logging; servers here start it with

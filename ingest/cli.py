@@ -27,7 +27,8 @@ def collector(
 
         from ingest.collector import create_app
 
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None)
+        # No access log: a line per tracked batch would drown the process's own (its /metrics counts them).
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, access_log=False)
         return
     import os
     import tempfile

@@ -101,7 +101,7 @@ def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Runn
     for name, args in COMPONENTS:
         log_path = logs / f"{name}.log"
         out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
-        proc = subprocess.Popen([sys.executable, "-m", "flywheel", *args], env=env, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
         running.append(Running(name, proc, log_path))
     return running

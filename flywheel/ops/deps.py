@@ -119,7 +119,7 @@ class Dependency:
             return
         fields = {"dependency": self.name, "detail": detail}
         if not ok:
-            log.warning("%s is down; waiting for it", self.name, extra=fields)
+            log.warning("%s is down (%s); waiting for it", self.name, detail, extra=fields)
         elif previous is False:
             log.info("%s is back up", self.name, extra={**fields, "down_s": round(down_for, 1)})
         else:
