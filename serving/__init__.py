@@ -22,7 +22,9 @@ def build_serving_app(settings: Settings) -> FastAPI:
     from serving.pool import PolicyPool
 
     kafka = kafka_dependency(settings)
-    health = ProcessHealth("serving", [kafka, redis_dependency(settings), mlflow_dependency(settings)])
+    # Redis and the registry are not required: the split and weights held in memory keep serving.
+    health = ProcessHealth("serving", [kafka, redis_dependency(settings), mlflow_dependency(settings)],
+                           optional={"redis", "mlflow"})
     store = TrafficSplitStore(redis_client(settings), settings)
     registry = ModelRegistry(settings)
     pool = PolicyPool(store.get, lambda v: str(registry.fetch(v)), device=settings.device)

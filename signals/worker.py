@@ -215,7 +215,9 @@ class SignalsWorker:
         self._producer = producer
         self.kafka = kafka_dependency(settings)
         self.health = ProcessHealth(
-            "signals-worker", [self.kafka, redis_dependency(settings), mlflow_dependency(settings)]
+            "signals-worker",
+            [self.kafka, redis_dependency(settings), mlflow_dependency(settings)],
+            optional={"mlflow"},  # only the periodic refit needs the registry
         )
         self.stats = WorkerStats()
         self._last_data = time.monotonic()

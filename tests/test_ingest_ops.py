@@ -102,7 +102,7 @@ def test_endpoints_ready_only_once_connected_and_polled(settings: Settings) -> N
         down = httpx.get(f"{base}/readyz").json()
         assert down["process"] == "ingest-worker"
         assert down["checks"]["kafka"]["ok"] is False and "does not answer" in down["checks"]["kafka"]["detail"]
-        assert down["checks"]["polling"] == {"ok": False, "detail": "not connected to Kafka yet"}
+        assert down["checks"]["polling"] == {"ok": False, "detail": "not connected to Kafka yet", "required": True}
         assert httpx.get(f"{base}/healthz").json()["status"] == "alive"
     finally:
         worker.close()

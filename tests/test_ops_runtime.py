@@ -100,8 +100,8 @@ def check_shape(get: Get, process: str, checks: set[str], metric: str) -> None:
     assert (ready.status_code, body["status"]) in {(200, "ready"), (503, "not_ready")}, body
     assert set(body["checks"]) == checks
     for check in body["checks"].values():
-        assert set(check) == {"ok", "detail"} and isinstance(check["ok"], bool) and check["detail"]
-    assert (body["status"] == "ready") == all(c["ok"] for c in body["checks"].values())
+        assert set(check) == {"ok", "detail", "required"} and isinstance(check["ok"], bool) and check["detail"]
+    assert (body["status"] == "ready") == all(c["ok"] for c in body["checks"].values() if c["required"])
 
     metrics = get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
@@ -318,4 +318,18 @@ def test_health_of_a_failing_check_is_not_ready_with_why() -> None:
 
     ready, body = ProcessHealth("p", checks={"own": broken}).readiness()
     assert not ready and body == {"process": "p", "status": "not_ready",
-                                  "checks": {"own": {"ok": False, "detail": "check failed: RuntimeError: lost"}}}
+                                  "checks": {"own": {"ok": False, "detail": "check failed: RuntimeError: lost",
+                                                             "required": True}}}
+
+
+def test_an_optional_dependency_down_is_reported_without_failing_readiness() -> None:
+    def refused() -> str:
+        raise ConnectionRefusedError("nothing listens")
+
+    registry = Dependency("mlflow", refused, lambda exc: isinstance(exc, OSError))
+    ready, body = ProcessHealth("p", [registry], {"own": lambda: (True, "fine")}, optional={"mlflow"}).readiness()
+    assert ready and body["status"] == "ready"
+    assert body["checks"] == {
+        "mlflow": {"ok": False, "detail": "ConnectionRefusedError: nothing listens", "required": False},
+        "own": {"ok": True, "detail": "fine", "required": True},
+    }

@@ -1,15 +1,18 @@
 """What a process says about itself: one body shape for `/healthz` and `/readyz` in every process.
 
     {"process": "signals-worker", "status": "ready" | "not_ready" | "alive",
-     "checks": {"kafka": {"ok": true, "detail": "..."}, "redis": {...}, ...}}
+     "checks": {"kafka": {"ok": true, "detail": "...", "required": true}, "redis": {...}, ...}}
 
-`/readyz` is ready when every check is ok (else 503); `/healthz` says the process is alive and
-runs no check (a process waiting for Kafka is alive and must not be restarted for it).
+`/readyz` is ready when every required check is ok (else 503). A dependency the process can work
+without for a while is reported but not required (serving answers from the split and weights it holds
+while Redis or the registry is down; taking every replica out of a load balancer for it would turn an
+outage of a side service into one of serving). `/healthz` says the process is alive and runs no check
+(a process waiting for Kafka is alive and must not be restarted for it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from flywheel.ops.deps import CheckResult, Dependency, describe
 
@@ -18,10 +21,18 @@ Check = Callable[[], tuple[bool, str]]
 
 
 class ProcessHealth:
-    def __init__(self, process: str, dependencies: Sequence[Dependency] = (), checks: dict[str, Check] | None = None):
+    def __init__(
+        self,
+        process: str,
+        dependencies: Sequence[Dependency] = (),
+        checks: dict[str, Check] | None = None,
+        *,
+        optional: Collection[str] = (),
+    ) -> None:
         self.process = process
         self.dependencies = list(dependencies)
         self.checks: dict[str, Check] = dict(checks or {})
+        self.optional = frozenset(optional)
 
     def add_check(self, name: str, check: Check) -> None:
         self.checks[name] = check
@@ -50,7 +61,7 @@ class ProcessHealth:
             except Exception as exc:  # a check that fails says not ready, with why
                 ok, detail = False, f"check failed: {describe(exc)}"
             results[name] = CheckResult(ok, detail)
-        ready = all(r.ok for r in results.values())
+        ready = all(r.ok for name, r in results.items() if name not in self.optional)
         return ready, self.body("ready" if ready else "not_ready", results)
 
     def liveness(self) -> dict[str, object]:
@@ -58,4 +69,5 @@ class ProcessHealth:
 
     def body(self, status: str, results: dict[str, CheckResult]) -> dict[str, object]:
         return {"process": self.process, "status": status,
-                "checks": {name: r.as_json() for name, r in results.items()}}
+                "checks": {name: {**r.as_json(), "required": name not in self.optional}
+                           for name, r in results.items()}}
