@@ -7,13 +7,18 @@ the code base and in the client libraries) and structlog's own loggers through s
 - a line is one JSON object, whatever the message holds (quotes, newlines, text that looks like JSON):
   values are escaped by the JSON encoder, never pasted into a format string;
 - `extra={...}` fields of a stdlib call become fields of the line (pass user input that way);
-- a traceback is the `exception` field, not extra lines.
+- a traceback is the `exception` field, not extra lines;
+- a client library repeating itself (kafka-python logs every failed reconnect, several a second while a
+  broker is down) writes a line once per `REPEAT_WINDOW_S` per message: the outage itself is reported
+  once by the process's dependency state (`flywheel.ops`). `--verbose` lets everything through.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from typing import TextIO
 
 import structlog
@@ -28,6 +33,36 @@ _SHARED: list[structlog.typing.Processor] = [
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
 ]
+
+
+# Loggers of this code base; everything else is a library whose repeats are thinned out.
+_OWN = ("flywheel", "ingest", "signals", "trainer", "deploy_gate", "model_registry", "serving", "launcher",
+        "simulator", "__main__")
+REPEAT_WINDOW_S = 60.0
+
+
+class LibraryRepeatFilter(logging.Filter):
+    """Lets a library's message (its logger and format string) through once per window; counts the rest."""
+
+    def __init__(self, window_s: float = REPEAT_WINDOW_S) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith(_OWN) or record.levelno >= logging.CRITICAL:
+            return True
+        key, now = (record.name, str(record.msg)), time.monotonic()
+        with self._lock:
+            seen = self._last.get(key)
+            if seen is not None and now - seen[0] < self.window_s:
+                self._last[key] = (seen[0], seen[1] + 1)
+                return False
+            self._last[key] = (now, 0)
+        if seen is not None and seen[1]:
+            record.repeated_since_last = seen[1]  # a field of the line: how many were held back
+        return True
 
 
 class _FlywheelHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -57,6 +92,8 @@ def configure_logging(verbose: bool = False, *, stream: TextIO | None = None) ->
     )
     handler = _FlywheelHandler(stream or sys.stderr)
     handler.setFormatter(json_formatter())
+    if not verbose:
+        handler.addFilter(LibraryRepeatFilter())
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _FlywheelHandler)]:
         root.removeHandler(old)

@@ -333,3 +333,15 @@ def test_an_optional_dependency_down_is_reported_without_failing_readiness() -> 
         "mlflow": {"ok": False, "detail": "ConnectionRefusedError: nothing listens", "required": False},
         "own": {"ok": True, "detail": "fine", "required": True},
     }
+
+
+def test_a_library_repeating_itself_writes_one_line_not_a_flood(log_stream: io.StringIO) -> None:
+    library = logging.getLogger("kafka.net.example")  # kafka-python logs every failed reconnect like this
+    for i in range(50):
+        library.error("%s: socket disconnected", f"<connection {i}>")
+    own = logging.getLogger("signals.example")
+    for i in range(3):
+        own.warning("our own lines all pass", extra={"i": i})
+    docs = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    assert [d["logger"] for d in docs] == ["kafka.net.example"] + ["signals.example"] * 3
+    assert docs[0]["msg"] == "<connection 0>: socket disconnected"
