@@ -275,6 +275,36 @@ def test_signals_worker_waits_out_kafka_and_redis_outages(
         assert state_lines(caplog, dep, f"{dep} is back up") == 1, dep
 
 
+def quick_cycle(settings: Settings, config: Any, progress: bool = False) -> Any:
+    """A stand-in for run_cycle (what is under test is the retry around it, not training)."""
+    from trainer.cycle import CycleResult
+
+    return CycleResult("skipped", "nothing to train")
+
+
+def test_trainer_retries_a_cycle_failed_by_a_redis_outage_soon_then_runs_it(
+    outage: tuple[Settings, Callable[[], None], Callable[[], None]], tmp_path: Path
+) -> None:
+    from trainer.scheduler import TrainerScheduler
+
+    down, _, start_redis = outage
+    scheduler = TrainerScheduler(down, interval_s=3600, jobstore_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+                                 cycle="test_ops_runtime:quick_cycle")
+    scheduler.start()
+    try:
+        scheduler.run_now()
+        redis = scheduler.health.dependency("redis")
+        wait_until(lambda: redis.reported_failures > 0, "the cycle meets Redis down")
+        next_run = scheduler.next_run_time()
+        assert next_run is not None and next_run < utcnow() + timedelta(minutes=1), "a retry, not an hour's wait"
+        start_redis()
+        wait_until(lambda: bool(scheduler.results), "the retried cycle once Redis is back")
+        assert scheduler.results[0].reason == "nothing to train"
+        assert scheduler.health.readiness()[0]
+    finally:
+        scheduler.shutdown()
+
+
 # ------------------------------------------------------------------ logs
 
 
