@@ -305,6 +305,28 @@ def test_trainer_retries_a_cycle_failed_by_a_redis_outage_soon_then_runs_it(
         scheduler.shutdown()
 
 
+def test_gate_started_while_redis_is_down_creates_the_split_once_it_answers(
+    outage: tuple[Settings, Callable[[], None], Callable[[], None]], tiny_model_dir: Path
+) -> None:
+    from deploy_gate.app import create_app
+    from model_registry import ModelRegistry
+
+    down, _, start_redis = outage
+    registry = ModelRegistry(down)
+    version = registry.register(tiny_model_dir, ModelLineage(base=str(tiny_model_dir)))
+    registry.set_alias("champion", version)
+    with TestClient(create_app(down)) as client:
+        reply = client.get("/readyz")
+        assert reply.status_code == 503 and reply.json()["checks"]["redis"]["ok"] is False
+        assert client.get("/healthz").status_code == 200
+        start_redis()
+        wait_until(lambda: client.get("/readyz").status_code == 200, "ready once Redis answers")
+        store = TrafficSplitStore(redis_client(down), down)
+        wait_until(lambda: store.get() is not None, "the split created in the background")
+        split = store.get()
+        assert split is not None and split.champion_version == version
+
+
 # ------------------------------------------------------------------ logs
 
 
