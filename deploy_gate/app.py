@@ -22,7 +22,7 @@ from deploy_gate.dashboard import render_dashboard
 from deploy_gate.errors import GateError, NoChampion, Unauthorized
 from deploy_gate.gate import DeployGate
 from deploy_gate.metrics import arm_metrics
-from flywheel.ops import ProcessHealth, freeze_startup, mlflow_dependency, ops_router, redis_dependency
+from flywheel.ops import ProcessHealth, mlflow_dependency, ops_router, redis_dependency
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ def create_app(settings: Settings, *, gate: DeployGate | None = None) -> FastAPI
         # A backend down at start must not keep the dashboard down: it is waited for in the background.
         if not await run_in_threadpool(prepare, stop):
             threading.Thread(target=keep_preparing, args=(stop,), name="gate-prepare", daemon=True).start()
-        freeze_startup()
         yield
         stop.set()
 

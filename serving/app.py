@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer
 from flywheel.contract import Event, EventType, GenerationRecord
-from flywheel.ops import ProcessHealth, freeze_startup, ops_router
+from flywheel.ops import ProcessHealth, ops_router
 from flywheel.ops.deps import Dependency, describe
 from serving.pool import NoModelReady, PolicyPool
 
@@ -84,7 +84,6 @@ def create_app(
         refresh()
         thread = threading.Thread(target=refresher, name="split-refresher", daemon=True)
         thread.start()
-        freeze_startup()
         yield
         stop.set()
         thread.join(timeout=5)
