@@ -19,11 +19,9 @@ waits out a Kafka outage (at start too) with one log line when Kafka goes down a
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
@@ -37,7 +35,7 @@ from flywheel.bus import (
     make_producer,
 )
 from flywheel.lake import TempFileSweeper
-from flywheel.ops import Dependency, ProcessHealth, kafka_dependency, run_loop
+from flywheel.ops import ProcessHealth, kafka_dependency, lake_dependency, run_loop
 from flywheel.ops import run_worker as run_with_ops
 from flywheel.settings import Settings
 from ingest import metrics
@@ -300,18 +298,6 @@ class IngestWorker:
                 except Exception:
                     log.warning("error while closing", exc_info=True)
         self._consumer = self._producer = None
-
-
-def lake_dependency(lake_dir: Path) -> Dependency:
-    """The lake's file system (a full or unmounted disk is an outage like Kafka's, waited out the same way)."""
-
-    def probe() -> str:
-        lake_dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(lake_dir, os.W_OK):
-            raise PermissionError(f"the lake {lake_dir} is not writable")
-        return f"{lake_dir} is writable"
-
-    return Dependency("lake", probe, lambda exc: isinstance(exc, OSError))
 
 
 def run_worker(

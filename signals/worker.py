@@ -53,7 +53,14 @@ from flywheel.bus import (
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, InvalidEvent, RewardRecord
 from flywheel.lake import TempFileSweeper
-from flywheel.ops import ProcessHealth, kafka_dependency, mlflow_dependency, redis_dependency, run_loop
+from flywheel.ops import (
+    ProcessHealth,
+    kafka_dependency,
+    lake_dependency,
+    mlflow_dependency,
+    redis_dependency,
+    run_loop,
+)
 from flywheel.ops.deps import describe
 from flywheel.settings import Settings
 from signals import metrics
@@ -216,7 +223,7 @@ class SignalsWorker:
         self.kafka = kafka_dependency(settings)
         self.health = ProcessHealth(
             "signals-worker",
-            [self.kafka, redis_dependency(settings), mlflow_dependency(settings)],
+            [self.kafka, redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_dir)],
             optional={"mlflow"},  # only the periodic refit needs the registry
         )
         self.stats = WorkerStats()

@@ -124,7 +124,7 @@ def test_every_long_running_process_answers_metrics_health_and_readiness_alike(
     # Plain workers: the side server.
     for health, checks, metric in [
         (IngestWorker(settings).health, {"kafka", "lake", "polling"}, "flywheel_ingest_events_in_total"),
-        (SignalsWorker(settings).health, {"kafka", "redis", "mlflow"}, "flywheel_signals_events_total"),
+        (SignalsWorker(settings).health, {"kafka", "redis", "mlflow", "lake"}, "flywheel_signals_events_total"),
     ]:
         server = serve_ops(0, health)
         try:

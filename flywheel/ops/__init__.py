@@ -1,7 +1,8 @@
 """The operational runtime every long-running Flywheel process shares.
 
 - `health`: `ProcessHealth`, one `/healthz` / `/readyz` body shape for every process;
-- `deps`: Kafka, Redis and MLflow as `Dependency`s: probes, one log line per state change, backoff waits;
+- `deps`: Kafka, Redis, MLflow and the lake's disk as `Dependency`s: probes, one log line per state change,
+  backoff waits;
 - `http`: the endpoints as a FastAPI router (`ops_router`) or a side server for plain workers (`serve_ops`);
 - `runtime`: stop signals, `gc.freeze()` after start-up, the worker run loop that waits out outages;
 - `producer`: a Kafka producer made on first use, so nothing exits when Kafka is down at start.
@@ -14,6 +15,7 @@ from flywheel.ops.deps import (
     Dependency,
     kafka_dependency,
     kafka_reachable,
+    lake_dependency,
     mlflow_dependency,
     redis_dependency,
 )
@@ -32,6 +34,7 @@ __all__ = [
     "freeze_startup",
     "kafka_dependency",
     "kafka_reachable",
+    "lake_dependency",
     "mlflow_dependency",
     "ops_router",
     "redis_dependency",

@@ -14,6 +14,7 @@ next use succeeds first (`recovered`). That keeps a flapping service from writin
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -228,3 +229,15 @@ def mlflow_dependency(settings: Settings) -> Dependency:
         return f"{urlparse(uri).scheme} store (not probed)"
 
     return Dependency("mlflow", probe, is_mlflow_error)
+
+
+def lake_dependency(lake_dir: Path) -> Dependency:
+    """The lake's file system: a full or unmounted disk is an outage like Kafka's, waited out the same way."""
+
+    def probe() -> str:
+        lake_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(lake_dir, os.W_OK):
+            raise PermissionError(f"the lake {lake_dir} is not writable")
+        return f"{lake_dir} is writable"
+
+    return Dependency("lake", probe, lambda exc: isinstance(exc, OSError))
