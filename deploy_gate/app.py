@@ -4,11 +4,14 @@
 it creates the traffic split with the champion when none exists, so serving has something to
 follow. Every response carries the security headers (`deploy_gate.security`); errors map to
 statuses through `deploy_gate.errors.as_gate_error` (a dependency down is 503).
+When Redis or the registry is down at start, the app starts anyway, logs the outage once, and creates
+the split once they answer (`flywheel.ops`: backoff, `/readyz` names what is down).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,10 +21,11 @@ from fastapi.responses import JSONResponse
 
 from deploy_gate.api import read, write
 from deploy_gate.dashboard import page
-from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_gate_error, dependency_down
+from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_gate_error
 from deploy_gate.gate import DeployGate
 from deploy_gate.security import SECURITY_HEADERS, add_security_headers
 from flywheel.identity import Authenticator
+from flywheel.ops import ProcessHealth, mlflow_dependency, ops_router, redis_dependency
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -32,24 +36,41 @@ def create_app(
 ) -> FastAPI:
     """The gate's FastAPI app; pass `gate` to share one already built (tests, `flywheel up`)."""
 
+    health = ProcessHealth("gate", [redis_dependency(settings), mlflow_dependency(settings)])
+
+    def prepare(stop: threading.Event) -> bool:
+        """Build the gate and make sure of the split; False when a backend is down (logged once)."""
+        try:
+            if getattr(app.state, "gate", None) is None:
+                app.state.gate = DeployGate.from_settings(settings)
+            split = app.state.gate.ensure_split()
+            log.info("traffic split ready", extra={"champion": split.champion_version, "state": split.state})
+        except NoChampion as exc:  # serving waits for a split; say why there is none yet
+            log.warning("no traffic split yet", extra={"detail": str(exc)})
+        except Exception as exc:
+            dep = health.blame(exc)
+            if dep is None:
+                log.exception("could not check the traffic split at start")
+                return True
+            dep.failed(exc)
+            return False
+        for dep in health.dependencies:
+            dep.recovered()
+        return True
+
+    def keep_preparing(stop: threading.Event) -> None:
+        failures = 1
+        while not stop.wait(min(5.0, 0.25 * 2**failures)) and not prepare(stop):
+            failures += 1
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if getattr(app.state, "gate", None) is None:
-            app.state.gate = await run_in_threadpool(DeployGate.from_settings, settings)
-        try:
-            split = await run_in_threadpool(app.state.gate.ensure_split)
-            log.info("traffic split: champion %s, state %s", split.champion_version, split.state)
-        except NoChampion as exc:  # serving waits for a split; say why there is none yet
-            log.warning("no traffic split yet: %s", exc)
-        except Exception as exc:
-            # A backend down at start must not keep the dashboard down; the first gate action
-            # creates the split once the registry and Redis answer.
-            down = dependency_down(exc)
-            if down is None:
-                log.exception("could not check the traffic split at start")
-            else:  # no traceback: a dependency's message may name its URL and password
-                log.warning("could not check the traffic split at start: %s does not answer", down)
+        stop = threading.Event()
+        # A backend down at start must not keep the dashboard down: it is waited for in the background.
+        if not await run_in_threadpool(prepare, stop):
+            threading.Thread(target=keep_preparing, args=(stop,), name="gate-prepare", daemon=True).start()
         yield
+        stop.set()
 
     # No /docs or /redoc: Swagger UI loads its script from a CDN, which the CSP forbids;
     # /openapi.json still describes the API.
@@ -58,6 +79,7 @@ def create_app(
     app.state.gate = gate
     app.state.authenticator = authenticator or Authenticator(settings)
     add_security_headers(app)
+    app.state.health = health
 
     def answer(err: GateError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, Unauthorized) else None
@@ -91,8 +113,6 @@ def create_app(
     app.include_router(write)
     app.include_router(page)
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    app.include_router(ops_router(health))
 
     return app

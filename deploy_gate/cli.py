@@ -205,4 +205,4 @@ def serve(
     port = port or settings.gate_port
     host = host or settings.bind_host
     console.print(f"Dashboard: http://{host}:{port}/")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None)

@@ -83,6 +83,7 @@ class Settings(BaseSettings):
     gate_port: int = 8002
     trainer_port: int = 8003
     ingest_metrics_port: int = Field(default=9101, ge=0, description="Ingest worker /metrics and health; 0 = off.")
+    signals_metrics_port: int = Field(default=9102, ge=0, description="Signals worker /metrics and health; 0 = off.")
     write_keys: SecretStr = Field(
         default=SecretStr("dev-write-key"),
         description="Comma-separated write keys the collector accepts (HTTP basic auth user).",

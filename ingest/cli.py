@@ -27,7 +27,8 @@ def collector(
 
         from ingest.collector import create_app
 
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+        # No access log: a line per tracked batch would drown the process's own (its /metrics counts them).
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, access_log=False)
         return
     import os
     import tempfile
@@ -55,15 +56,11 @@ def worker(
     ),
 ) -> None:
     """Run an ingest worker (Kafka events topic to the lake) until SIGTERM."""
-    import signal
-    import threading
-
+    from flywheel.ops import stop_on_signals
     from ingest.worker import IngestWorker, run_worker
 
     settings = get_settings()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     worker = IngestWorker(
         settings, group_id=group_id, batch_size=batch_size, pause_before_commit_s=pause_before_commit_s
     )

@@ -4,7 +4,7 @@
 - `POST /v1/track`, `POST /v1/batch`: Segment's HTTP Tracking API (what the Segment and
   RudderStack libraries send: gzip bodies, write key as HTTP basic auth user name).
 - `GET /v1/schema`: the published JSON Schema of the envelope.
-- `/healthz`, `/readyz`, `/metrics`.
+- `/healthz`, `/readyz`, `/metrics` (`flywheel.ops`: the body every process answers; ready while Kafka answers).
 
 Credentials come first: a write key in the Authorization header is checked before the
 body is read, one carried only in the body before the body is parsed (a scan for that one
@@ -21,23 +21,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-import gc
 import logging
 import os
-import socket
 import threading
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.concurrency import run_in_threadpool
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer, make_producer
 from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
+from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_router
 from flywheel.settings import Settings, get_settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
@@ -106,17 +105,6 @@ def write_key_from_header(authorization: str | None) -> str | None:
     return decoded.split(":", 1)[0] or None
 
 
-def kafka_reachable(bootstrap: str, timeout_s: float = 0.5) -> bool:
-    for hostport in bootstrap.split(","):
-        host, _, port = hostport.strip().rpartition(":")
-        try:
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
-            return True
-        except (OSError, ValueError):
-            continue
-    return False
-
-
 def create_app(
     settings: Settings,
     *,
@@ -127,13 +115,15 @@ def create_app(
 ) -> FastAPI:
     holder = ProducerHolder(settings, producer, send_timeout_s)
     write_keys = settings.write_key_set
+    kafka = kafka_dependency(settings)
+    health = ProcessHealth("collector", [kafka])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
         # Everything alive at start-up lives as long as the process: keep it out of the collector's way.
         # Without this, each request's few thousand new objects make Python's cyclic GC walk all of it
         # again; measured, half the time of mapping a Segment batch.
-        gc.freeze()
+        freeze_startup()
         yield
         await run_in_threadpool(holder.close)
 
@@ -149,7 +139,7 @@ def create_app(
     async def _broker_down(request: Request, exc: BrokerUnavailable) -> JSONResponse:
         metrics.BROKER_UNAVAILABLE.labels("collector").inc()
         metrics.REQUESTS.labels(request.url.path, "503").inc()
-        log.warning("answering 503: %s", exc)
+        kafka.failed(exc)  # one log line per outage, not one per refused request
         return JSONResponse(
             {"error": "Kafka is unreachable; nothing was accepted, retry later"},
             status_code=503,
@@ -260,23 +250,7 @@ def create_app(
     async def schema() -> dict[str, Any]:
         return event_json_schema()
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        if await run_in_threadpool(kafka_reachable, settings.kafka_bootstrap_servers):
-            return JSONResponse({"status": "ready"})
-        return JSONResponse(
-            {"status": "not ready", "reason": f"Kafka at {settings.kafka_bootstrap_servers} does not answer"},
-            status_code=503,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics_text(), media_type=CONTENT_TYPE_LATEST)
+    app.include_router(ops_router(health, metrics_text))
 
     return app
 

@@ -14,20 +14,19 @@ One batch at a time (`run_once`):
 A crash anywhere replays from the last commit that landed; the lake's Kafka positions turn
 the replay into a no-op for what was already written (the argument is in `ingest.dedup`).
 Run it with `python -m ingest.worker` or `flywheel ingest worker` (settings from the env); the process
-serves its metrics and health on `settings.bind_host`:`settings.ingest_metrics_port` (`ingest.ops_http`).
+serves its metrics and health on `settings.bind_host`:`settings.ingest_metrics_port` (`flywheel.ops`), and
+waits out a Kafka outage (at start too) with one log line when Kafka goes down and one when it is back.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import signal
 import threading
 import time
 from dataclasses import dataclass
 
 import polars as pl
-from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from flywheel.bus import (
     BrokerUnavailable,
@@ -40,9 +39,10 @@ from flywheel.bus import (
 )
 from flywheel.lake import TempFileSweeper
 from flywheel.lake.tables import EVENTS
+from flywheel.ops import ProcessHealth, kafka_dependency, lake_dependency, run_loop
+from flywheel.ops import run_worker as run_with_ops
 from flywheel.settings import Settings
 from ingest import metrics
-from ingest.collector import kafka_reachable
 from ingest.dead_letters import dead_letter
 from ingest.dedup import LakeDedup
 from ingest.fast_validate import validate_batch
@@ -113,29 +113,32 @@ class IngestWorker:
         self._uncertain_commit: dict[tuple[str, int], int] = {}
         # Read by the readiness endpoint from its own thread (plain attribute reads).
         self._last_poll_at: float | None = None
-        self._last_error = ""
+        self.kafka = kafka_dependency(settings)
+        self.health = ProcessHealth(
+            "ingest-worker", [self.kafka, lake_dependency(settings.lake_dir)], {"polling": self.polling}
+        )
 
     # ------------------------------------------------------------ connecting
 
     def connect(self) -> None:
-        """Reach Kafka, create the topics and join the group, retrying with backoff while it is down."""
+        """Reach Kafka, create the topics and join the group: `connect_attempts` tries (default 1) with backoff.
+
+        Raises `BrokerUnavailable` while Kafka is down; `run` waits it out (`flywheel.ops.run_loop`).
+        """
         if self._consumer is not None and self._producer is not None:
             return
-        stop = stop_after_attempt(self.connect_attempts) if self.connect_attempts else (lambda _: False)
-        attempt = retry(
+        Retrying(
             retry=retry_if_exception_type(BrokerUnavailable),
             wait=wait_exponential(multiplier=0.25, max=5),
-            stop=stop,
-            before_sleep=before_sleep_log(log, logging.WARNING),
+            stop=stop_after_attempt(self.connect_attempts or 1),
             reraise=True,
         )(self._connect_once)
-        attempt()
 
     def _connect_once(self) -> None:
         bootstrap = self.settings.kafka_bootstrap_servers
-        if not kafka_reachable(bootstrap):
-            self._last_error = f"Kafka at {bootstrap} does not answer; waiting for it"
-            raise BrokerUnavailable(self._last_error)
+        probe = self.kafka.probe()
+        if not probe.ok:
+            raise BrokerUnavailable(probe.detail)
         try:
             ensure_topics(self.settings, [self.settings.events_topic, self.settings.dead_letter_topic])
             if self._producer is None:
@@ -145,10 +148,8 @@ class IngestWorker:
         except BrokerUnavailable:
             raise
         except Exception as exc:  # the client libraries raise their own errors while a broker starts
-            self._last_error = f"Kafka at {bootstrap} is not ready: {exc}"
-            raise BrokerUnavailable(self._last_error) from exc
-        self._last_error = ""
-        log.info("ingest worker connected to %s, group %s", bootstrap, self.group_id)
+            raise BrokerUnavailable(f"Kafka at {bootstrap} is not ready: {exc}") from exc
+        log.info("ingest worker connected", extra={"bootstrap": bootstrap, "group": self.group_id})
 
     # ------------------------------------------------------------ one batch
 
@@ -211,15 +212,15 @@ class IngestWorker:
             metrics.CONSUMER_LAG.labels(topic, str(partition)).set(behind)
         self._lag_labels = set(lag)
 
-    def readiness(self) -> tuple[bool, str]:
-        """(ready, why): connected to Kafka and polled within the last `READY_POLL_AGE_S` seconds."""
+    def polling(self) -> tuple[bool, str]:
+        """(ok, why): connected to Kafka and polled within the last `READY_POLL_AGE_S` seconds."""
         if self._consumer is None:
-            return False, self._last_error or "not connected to Kafka yet"
+            return False, "not connected to Kafka yet"
         if self._last_poll_at is None:
             return False, "connected to Kafka, not polled yet"
         age = time.monotonic() - self._last_poll_at
         if age > READY_POLL_AGE_S:
-            return False, f"last poll {age:.0f}s ago (limit {READY_POLL_AGE_S:.0f}s): {self._last_error or 'stuck'}"
+            return False, f"last poll {age:.0f}s ago (limit {READY_POLL_AGE_S:.0f}s): stuck in a batch or a retry"
         return True, "connected and polling"
 
     def _process(self, batch: RecordBatch) -> BatchResult:
@@ -281,23 +282,20 @@ class IngestWorker:
     # ------------------------------------------------------------ loop
 
     def run(self, stop_event: threading.Event) -> None:
-        """Process batches until `stop_event` is set; a failed batch is retried with backoff."""
-        failures = 0
+        """Process batches until `stop_event` is set; a batch failed by Kafka or the lake is retried once
+        the failed one answers again (backoff, one log line per outage)."""
         sweeper = TempFileSweeper(self._table)
-        while not stop_event.is_set():
+
+        def step() -> None:
             sweeper.maybe()
-            try:
-                result = self.run_once()
-                failures = 0
-                if result.polled:
-                    log.debug("batch %s", result)
-            except (BrokerUnavailable, OSError) as exc:
-                self._last_error = f"batch failed: {exc}"
-                failures += 1
-                delay = min(5.0, 0.25 * 2**failures)
-                log.warning("batch failed (%s); retrying in %.1fs", exc, delay)
-                stop_event.wait(delay)
-        self.close()
+            result = self.run_once()
+            if result.polled:
+                log.debug("batch %s", result)
+
+        try:
+            run_loop(step, stop_event, self.health)
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self._consumer is not None and self._uncertain_commit:
@@ -340,35 +338,16 @@ def run_worker(
     worker: IngestWorker, stop_event: threading.Event, metrics_port: int, metrics_host: str = "127.0.0.1"
 ) -> None:
     """Run `worker` until `stop_event`, serving metrics and health on `metrics_host`:`metrics_port` (0: not served)."""
-    from ingest.ops_http import serve_ops
-
-    # The process's start-up objects are permanent: frozen, the cyclic GC no longer walks them after every
-    # few thousand allocations of a batch (measured: the poll stage of the confluent client takes half the time).
-    gc.freeze()
-    server = None
-    if metrics_port:
-        try:
-            server = serve_ops(metrics_port, worker.readiness, metrics_host)
-        except OSError as exc:  # another worker on this host holds the port: ingesting matters more
-            log.error("not serving metrics on %s:%d (%s); give each worker its own --metrics-port",
-                      metrics_host, metrics_port, exc)
-    try:
-        worker.run(stop_event)
-    finally:
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+    run_with_ops(worker.health, worker.run, stop_event, port=metrics_port, host=metrics_host)
 
 
 def main() -> None:
     """Entry point for `python -m ingest.worker`: settings from the environment, stop on SIGTERM/SIGINT."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    from flywheel.logs import configure_logging
+    from flywheel.ops import stop_on_signals
+
+    configure_logging(verbose=False)
+    stop = stop_on_signals()
     settings = Settings()
     run_worker(IngestWorker(settings), stop, settings.ingest_metrics_port, settings.bind_host)
 

@@ -7,9 +7,10 @@ module only mounts them.
 from __future__ import annotations
 
 import importlib
-import logging
 
 import typer
+
+from flywheel.logs import configure_logging
 
 app = typer.Typer(help="Flywheel: real-time online RL from user reactions.", no_args_is_help=True)
 
@@ -28,13 +29,8 @@ _COMPONENTS = [
 
 @app.callback()
 def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
-    )
-    if not verbose:  # client libraries narrate every connection and request at INFO
-        for chatty in ("kafka", "httpx", "mlflow", "alembic", "apscheduler.executors"):
-            logging.getLogger(chatty).setLevel(logging.WARNING)
+    # One JSON object per line for every logger of the process, whatever the messages hold.
+    configure_logging(verbose)
 
 
 for _name, _module, _help in _COMPONENTS:

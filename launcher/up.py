@@ -200,8 +200,8 @@ def run_up(
         base = "http://127.0.0.1"
         wait_healthy({
             "serving": f"{base}:{s.serving_port}/readyz",
-            "collector": f"{base}:{s.collector_port}/healthz",
-            "gate": f"{base}:{s.gate_port}/",
+            "collector": f"{base}:{s.collector_port}/readyz",
+            "gate": f"{base}:{s.gate_port}/readyz",
         }, running)
         console.print(f"[bold green]dashboard:[/] {base}:{s.gate_port}/   "
                       f"serving: {base}:{s.serving_port}/v1/completions   collector: {base}:{s.collector_port}")

@@ -11,19 +11,27 @@ if TYPE_CHECKING:
 
 
 def build_serving_app(settings: Settings) -> FastAPI:
-    """The serving app wired to the real split (Redis), registry (MLflow) and Kafka."""
+    """The serving app wired to the real split (Redis), registry (MLflow) and Kafka; starts whether or not
+    they answer yet, and says on `/readyz` which do not."""
     from flywheel.bus import make_producer
     from flywheel.connections import redis_client
+    from flywheel.ops import LazyProducer, ProcessHealth, kafka_dependency, mlflow_dependency, redis_dependency
     from flywheel.traffic import TrafficSplitStore
     from model_registry import ModelRegistry
     from serving.app import create_app
     from serving.pool import PolicyPool
 
+    kafka = kafka_dependency(settings)
+    # Redis and the registry are not required: the split and weights held in memory keep serving.
+    health = ProcessHealth("serving", [kafka, redis_dependency(settings), mlflow_dependency(settings)],
+                           optional={"redis", "mlflow"})
     store = TrafficSplitStore(redis_client(settings), settings)
     registry = ModelRegistry(settings)
     pool = PolicyPool(store.get, lambda v: str(registry.fetch(v)), device=settings.device)
+    # Made on first use: serving starts (and answers 503) while Kafka is down.
+    producer = LazyProducer(lambda: make_producer(settings), kafka)
     return create_app(
-        pool, make_producer(settings), settings.events_topic, signing_key=settings.serving_key.get_secret_value()
+        pool, producer, settings.events_topic, health=health, signing_key=settings.serving_key.get_secret_value()
     )
 
 

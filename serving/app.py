@@ -9,6 +9,10 @@ not some other holder of a write key, produced it.
 
 Client errors are answered 400/413/422 in OpenAI's error shape (serving.errors); the body is
 read and checked by serving.request.
+
+Outages (Kafka, Redis, MLflow; at start too) are waited out, never a reason to exit: completions are
+503 while Kafka is down, the split refresher keeps the split it has while Redis or the registry is
+down (one log line per outage, retries with backoff), and `/readyz` (`flywheel.ops`) names what is down.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from starlette.responses import Response
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer
 from flywheel.contract import Event, EventType, GenerationRecord
+from flywheel.ops import ProcessHealth, ops_router
+from flywheel.ops.deps import Dependency, describe
 from flywheel.signing import sign_generation
 from serving.errors import ContextExceeded, GenerationNotLogged, ServingError
 from serving.pool import PolicyPool, Route
@@ -62,22 +67,24 @@ def create_app(
     signing_key: str,
     refresh_interval_s: float = 1.0,
     max_body_bytes: int = MAX_BODY_BYTES,
+    health: ProcessHealth | None = None,
 ) -> FastAPI:
-    """The serving app; `signing_key` is `Settings.serving_key`, shared with the trainer."""
+    """The serving app; `signing_key` is `Settings.serving_key`, shared with the trainer. `health`: the
+    process's dependencies (`serving.build_serving_app` gives Kafka, Redis and MLflow); a `split` check is
+    added to it."""
     metrics = ServingMetrics()
     stop = threading.Event()
+    health = health or ProcessHealth("serving")
+    health.add_check("split", lambda: _split_check(pool))
+    refresh = _Refresher(pool, health)
 
     def refresher() -> None:
-        while not stop.wait(refresh_interval_s):
-            try:
-                pool.refresh()
-            except Exception:  # keep serving the current split; the next tick retries
-                log.exception("traffic split refresh failed")
+        while not stop.wait(refresh.delay(refresh_interval_s)):
+            refresh()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        with contextlib.suppress(Exception):
-            pool.refresh()
+        refresh()
         thread = threading.Thread(target=refresher, name="split-refresher", daemon=True)
         thread.start()
         yield
@@ -87,6 +94,7 @@ def create_app(
     app = FastAPI(title="Flywheel serving", lifespan=lifespan)
     app.state.pool = pool
     app.state.max_body_bytes = max_body_bytes
+    app.state.health = health
 
     @app.exception_handler(ServingError)
     async def _refused(_: Request, exc: ServingError) -> JSONResponse:
@@ -126,7 +134,9 @@ def create_app(
             producer.send_all([Outgoing(events_topic, event.to_bytes(), key=generation_id.encode())])
         except BrokerUnavailable as exc:
             metrics.log_failures.inc()
-            log.error("generation %s not logged, not shown: %s", generation_id, exc)
+            # Not a line per request: the Kafka dependency logs the outage once (`flywheel.ops`).
+            log.debug("generation not logged, not shown", extra={"generation_id": generation_id,
+                                                                  "detail": str(exc)})
             raise GenerationNotLogged("the generation could not be logged; retry later") from None
         metrics.requests.labels(route.arm, route.version).inc()
         metrics.latency.labels(route.arm).observe(latency_ms / 1000)
@@ -149,20 +159,7 @@ def create_app(
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": v, "object": "model"} for v in pool.loaded_versions]}
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    def readyz() -> JSONResponse:
-        split = pool.split
-        if split is None:
-            return JSONResponse({"ready": False, "reason": "no traffic split loaded"}, status_code=503)
-        return JSONResponse({"ready": True, "split": split.model_dump(mode="json")})
-
-    @app.get("/metrics")
-    def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+    app.include_router(ops_router(health, lambda: generate_latest(metrics.registry) + generate_latest(REGISTRY)))
 
     return app
 
@@ -177,3 +174,45 @@ def check_fits_context(route: Route, req: CompletionRequest) -> None:
             f"tokens and max_tokens is {req.max_tokens}; shorten the prompt or lower max_tokens",
             param="max_tokens",
         )
+
+
+def _split_check(pool: PolicyPool) -> tuple[bool, str]:
+    split = pool.split
+    if split is None:
+        return False, "no traffic split loaded yet"
+    challenger = f", challenger {split.challenger_version} at {split.challenger_share:.0%}" \
+        if split.challenger_version else ""
+    return True, f"champion {split.champion_version}{challenger}"
+
+
+class _Refresher:
+    """One split refresh; an outage marks its dependency down (one line) and backs off, never a traceback."""
+
+    def __init__(self, pool: PolicyPool, health: ProcessHealth) -> None:
+        self._pool = pool
+        self._health = health
+        self._blamed: set[Dependency] = set()
+        self._failures = 0
+        self._last_error = ""
+
+    def delay(self, interval_s: float) -> float:
+        return min(5.0, interval_s * 2 ** min(self._failures, 8)) if self._failures else interval_s
+
+    def __call__(self) -> None:
+        try:
+            self._pool.refresh()
+        except Exception as exc:  # keep serving the current split; the next tick retries
+            self._failures += 1
+            dep = self._health.blame(exc)
+            if dep is not None:
+                dep.failed(exc)
+                self._blamed.add(dep)
+            elif describe(exc) != self._last_error:  # a new error: once, with its traceback
+                log.exception("traffic split refresh failed")
+            self._last_error = describe(exc)
+            return
+        for dep in self._blamed:
+            dep.recovered()
+        self._blamed.clear()
+        self._failures = 0
+        self._last_error = ""

@@ -15,13 +15,17 @@ def serve(
     """Serve completions from the champion and challenger named by the traffic split."""
     import uvicorn
 
+    from flywheel.ops import freeze_startup
     from flywheel.settings import get_settings
     from serving import build_serving_app
 
     settings = get_settings()
+    serving_app = build_serving_app(settings)
+    freeze_startup()  # the modules and the app live as long as the process: out of the cyclic GC's walks
     uvicorn.run(
-        build_serving_app(settings),
+        serving_app,
         host=host or settings.bind_host,
         port=port or settings.serving_port,
         log_level="warning",
+        log_config=None,  # its records go through the process's JSON logging (`flywheel.logs`)
     )

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
-import threading
 
 import typer
 
@@ -14,14 +12,21 @@ app = typer.Typer(help="Satisfaction signals: one reward record per generation."
 
 
 @app.command()
-def worker() -> None:
+def worker(
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", min=0, help="Serve /metrics, /healthz, /readyz on settings.bind_host:PORT; "
+        "default settings.signals_metrics_port (9102); 0 turns it off.",
+    ),
+) -> None:
     """Run the streaming extractor until interrupted (SIGINT / SIGTERM)."""
+    from flywheel.ops import run_worker, stop_on_signals
     from signals.worker import SignalsWorker
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    SignalsWorker(get_settings()).run(stop)
+    settings = get_settings()
+    stop = stop_on_signals()
+    extractor = SignalsWorker(settings)
+    port = settings.signals_metrics_port if metrics_port is None else metrics_port
+    run_worker(extractor.health, extractor.run, stop, port=port, host=settings.bind_host)
 
 
 @app.command()

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the signals worker (exposed by whatever process hosts it)."""
+"""Prometheus metrics of the signals worker, served by `flywheel signals worker` at `/metrics` on
+`settings.bind_host`:`settings.signals_metrics_port` (`FLYWHEEL_SIGNALS_METRICS_PORT`, 9102; 0 = off)."""
 
 from __future__ import annotations
 

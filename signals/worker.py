@@ -22,6 +22,11 @@ ids are already seen, so nothing counts twice) and first flushes any outbox left
 behind. The lake write is idempotent (deterministic file name); a crash between
 Kafka's acknowledgement and the pop can repeat a Kafka message, which carries a
 `record_id` header for consumers to drop it.
+
+Outages: Kafka (at start too), Redis and MLflow are waited out (`flywheel.ops.run_loop`: one log
+line when one goes down, one when it is back); a batch that failed half-way is read again from its
+first offset (the consumer is moved back), so nothing is skipped, and its events' ids make the
+second read count nothing twice. `/readyz` says which dependency is down.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from flywheel.bus import (
     BrokerUnavailable,
@@ -47,6 +54,15 @@ from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, RewardRecord
 from flywheel.lake import TempFileSweeper
 from flywheel.lake.tables import REWARDS
+from flywheel.ops import (
+    ProcessHealth,
+    kafka_dependency,
+    lake_dependency,
+    mlflow_dependency,
+    redis_dependency,
+    run_loop,
+)
+from flywheel.ops.deps import describe
 from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
@@ -57,6 +73,8 @@ from signals.sink import produce_rewards, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
 
 log = logging.getLogger(__name__)
+
+_Part = TypeVar("_Part", Consumer, Producer)
 
 
 @dataclass
@@ -200,13 +218,43 @@ class SignalsWorker:
         self.window_us = int(round(settings.reward_window_s * 1e6))
         self.lateness_us = int(round(settings.allowed_lateness_s * 1e6))
         self.group_id = self.config.group_id or f"flywheel-signals.{settings.events_topic}"
-        self.consumer = consumer or make_consumer(settings, [settings.events_topic], self.group_id)
-        self.producer = producer or make_producer(settings)
+        # Made on first use (`consumer`, `producer`): a worker started while Kafka is down waits for it.
+        self._consumer = consumer
+        self._producer = producer
+        self.kafka = kafka_dependency(settings)
+        self.health = ProcessHealth(
+            "signals-worker",
+            [self.kafka, redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_dir)],
+            optional={"mlflow"},  # only the periodic refit needs the registry
+        )
         self.stats = WorkerStats()
         self._last_data = time.monotonic()
         self._assigned: set[tuple[str, int]] = set()
         self._active: tuple[float, RewardDefinition] | None = None
         self._last_refit = time.monotonic()
+
+    @property
+    def consumer(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = self._connect(
+                lambda: make_consumer(self.settings, [self.settings.events_topic], self.group_id)
+            )
+        return self._consumer
+
+    @property
+    def producer(self) -> Producer:
+        if self._producer is None:
+            self._producer = self._connect(lambda: make_producer(self.settings))
+        return self._producer
+
+    def _connect(self, make: Callable[[], _Part]) -> _Part:
+        probe = self.kafka.probe()  # a TCP connect: the clients themselves block for seconds when down
+        if not probe.ok:
+            raise BrokerUnavailable(probe.detail)
+        try:
+            return make()
+        except Exception as exc:  # the client libraries raise their own errors while a broker starts
+            raise BrokerUnavailable(f"cannot connect to Kafka: {describe(exc)}") from exc
 
     def definition(self, version: str | None) -> RewardDefinition:
         """The pinned version of a generation, else the active one (re-read at most every 5 s)."""
@@ -232,31 +280,52 @@ class SignalsWorker:
                 self._tick_idle()
             return sent + self.flush_outbox()
         self._last_data = time.monotonic()
-        self._process(records)
-        self.consumer.commit(next_offsets(records))
+        try:
+            self._process(records)
+            self.consumer.commit(next_offsets(records))
+        except BaseException:
+            # Not committed: read the batch again on the next poll instead of going past it (a Redis
+            # outage mid-batch must not skip events; their ids make the second read count nothing twice).
+            self._rewind(records)
+            raise
         return sent + self.flush_outbox()
 
-    def run(self, stop_event: threading.Event) -> None:
-        log.info("signals worker consuming %s as group %s", self.settings.events_topic, self.group_id)
-        sweeper = TempFileSweeper(REWARDS.at(self.settings.lake_dir))
+    def _rewind(self, records: list[Record]) -> None:
+        first: dict[tuple[str, int], int] = {}
+        for r in records:
+            key = (r.topic, r.partition)
+            first[key] = min(first.get(key, r.offset), r.offset)
         try:
-            while not stop_event.is_set():
-                sweeper.maybe()
-                try:
-                    self.run_once()
-                except BrokerUnavailable as exc:  # the outbox keeps the records; retry shortly
-                    log.warning("rewards not delivered yet: %s", exc)
-                    stop_event.wait(1.0)
-                self._maybe_refit()
+            for (topic, partition), offset in first.items():
+                self.consumer.seek(topic, partition, offset)
+        except Exception:  # noqa: BLE001 - a partition revoked meanwhile: its new owner replays from the commit
+            log.warning("could not rewind after a failed batch", exc_info=True)
+
+    def run(self, stop_event: threading.Event) -> None:
+        """Poll and emit until `stop_event` is set, waiting out Kafka, Redis and MLflow outages."""
+        log.info("signals worker starting",
+                 extra={"topic": self.settings.events_topic, "group": self.group_id})
+        sweeper = TempFileSweeper(REWARDS.at(self.settings.lake_dir))
+
+        def step() -> None:
+            sweeper.maybe()
+            self.run_once()
+            self._maybe_refit()
+
+        try:
+            run_loop(step, stop_event, self.health)
         finally:
             self.close()
 
     def close(self) -> None:
-        for closer in (self.consumer.close, self.producer.close):
+        for part in (self._consumer, self._producer):
+            if part is None:
+                continue
             try:
-                closer()
+                part.close()
             except Exception:  # noqa: BLE001 - closing must not hide the error that stopped us
-                log.exception("closing the signals worker")
+                log.warning("error while closing the signals worker", exc_info=True)
+        self._consumer = self._producer = None
 
     # ------------------------------------------------------------------ steps
 
@@ -328,5 +397,9 @@ class SignalsWorker:
 
         try:
             refit(self.settings, self.config)
-        except Exception:  # noqa: BLE001 - a failed refit keeps the current definition; the stream goes on
-            log.exception("satisfaction refit failed; keeping the active reward definition")
+        except Exception as exc:  # noqa: BLE001 - a failed refit keeps the current definition; the stream goes on
+            dep = self.health.blame(exc)
+            if dep is not None:  # an outage: one line per state change, and the next refit retries
+                dep.failed(exc)
+            else:
+                log.exception("satisfaction refit failed; keeping the active reward definition")

@@ -11,8 +11,8 @@ from prometheus_client import REGISTRY
 from flywheel.bus import BrokerUnavailable, Outgoing, ensure_topics, make_producer
 from flywheel.contract import Event
 from flywheel.lake.tables import EVENTS
+from flywheel.ops import serve_ops
 from flywheel.settings import Settings
-from ingest.ops_http import serve_ops
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port
 
@@ -92,24 +92,30 @@ def test_endpoints_ready_only_once_connected_and_polled(settings: Settings) -> N
     # Nothing listens on this port: the worker cannot connect.
     unreachable = settings.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
     worker = IngestWorker(unreachable, connect_attempts=1, lag_interval_s=0)
-    server = serve_ops(free_port(), worker.readiness)
+    server = serve_ops(0, worker.health)
     base = f"http://127.0.0.1:{server.port}"
     try:
         first = httpx.get(f"{base}/readyz")
-        assert first.status_code == 503 and first.json()["ready"] is False
+        assert first.status_code == 503 and first.json()["status"] == "not_ready"
         with pytest.raises(BrokerUnavailable):
             worker.run_once()
-        down = httpx.get(f"{base}/readyz")
-        assert down.status_code == 503
-        assert "does not answer" in down.json()["reason"]
-        assert httpx.get(f"{base}/healthz").status_code == 200
+        down = httpx.get(f"{base}/readyz").json()
+        assert down["process"] == "ingest-worker"
+        assert down["checks"]["kafka"]["ok"] is False and "does not answer" in down["checks"]["kafka"]["detail"]
+        assert down["checks"]["polling"] == {"ok": False, "detail": "not connected to Kafka yet", "required": True}
+        assert httpx.get(f"{base}/healthz").json()["status"] == "alive"
+    finally:
+        worker.close()
+        server.stop()
 
-        # The broker "comes up": point the same worker at the live one.
-        worker.settings = settings
+    worker = IngestWorker(settings, lag_interval_s=0)
+    server = serve_ops(0, worker.health)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
         drain(worker, settings, 5)
         ready = httpx.get(f"{base}/readyz")
-        assert ready.status_code == 200 and ready.json()["ready"] is True
-        assert httpx.get(f"{base}/healthz").status_code == 200
+        assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.json()
+        assert ready.json()["checks"]["polling"]["ok"] is True
 
         metrics = httpx.get(f"{base}/metrics")
         assert metrics.status_code == 200
@@ -118,5 +124,4 @@ def test_endpoints_ready_only_once_connected_and_polled(settings: Settings) -> N
         assert httpx.get(f"{base}/nope").status_code == 404
     finally:
         worker.close()
-        server.shutdown()
-        server.server_close()
+        server.stop()

@@ -36,6 +36,7 @@ def test_up_serves_simulated_users_and_lands_their_events_in_the_lake(
         "FLYWHEEL_GATE_PORT": str(free_port()),
         "FLYWHEEL_TRAINER_PORT": str(free_port()),
         "FLYWHEEL_INGEST_METRICS_PORT": str(free_port()),
+        "FLYWHEEL_SIGNALS_METRICS_PORT": str(free_port()),
         "FLYWHEEL_REWARD_WINDOW_S": "2",
     }
     try:

@@ -4,7 +4,8 @@
 through the replica-wide lock and the persistent schedule (it never trains beside a
 running cycle). It needs the bearer token of an approver (issued with `flywheel gate tokens
 issue`, from the token store the gate uses) or the bootstrap admin token
-(`FLYWHEEL_APPROVAL_TOKEN`): no token or an unknown / revoked one is 401, a viewer's 403.
+(`FLYWHEEL_APPROVAL_TOKEN`): no token or an unknown / revoked one is 401, a viewer's 403. `/metrics`,
+`/healthz` and `/readyz` are the ones every process answers (`flywheel.ops`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sqlalchemy.exc
 from fastapi import FastAPI, Header, HTTPException
 
 from flywheel.identity import Authenticator, NotAllowed, NotAuthenticated
+from flywheel.ops import ops_router
 from flywheel.settings import Settings
 from trainer.scheduler import TrainerScheduler
 
@@ -39,9 +41,7 @@ def create_app(
             log.warning("the token store does not answer", exc_info=True)
             raise HTTPException(503, "the token store does not answer; try again shortly") from None
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    app.include_router(ops_router(scheduler.health))
 
     @app.get("/api/status")
     def status() -> dict[str, Any]:

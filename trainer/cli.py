@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import threading
 from pathlib import Path
 
 import typer
@@ -104,11 +102,10 @@ def schedule(
         host = settings.bind_host
         console.print(f"trainer API on http://{host}:{port}/api/status (POST /api/run to train now)")
         # uvicorn handles SIGINT / SIGTERM and returns when asked to stop.
-        uvicorn.run(create_app(settings, scheduler), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(settings, scheduler), host=host, port=port, log_level="warning", log_config=None)
     else:
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        from flywheel.ops import stop_on_signals
+
+        stop_on_signals().wait()
     scheduler.shutdown(wait=True)
     console.print("trainer scheduler stopped")

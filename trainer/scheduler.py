@@ -8,6 +8,9 @@
 - The job store holds no secret: a job is a reference to `scheduled_cycle` with the trainer
   config and the id of the scheduler that runs it; the settings (Redis URL with its password,
   tokens, keys) stay in this process's memory and are looked up by that id when the job runs.
+- A cycle failed by an outage (Redis, MLflow) is logged once per outage (`flywheel.ops`) and retried
+  with backoff (from 5 s, doubling, at most the interval) instead of waiting a whole interval;
+  `health` answers the trainer API's `/readyz`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
@@ -28,6 +31,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from flywheel.connections import redis_client
+from flywheel.ops import ProcessHealth, mlflow_dependency, redis_dependency
 from flywheel.settings import Settings, get_settings
 from trainer.config import TrainerConfig
 from trainer.cycle import CycleResult
@@ -125,13 +129,39 @@ class TrainerScheduler:
             timezone="UTC",
         )
         self.results: list[CycleResult] = []
+        self.health = ProcessHealth(
+            "trainer-scheduler",
+            [redis_dependency(settings), mlflow_dependency(settings)],
+            {"scheduler": self._running},
+        )
+        self._outage_retries = 0
         self._scheduler.add_listener(self._on_job, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
 
+    def _running(self) -> tuple[bool, str]:
+        if not self._scheduler.running:
+            return False, "the scheduler is not running"
+        next_run = self.next_run_time()
+        return True, f"next cycle at {next_run.isoformat() if next_run else 'none'}"
+
     def _on_job(self, event: JobExecutionEvent) -> None:
-        if event.exception is not None:
-            log.error("trainer cycle failed: %r", event.exception)
-        elif isinstance(event.retval, CycleResult):
-            self.results.append(event.retval)
+        if event.exception is None:
+            if self._outage_retries:
+                for known in self.health.dependencies:
+                    known.recovered()
+            self._outage_retries = 0
+            if isinstance(event.retval, CycleResult):
+                self.results.append(event.retval)
+            return
+        dep = self.health.blame(event.exception)
+        if dep is None:
+            log.error("trainer cycle failed", extra={"error": repr(event.exception)})
+            return
+        dep.failed(event.exception)  # one line per outage
+        self._outage_retries += 1
+        delay = min(self.interval_s, 5.0 * 2 ** min(self._outage_retries - 1, 10))
+        job = self._scheduler.get_job(JOB_ID)
+        if job is not None:
+            job.modify(next_run_time=datetime.now(UTC) + timedelta(seconds=delay))
 
     def start(self) -> datetime | None:
         """Start; an existing job keeps its next run time (a restart does not reset the clock)."""
