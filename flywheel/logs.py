@@ -25,6 +25,9 @@ import structlog
 
 # Client libraries narrate every connection and request at INFO.
 _CHATTY = ("kafka", "httpx", "httpcore", "mlflow", "alembic", "apscheduler.executors", "uvicorn.access")
+# kafka-python's own event loop warns whenever one of its steps took over 0.1 s, which a busy machine makes
+# happen every few seconds, each time with another object's address (so the repeat filter cannot thin them).
+_LOAD_REPORTS = ("kafka.net.selector",)
 
 # The shared steps of both kinds of record (stdlib and structlog).
 _SHARED: list[structlog.typing.Processor] = [
@@ -69,12 +72,19 @@ class _FlywheelHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Marks the handler this module installed, so configuring again replaces it instead of doubling lines."""
 
 
+def _drop_color_message(_: object, __: str, event: structlog.typing.EventDict) -> structlog.typing.EventDict:
+    """uvicorn adds its message again with terminal colour codes: not for a JSON line."""
+    event.pop("color_message", None)
+    return event
+
+
 def json_formatter() -> logging.Formatter:
     """The formatter that renders any stdlib or structlog record as one JSON line."""
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*_SHARED, structlog.stdlib.ExtraAdder()],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            _drop_color_message,
             structlog.processors.format_exc_info,
             structlog.processors.EventRenamer("msg"),
             structlog.processors.JSONRenderer(sort_keys=False, default=str),
@@ -102,6 +112,8 @@ def configure_logging(verbose: bool = False, *, stream: TextIO | None = None) ->
     logging.captureWarnings(True)  # library warnings become JSON lines too, not raw multi-line text
     for name in _CHATTY:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    for name in _LOAD_REPORTS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.ERROR)
     # uvicorn's loggers carry their own handlers when it configures logging; servers here start it with
     # `log_config=None`, and these lines make sure its records reach the JSON handler either way.
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
