@@ -7,6 +7,8 @@ module only mounts them.
 from __future__ import annotations
 
 import importlib
+import os
+import socket
 
 import typer
 
@@ -28,9 +30,29 @@ _COMPONENTS = [
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+def _main(ctx: typer.Context, verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
     # One JSON object per line for every logger of the process, whatever the messages hold.
     configure_logging(verbose)
+    if ctx.invoked_subcommand != "up":
+        _join_a_running_embedded_broker()
+
+
+def _join_a_running_embedded_broker() -> None:
+    """With no Kafka configured, a command run beside `flywheel up` (dead letters, replay, a worker) talks to the
+    broker `flywheel up` started on its loopback port, instead of failing to bootstrap from nothing."""
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return
+    from flywheel.settings import Settings, get_settings
+
+    port = Settings.model_fields["embedded_kafka_port"].default
+    port = int(os.environ.get("FLYWHEEL_EMBEDDED_KAFKA_PORT", port))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            pass
+    except OSError:
+        return
+    os.environ["KAFKA_BOOTSTRAP_SERVERS"] = f"127.0.0.1:{port}"
+    get_settings.cache_clear()
 
 
 for _name, _module, _help in _COMPONENTS:
