@@ -28,7 +28,7 @@
   }
 
   const fmt = (x, d = 3) => (x === null || x === undefined ? '–' : Number(x).toFixed(d));
-  const pct = (x) => (x === null || x === undefined ? '–' : `${(100 * x).toFixed(x < 0.1 ? 1 : 0)}%`);
+  const pct = (x) => (x === null || x === undefined ? '–' : `${Number((100 * x).toFixed(1))}%`);
   const ci = (pair) => (pair ? `[${fmt(pair[0])}, ${fmt(pair[1])}]` : '–');
   const when = (s) => (s ? new Date(s).toISOString().replace('T', ' ').slice(0, 19) + ' UTC' : '–');
   const v = (x) => (x ? `v${x}` : '–');
@@ -157,11 +157,12 @@
     const note = $('chart-note');
     if (!s.arms.length || !s.arms.some((a) => a.points.length)) {
       if (chart) { chart.destroy(); chart = null; chartKey = ''; }
+      $('chart-legend').replaceChildren();
       note.textContent = 'No rewards yet: the chart appears once signals have written rewards.';
       return;
     }
-    note.textContent = `Mean satisfaction per ${document.body.dataset.bucket} bucket; the shaded band is each ` +
-      `arm's 95% interval (${s.unit} per bucket in the legend's hover).`;
+    note.textContent = `Mean satisfaction per ${document.body.dataset.bucket} bucket (UTC); the shaded band is ` +
+      `each arm's 95% interval. Hover the chart for a bucket's figures and ${s.unit}.`;
     const key = JSON.stringify(s);
     if (key === chartKey && chart) return;
     chartKey = key;
@@ -187,14 +188,27 @@
     });
     const box = $('chart');
     const width = Math.max(320, Math.min(box.clientWidth || 900, 1100));
+    // Our own legend (uPlot's would list every band edge): one line per arm, the hovered bucket's figures.
+    const legend = (idx) => {
+      const at = idx === null || idx === undefined ? xs.length - 1 : idx;
+      $('chart-legend').replaceChildren(...s.arms.map((arm, i) => {
+        const p = arm.points.find((q) => q.t === xs[at]);
+        return el('span', { class: 'entry', 'data-arm': arm.label },
+          el('span', { class: `swatch c${i % PALETTE.length}` }), el('b', null, arm.label), ' ',
+          p ? `${fmt(p.mean)} ${p.lo === null ? '' : ci([p.lo, p.hi])} (${s.unit} ${p.n})` : '–');
+      }), el('span', { class: 'muted small' }, `bucket of ${when(new Date(xs[at] * 1000).toISOString())}`));
+    };
     if (chart) chart.destroy();
     box.replaceChildren();
     chart = new uPlot({ // eslint-disable-line no-undef
       width, height: 300, series: seriesOpts, bands,
       scales: { x: { time: true } },
-      axes: [{}, { label: 'satisfaction', values: (u, ticks) => ticks.map((t) => fmt(t, 2)) }],
-      legend: { live: true },
+      tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), 'Etc/UTC'), // eslint-disable-line no-undef
+      axes: [{ label: 'bucket start (UTC)' }, { label: 'satisfaction', values: (u, ticks) => ticks.map((t) => fmt(t, 2)) }],
+      legend: { show: false },
+      hooks: { setCursor: [(u) => legend(u.cursor.idx)] },
     }, data, box);
+    legend(null);
   }
 
   function renderDifference(exp) {
@@ -257,7 +271,7 @@
     (i) => ({ class: exp.ramp[i].entered_at && !exp.ramp[i].left_at ? 'current' : null }))
       : empty('No ramp configured.'));
     fill('timeline', exp.timeline.length
-      ? el('ol', { class: 'timeline' }, exp.timeline.slice().reverse().map((t) =>
+      ? el('ul', { class: 'timeline' }, exp.timeline.slice().reverse().map((t) =>
         el('li', null, el('span', { class: 'muted' }, when(t.at)), ' ', el('b', null, t.event), ` by ${t.by}`)))
       : null);
   }
