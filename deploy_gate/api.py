@@ -111,6 +111,20 @@ def get_version(version: str, gate: Gate) -> VersionDetail:
     raise UnknownVersion(f"no model version {version!r} in the registry")  # 404 (deploy_gate.errors)
 
 
+class Me(BaseModel):
+    name: str
+    role: str
+    can_approve: bool
+
+
+@read.get("/me")
+def whoami(request: Request, authorization: Authorization = None) -> Me:
+    """Whose the bearer token is (401 if nobody's): the dashboard enables its buttons for approvers."""
+    auth: Authenticator = request.app.state.authenticator
+    identity = auth.identify(authorization)
+    return Me(name=identity.name, role=identity.role, can_approve=identity.allows("approver"))
+
+
 @read.get("/audit")
 def get_audit_log(audit: Audit, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditPage:
     """The newest audit entries, newest first: every gate action, allowed or refused."""

@@ -130,6 +130,18 @@ def test_an_approvers_token_works_and_is_audited_with_identity_role_before_and_a
     assert client.get("/api/audit?limit=0").status_code == 422
 
 
+def test_me_says_whose_token_it_is_and_whether_it_may_approve(
+    client: TestClient, tokens: dict[str, str]
+) -> None:
+    assert client.get("/api/me", headers=bearer(tokens["alice"])).json() == {
+        "name": "alice", "role": "approver", "can_approve": True,
+    }  # fmt: skip
+    assert client.get("/api/me", headers=bearer(tokens["victor"])).json()["can_approve"] is False
+    assert client.get("/api/me", headers=bearer(tokens["rita"])).status_code == 401
+    assert client.get("/api/me").status_code == 401
+    assert client.get("/api/audit").json()["entries"] == []  # reading is not an action
+
+
 def test_the_audit_log_survives_a_restart_and_cannot_be_rewritten(gate_settings: Settings) -> None:
     log = AuditLog.from_settings(gate_settings)
     log.record(who="ana", role="approver", action="approve", allowed=True, target="version 3", reason="<ok>")

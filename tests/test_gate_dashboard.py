@@ -113,7 +113,10 @@ def test_dashboard_shows_both_arms_approves_from_the_page_and_shows_markup_as_te
     gate_settings: Settings,
     versions: tuple[str, str],
     rewards_written: dict,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
+    from playwright.sync_api import expect  # the browser fixture skipped the test without playwright
+
     champion, candidate = versions
     ARTIFACTS.mkdir(exist_ok=True)
     alice = TokenStore.from_settings(gate_settings).issue("alice", "approver")
@@ -137,22 +140,29 @@ def test_dashboard_shows_both_arms_approves_from_the_page_and_shows_markup_as_te
         assert page.locator(f'#pending tr[data-version="{candidate}"]').count() == 1
         page.screenshot(path=str(ARTIFACTS / "dashboard-loaded.png"), full_page=True)
 
-        # A viewer's token is refused, and the page says so.
-        page.fill("#reason", HOSTILE)
+        # Without an approver's token the buttons are disabled, and the page says whose token it has.
+        approve = page.locator(f'#pending button[data-action$="/{candidate}/approve"]')
+        assert approve.is_disabled()
         page.fill("#token", victor)
-        page.click(f'#pending button[data-action$="/{candidate}/approve"]')
-        page.wait_for_selector("#msg.alarm")
-        assert "Refused (403)" in page.locator("#msg").inner_text()
+        expect(page.locator("#whoami")).to_contain_text("victor (viewer)")
+        assert approve.is_disabled() and "cannot approve" in page.locator("#whoami").inner_text()
+        # Were the button enabled, the gate would still refuse the viewer, and audit the refusal.
+        viewer_try = api.post(f"/api/versions/{candidate}/approve", json={"reason": HOSTILE},
+                           headers={"Authorization": f"Bearer {victor}"})  # fmt: skip
+        assert viewer_try.status_code == 403
         assert api.get(f"/api/versions/{candidate}").json()["gate_state"] == "pending"
+        page.fill("#reason", HOSTILE)
 
         # An approver's token, kept in the tab's sessionStorage, approves it.
         page.fill("#token", alice)
         assert page.evaluate("sessionStorage.getItem('flywheel.gate.token')") == alice
+        expect(page.locator("#whoami")).to_contain_text("alice (approver)")
+        assert approve.is_enabled()
         page.click(f'#pending button[data-action$="/{candidate}/approve"]')
         page.wait_for_selector("#msg.okmsg")
         assert api.get(f"/api/versions/{candidate}").json()["gate_state"] == "approved"
         assert api.get("/api/split").json()["split"]["challenger_version"] == candidate
-        page.wait_for_function("document.querySelector('#pending').innerText.includes('No candidate waits')")
+        expect(page.locator("#pending")).to_contain_text("No candidate waits")
 
         # The audit trail shows both attempts, the hostile reason as text that never ran.
         audit = page.locator("#audit tbody tr")
@@ -171,6 +181,9 @@ def test_dashboard_shows_both_arms_approves_from_the_page_and_shows_markup_as_te
         page.reload()
         page.wait_for_selector("body[data-loaded=true]")
         assert page.input_value("#token") == alice
+        # A candidate registered meanwhile appears without a reload: the page refreshes itself.
+        newer = register(ModelRegistry(gate_settings), tmp_path, parent=candidate)
+        expect(page.locator(f'#pending tr[data-version="{newer}"]')).to_have_count(1, timeout=20_000)
         page.screenshot(path=str(ARTIFACTS / "dashboard-approved.png"), full_page=True)
         assert real_errors(errors) == []
     assert (ARTIFACTS / "dashboard-approved.png").stat().st_size > 10_000

@@ -10,6 +10,7 @@
   const detailCache = new Map(); // version -> {at, body}: version details change rarely
   let chart = null;
   let chartKey = '';
+  let canAct = false; // the typed token is an approver's (GET api/me); the gate checks again anyway
 
   function el(tag, props, ...kids) {
     const e = document.createElement(tag);
@@ -349,6 +350,27 @@
       : empty('No action recorded yet.'));
   }
 
+  async function whoami() {
+    const token = $('token').value.trim();
+    const who = $('whoami');
+    if (!token) {
+      canAct = false;
+      who.textContent = 'No token: enter an approver token to approve, reject, promote or roll back.';
+      who.className = 'muted';
+    } else {
+      const r = await fetch('api/me', { headers: { Authorization: `Bearer ${token}` }, cache: 'no-store' });
+      const me = r.ok ? await r.json() : null;
+      canAct = Boolean(me && me.can_approve);
+      who.textContent = me ? `Acting as ${me.name} (${me.role})${canAct ? '' : ': this role cannot approve'}.`
+        : 'This token is unknown or revoked.';
+      who.className = canAct ? 'okmsg' : 'alarm';
+    }
+    for (const b of document.querySelectorAll('button[data-action]')) {
+      b.disabled = !canAct;
+      b.title = canAct ? '' : 'needs an approver token';
+    }
+  }
+
   // ---- refresh loop ----------------------------------------------------------------------
 
   async function refresh() {
@@ -370,6 +392,7 @@
     renderRamp(exp);
     if (versions) renderVersions(versions, await versionDetails(versions));
     if (audit) renderAudit(audit);
+    await whoami().catch(() => { canAct = false; });
     try { renderChart(series, metrics); } catch (e) { $('chart-note').textContent = `chart: ${e.message}`; }
     const up = $('updated');
     up.textContent = failed.length ? `could not load ${failed.join('; ')}` : `updated ${new Date().toLocaleTimeString()}`;
@@ -400,7 +423,7 @@
     } catch (e) {
       say(`Could not reach the gate: ${e.message}`, true);
     } finally {
-      button.disabled = false;
+      button.disabled = !canAct;
     }
     await refresh();
   }
@@ -414,8 +437,15 @@
   document.addEventListener('DOMContentLoaded', () => {
     const token = $('token');
     token.value = sessionStorage.getItem(TOKEN_KEY) || '';
-    token.addEventListener('input', () => sessionStorage.setItem(TOKEN_KEY, token.value.trim()));
-    $('forget').addEventListener('click', () => { sessionStorage.removeItem(TOKEN_KEY); token.value = ''; });
+    token.addEventListener('input', () => {
+      sessionStorage.setItem(TOKEN_KEY, token.value.trim());
+      whoami().catch(() => { canAct = false; });
+    });
+    $('forget').addEventListener('click', () => {
+      sessionStorage.removeItem(TOKEN_KEY);
+      token.value = '';
+      whoami().catch(() => { canAct = false; });
+    });
     for (const f of document.querySelectorAll('form')) f.addEventListener('submit', (e) => e.preventDefault());
     document.addEventListener('click', (e) => {
       const b = e.target.closest('button[data-action]');
