@@ -189,6 +189,9 @@ def test_errors_are_mapped_and_requests_validated(client: TestClient) -> None:
     assert client.post("/api/promote", json=WHY, headers=auth()).json()["error"] == "no_challenger"
     assert client.post("/api/promote", json={}, headers=auth()).status_code == 422  # no reason
     assert client.get("/api/metrics/arms?bucket=drop table").status_code == 422
+    # A body that is not UTF-8 is a 422 saying where, without echoing what was sent.
+    r = client.post("/api/promote", content=b"\x80secret", headers={**auth(), "Content-Type": "text/plain"})
+    assert (r.status_code, r.json()["error"]) == (422, "invalid_request") and "secret" not in r.text
 
 
 def test_unknown_errors_are_not_echoed(gate_settings: Settings, gate: DeployGate) -> None:
