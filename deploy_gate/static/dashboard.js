@@ -220,7 +220,7 @@
       return;
     }
     const d = a.difference;
-    const seq = d.sequential_ci;
+    const seq = d.sequential_ci || [null, null]; // null until the controller has enough users
     const verdict = seq[0] > 0 ? 'challenger better' : seq[1] < 0 ? 'challenger worse' : 'not yet decided';
     fill('difference', el('dl', { class: 'facts' },
       el('dt', null, 'estimate'), el('dd', { 'data-field': 'diff-estimate' }, fmt(d.estimate)),
@@ -232,7 +232,7 @@
       el('dt', null, 'method'), el('dd', { class: 'small' }, d.method)));
     const srm = a.srm;
     fill('srm', el('p', null, badge(!srm.alarm, 'no mismatch', 'MISMATCH: ramp frozen'),
-      ` p = ${srm.p_value.toPrecision(3)}; users observed ${srm.observed.join(' / ')}, ` +
+      ` p = ${srm.p_value === null ? '–' : srm.p_value.toPrecision(3)}; users observed ${srm.observed.join(' / ')}, ` +
       `expected shares ${srm.expected_shares.map(pct).join(' / ')} (alarm below p = 0.001).`));
   }
 
@@ -265,14 +265,16 @@
       fill('timeline');
       return;
     }
-    const rows = exp.ramp.map((r) => [pct(r.share), String(r.min_users), `${Math.round(r.min_seconds / 60)} min`,
+    const ramp = exp.ramp || [];
+    const timeline = exp.timeline || [];
+    const rows = ramp.map((r) => [pct(r.share), String(r.min_users), `${Math.round(r.min_seconds / 60)} min`,
       when(r.entered_at), r.left_at ? when(r.left_at) : r.entered_at ? 'current' : '–']);
     fill('ramp', rows.length ? table([{ label: 'share' }, { label: 'min users', num: true },
       { label: 'min time', num: true }, { label: 'entered' }, { label: 'left' }], rows,
-    (i) => ({ class: exp.ramp[i].entered_at && !exp.ramp[i].left_at ? 'current' : null }))
+    (i) => ({ class: ramp[i].entered_at && !ramp[i].left_at ? 'current' : null }))
       : empty('No ramp configured.'));
-    fill('timeline', exp.timeline.length
-      ? el('ul', { class: 'timeline' }, exp.timeline.slice().reverse().map((t) =>
+    fill('timeline', timeline.length
+      ? el('ul', { class: 'timeline' }, timeline.slice().reverse().map((t) =>
         el('li', null, el('span', { class: 'muted' }, when(t.at)), ' ', el('b', null, t.event), ` by ${t.by}`)))
       : null);
   }
