@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from deploy_gate.audit import AuditLog, AuditPage
+from deploy_gate.audit import AuditEntry, AuditLog, AuditPage
 from deploy_gate.errors import InvalidRequest
 from deploy_gate.gate import DeployGate
 from deploy_gate.metrics import ArmMetrics, arm_metrics
@@ -88,6 +88,7 @@ class GateChangeView(BaseModel):
 
 class VersionDetail(VersionView):
     history: list[GateChangeView]
+    audit: list[AuditEntry]  # every attempt on this version, allowed or refused, newest first
 
 
 read = APIRouter(prefix="/api", tags=["read"])
@@ -107,7 +108,8 @@ def get_version(version: str, gate: Gate) -> VersionDetail:
                 GateChangeView(state=c.state, previous=c.previous, by=c.by, at=c.at, reason=c.reason)
                 for c in gate.registry.gate_history(version)
             ]
-            return VersionDetail(**v.model_dump(), history=history)
+            audit = gate.audit.entries(100, target=f"version {version}")
+            return VersionDetail(**v.model_dump(), history=history, audit=audit)
     raise UnknownVersion(f"no model version {version!r} in the registry")  # 404 (deploy_gate.errors)
 
 
@@ -175,6 +177,8 @@ def act(
         auth.require(authorization, needs)  # a viewer's refusal is recorded under the viewer's name
         attempt.before = gate.snapshot(version)
         plan = make_plan(gate, identity.name)
+        if plan.version:  # promote and roll back act on the challenger: name it, as `apply` does
+            attempt.target = f"version {plan.version}"
         if dry_run:
             attempt.action = f"{action} (dry run)"
             audit.allowed(attempt, detail="planned, not applied: " + "; ".join(plan.describe()), after=None)

@@ -144,11 +144,13 @@ class AuditLog:
             session.add(row)
         return entry
 
-    def entries(self, limit: int = 100) -> list[AuditEntry]:
-        """The newest `limit` entries, newest first."""
+    def entries(self, limit: int = 100, *, target: str | None = None) -> list[AuditEntry]:
+        """The newest `limit` entries, newest first; only those about `target` when given."""
+        query = select(AuditRow).order_by(AuditRow.id.desc()).limit(limit)
+        if target is not None:
+            query = query.where(AuditRow.target == target)
         with Session(self._engine) as session:
-            rows = session.scalars(select(AuditRow).order_by(AuditRow.id.desc()).limit(limit))
-            return [_entry(r) for r in rows]
+            return [_entry(r) for r in session.scalars(query)]
 
     def check(self) -> None:
         """Raise when the log cannot be written to (before an action that must be recorded)."""

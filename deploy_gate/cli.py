@@ -84,6 +84,8 @@ def _plan_and_apply(
         with gate.audit.attempt(action, who=operator, role=OPERATOR_ROLE, target=target, reason=reason) as at:
             at.before = gate.snapshot(version)
             plan = make_plan(gate, operator)
+            if plan.version:  # promote and roll back act on the challenger: name it, as `apply` does
+                at.target = f"version {plan.version}"
             console.print(f"[bold]Plan: {plan.action} {plan.version or ''}[/] by {plan.by}: {plan.reason}")
             for i, step in enumerate(plan.describe(), 1):
                 console.print(f"  {i}. {step}")

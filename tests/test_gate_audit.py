@@ -128,6 +128,11 @@ def test_an_approvers_token_works_and_is_audited_with_identity_role_before_and_a
     assert "not_pending" in entries[2]["detail"] and entries[1]["detail"].startswith("planned, not applied")
     assert entries[0]["after"]["split"]["state"] == "rolled_back"
     assert client.get("/api/audit?limit=0").status_code == 422
+    # The version's own page lists every attempt on it, the rollback of it included.
+    on_version = client.get(f"/api/versions/{candidate}").json()["audit"]
+    assert [(e["action"], e["allowed"]) for e in on_version] == [
+        ("rollback", True), ("rollback (dry run)", True), ("approve", False), ("approve", True),
+    ]  # fmt: skip
 
 
 def test_me_says_whose_token_it_is_and_whether_it_may_approve(
