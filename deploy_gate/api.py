@@ -1,27 +1,31 @@
-"""The gate's HTTP API: read the versions, split and metrics; approve, reject, promote, roll back.
+"""The gate's HTTP API: read the versions, split, metrics and audit log; approve, reject, promote, roll back.
 
 Changes need `Authorization: Bearer <token>` of an identity with the approver role (or the
-bootstrap admin token, `FLYWHEEL_APPROVAL_TOKEN`); the history records that identity's name,
-never a name the client typed. Every change says why, and `?dry_run=true` answers the plan
-without applying it (plan-then-apply over HTTP).
+bootstrap admin token, `FLYWHEEL_APPROVAL_TOKEN`); the audit log records that identity's name
+and role, never a name the client typed. Every change says why, and `?dry_run=true` answers
+the plan without applying it (plan-then-apply over HTTP). Every attempt, refused ones
+included (no token, a viewer's, a revoked one, a version that is not pending), is in the
+audit log (`GET /api/audit`) before the caller gets its answer.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from deploy_gate.audit import AuditEntry, AuditLog, AuditPage
 from deploy_gate.errors import InvalidRequest
 from deploy_gate.gate import DeployGate
 from deploy_gate.metrics import ArmMetrics, arm_metrics
 from deploy_gate.plan import Plan
 from deploy_gate.views import VersionView
 from flywheel.contract import TrafficSplit, utcnow
-from flywheel.identity import Authenticator, Identity
+from flywheel.identity import Authenticator, Role
 from flywheel.settings import Settings
 from model_registry import UnknownVersion
 
@@ -44,16 +48,15 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
+def get_audit(request: Request) -> AuditLog:
+    audit: AuditLog = request.app.state.audit
+    return audit
+
+
 Gate = Annotated[DeployGate, Depends(get_gate)]
-
-
-def approver(request: Request, authorization: Annotated[str | None, Header()] = None) -> Identity:
-    """The identity behind the bearer token; 401 without a valid one, 403 below the approver role."""
-    auth: Authenticator = request.app.state.authenticator
-    return auth.require(authorization, "approver")
-
-
-Approver = Annotated[Identity, Depends(approver)]
+Audit = Annotated[AuditLog, Depends(get_audit)]
+# The raw header: an action checks it itself, inside its audited attempt, so a refused token is recorded.
+Authorization = Annotated[str | None, Header()]
 
 
 class ActionRequest(BaseModel):
@@ -85,6 +88,7 @@ class GateChangeView(BaseModel):
 
 class VersionDetail(VersionView):
     history: list[GateChangeView]
+    audit: list[AuditEntry]  # every attempt on this version, allowed or refused, newest first
 
 
 read = APIRouter(prefix="/api", tags=["read"])
@@ -104,8 +108,29 @@ def get_version(version: str, gate: Gate) -> VersionDetail:
                 GateChangeView(state=c.state, previous=c.previous, by=c.by, at=c.at, reason=c.reason)
                 for c in gate.registry.gate_history(version)
             ]
-            return VersionDetail(**v.model_dump(), history=history)
+            audit = gate.audit.entries(100, target=f"version {version}")
+            return VersionDetail(**v.model_dump(), history=history, audit=audit)
     raise UnknownVersion(f"no model version {version!r} in the registry")  # 404 (deploy_gate.errors)
+
+
+class Me(BaseModel):
+    name: str
+    role: str
+    can_approve: bool
+
+
+@read.get("/me")
+def whoami(request: Request, authorization: Authorization = None) -> Me:
+    """Whose the bearer token is (401 if nobody's): the dashboard enables its buttons for approvers."""
+    auth: Authenticator = request.app.state.authenticator
+    identity = auth.identify(authorization)
+    return Me(name=identity.name, role=identity.role, can_approve=identity.allows("approver"))
+
+
+@read.get("/audit")
+def get_audit_log(audit: Audit, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditPage:
+    """The newest audit entries, newest first: every gate action, allowed or refused."""
+    return AuditPage(entries=audit.entries(limit))
 
 
 @read.get("/split")
@@ -126,34 +151,104 @@ def get_arm_metrics(
     return arm_metrics(get_settings(request), bucket=bucket, reward_version=reward_version, since=since)
 
 
-def _run(gate: DeployGate, plan: Plan, dry_run: bool) -> ActionResult:
-    if dry_run:
-        return ActionResult(applied=False, plan=plan.to_dict(), split=plan.split_after)
-    return ActionResult(applied=True, plan=plan.to_dict(), split=gate.apply(plan))
-
-
 DryRun = Annotated[bool, Query(description="Answer the plan without applying it.")]
+
+
+def act(
+    request: Request,
+    authorization: str | None,
+    action: str,
+    version: str | None,
+    reason: str,
+    make_plan: Callable[[DeployGate, str], Plan],
+    dry_run: bool,
+    needs: Role = "approver",
+) -> ActionResult:
+    """Authenticate, plan and (unless a dry run) apply one action, recording the attempt either way."""
+    gate: DeployGate = get_gate(request)
+    audit = get_audit(request)
+    auth: Authenticator = request.app.state.authenticator
+    target = f"version {version}" if version else f"experiment {gate.experiment}"
+    # Who is unknown until the token is checked; a refusal then names the claimant instead.
+    who, role = auth.claimant(authorization)
+    with audit.attempt(action, who=who, role=role, target=target, reason=reason) as attempt:
+        identity = auth.identify(authorization)
+        attempt.who, attempt.role = identity.name, identity.role
+        auth.require(authorization, needs)  # a viewer's refusal is recorded under the viewer's name
+        attempt.before = gate.snapshot(version)
+        plan = make_plan(gate, identity.name)
+        if plan.version:  # promote and roll back act on the challenger: name it, as `apply` does
+            attempt.target = f"version {plan.version}"
+        if dry_run:
+            attempt.action = f"{action} (dry run)"
+            audit.allowed(attempt, detail="planned, not applied: " + "; ".join(plan.describe()), after=None)
+            return ActionResult(applied=False, plan=plan.to_dict(), split=plan.split_after)
+        return ActionResult(applied=True, plan=plan.to_dict(), split=gate.apply(plan, role=identity.role))
 
 
 @write.post("/versions/{version}/approve")
 def approve(
-    version: str, body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False
+    version: str,
+    body: ActionRequest,
+    request: Request,
+    authorization: Authorization = None,
+    dry_run: DryRun = False,
 ) -> ActionResult:
-    return _run(gate, gate.plan_approve(version, by=who.name, reason=body.reason), dry_run)
+    return act(
+        request,
+        authorization,
+        "approve",
+        version,
+        body.reason,
+        lambda g, who: g.plan_approve(version, by=who, reason=body.reason),
+        dry_run,
+    )
 
 
 @write.post("/versions/{version}/reject")
 def reject(
-    version: str, body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False
+    version: str,
+    body: ActionRequest,
+    request: Request,
+    authorization: Authorization = None,
+    dry_run: DryRun = False,
 ) -> ActionResult:
-    return _run(gate, gate.plan_reject(version, by=who.name, reason=body.reason), dry_run)
+    return act(
+        request,
+        authorization,
+        "reject",
+        version,
+        body.reason,
+        lambda g, who: g.plan_reject(version, by=who, reason=body.reason),
+        dry_run,
+    )
 
 
 @write.post("/promote")
-def promote(body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False) -> ActionResult:
-    return _run(gate, gate.plan_promote(by=who.name, reason=body.reason), dry_run)
+def promote(
+    body: ActionRequest, request: Request, authorization: Authorization = None, dry_run: DryRun = False
+) -> ActionResult:
+    return act(
+        request,
+        authorization,
+        "promote",
+        None,
+        body.reason,
+        lambda g, who: g.plan_promote(by=who, reason=body.reason),
+        dry_run,
+    )
 
 
 @write.post("/rollback")
-def rollback(body: ActionRequest, gate: Gate, who: Approver, dry_run: DryRun = False) -> ActionResult:
-    return _run(gate, gate.plan_rollback(by=who.name, reason=body.reason), dry_run)
+def rollback(
+    body: ActionRequest, request: Request, authorization: Authorization = None, dry_run: DryRun = False
+) -> ActionResult:
+    return act(
+        request,
+        authorization,
+        "rollback",
+        None,
+        body.reason,
+        lambda g, who: g.plan_rollback(by=who, reason=body.reason),
+        dry_run,
+    )

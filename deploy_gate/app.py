@@ -17,18 +17,24 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 
 from deploy_gate.api import read, write
-from deploy_gate.dashboard import page
+from deploy_gate.audit import AuditLog
+from deploy_gate.dashboard import STATIC_DIR, page
 from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_gate_error
 from deploy_gate.gate import DeployGate
+from deploy_gate.policy import AutoApprove
 from deploy_gate.security import SECURITY_HEADERS, add_security_headers
 from flywheel.identity import Authenticator
 from flywheel.ops import ProcessHealth, mlflow_dependency, ops_router, redis_dependency
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
+
+AUTO_APPROVE_EVERY_S = 5.0
 
 
 def create_app(
@@ -42,7 +48,9 @@ def create_app(
         """Build the gate and make sure of the split; False when a backend is down (logged once)."""
         try:
             if getattr(app.state, "gate", None) is None:
-                app.state.gate = DeployGate.from_settings(settings)
+                gate = DeployGate.from_settings(settings)
+                gate.audit = app.state.audit
+                app.state.gate = gate
             split = app.state.gate.ensure_split()
             log.info("traffic split ready", extra={"champion": split.champion_version, "state": split.state})
         except NoChampion as exc:  # serving waits for a split; say why there is none yet
@@ -63,12 +71,26 @@ def create_app(
         while not stop.wait(min(5.0, 0.25 * 2**failures)) and not prepare(stop):
             failures += 1
 
+    def auto_approve(stop: threading.Event) -> None:
+        policy: AutoApprove | None = None
+        while not stop.wait(AUTO_APPROVE_EVERY_S):
+            gate = getattr(app.state, "gate", None)
+            if gate is None:
+                continue
+            policy = policy or AutoApprove(gate)
+            try:
+                policy.tick()
+            except Exception:  # audited by the policy; the next tick tries again
+                log.warning("auto-approve tick failed", exc_info=False)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = threading.Event()
         # A backend down at start must not keep the dashboard down: it is waited for in the background.
         if not await run_in_threadpool(prepare, stop):
             threading.Thread(target=keep_preparing, args=(stop,), name="gate-prepare", daemon=True).start()
+        if settings.auto_approve:
+            threading.Thread(target=auto_approve, args=(stop,), name="gate-auto-approve", daemon=True).start()
         yield
         stop.set()
 
@@ -78,6 +100,8 @@ def create_app(
     app.state.settings = settings
     app.state.gate = gate
     app.state.authenticator = authenticator or Authenticator(settings)
+    # One audit log for the app's actions and its gate's (an injected gate brings its own).
+    app.state.audit = gate.audit if gate is not None else AuditLog.from_settings(settings)
     add_security_headers(app)
     app.state.health = health
 
@@ -98,6 +122,13 @@ def create_app(
     for cls in MAPPED:
         app.add_exception_handler(cls, known_error)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer echoes the input, and fails (500) when that input is bytes that
+        # are not UTF-8: say where and what is wrong, never what was sent.
+        errors = [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]
+        return JSONResponse({"error": "invalid_request", "detail": errors}, status_code=422)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         # Never echo an unknown exception's text: it may hold paths, URIs or secrets. This handler
@@ -112,6 +143,7 @@ def create_app(
     app.include_router(read)
     app.include_router(write)
     app.include_router(page)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     app.include_router(ops_router(health))
 

@@ -6,7 +6,9 @@ prints the reason and exits non-zero.
 Who is recorded: the HTTP API records the identity behind the bearer token. These commands
 talk to the registry and Redis directly (whoever can run them holds those credentials), so
 they record the local operator's name, `--by` (default: the login name), marked
-"(local CLI)" in the history so it is never mistaken for a token identity.
+"(local CLI)" in the history so it is never mistaken for a token identity, with the role
+"operator". Every attempt, refused or applied, and every token issued or revoked, goes to the
+audit log (`flywheel gate audit` shows it).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from deploy_gate.audit import AuditLog
 from deploy_gate.errors import as_gate_error
 from deploy_gate.gate import DeployGate
 from deploy_gate.plan import Plan
+from deploy_gate.policy import AutoApprove
 from flywheel.identity import ROLES, IdentityError, Role, TokenStore
 from flywheel.settings import get_settings
 
@@ -62,20 +66,37 @@ def _operator(by: str) -> str:
     return f"{name} (local CLI)"
 
 
-def _plan_and_apply(make_plan: Callable[[DeployGate, str], Plan], by: str, yes: bool) -> None:
+OPERATOR_ROLE = "operator"
+
+
+def _plan_and_apply(
+    action: str,
+    version: str | None,
+    reason: str,
+    make_plan: Callable[[DeployGate, str], Plan],
+    by: str,
+    yes: bool,
+) -> None:
     operator = _operator(by)
     try:
         gate = _gate()
-        plan = make_plan(gate, operator)
-        console.print(f"[bold]Plan: {plan.action} {plan.version or ''}[/] by {plan.by}: {plan.reason}")
-        for i, step in enumerate(plan.describe(), 1):
-            console.print(f"  {i}. {step}")
-        if not yes and not typer.confirm("Apply this plan?", default=False):
-            console.print("Nothing changed.")
-            raise typer.Exit(1)
-        split = gate.apply(plan)
+        target = f"version {version}" if version else f"experiment {gate.experiment}"
+        with gate.audit.attempt(action, who=operator, role=OPERATOR_ROLE, target=target, reason=reason) as at:
+            at.before = gate.snapshot(version)
+            plan = make_plan(gate, operator)
+            if plan.version:  # promote and roll back act on the challenger: name it, as `apply` does
+                at.target = f"version {plan.version}"
+            console.print(f"[bold]Plan: {plan.action} {plan.version or ''}[/] by {plan.by}: {plan.reason}")
+            for i, step in enumerate(plan.describe(), 1):
+                console.print(f"  {i}. {step}")
+            # Declining is not an attempt to record: nothing was asked of the gate.
+            confirmed = yes or typer.confirm("Apply this plan?", default=False)
+            split = gate.apply(plan, role=OPERATOR_ROLE) if confirmed else None
     except Exception as exc:
         _refuse(exc)
+    if not confirmed:
+        console.print("Nothing changed.")
+        raise typer.Exit(1)
     console.print(f"[green]applied.[/] split: {split.model_dump_json() if split else 'none'}")
 
 
@@ -123,29 +144,42 @@ def _refuse(exc: Exception) -> NoReturn:
 @app.command()
 def approve(version: str, reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Approve a pending candidate (its artifacts verified first): it becomes the challenger."""
-    _plan_and_apply(lambda g, who: g.plan_approve(version, by=who, reason=reason), by, yes)
+    _plan_and_apply("approve", version, reason, lambda g, who: g.plan_approve(version, by=who, reason=reason), by, yes)
 
 
 @app.command()
 def reject(version: str, reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Reject a pending candidate."""
-    _plan_and_apply(lambda g, who: g.plan_reject(version, by=who, reason=reason), by, yes)
+    _plan_and_apply("reject", version, reason, lambda g, who: g.plan_reject(version, by=who, reason=reason), by, yes)
 
 
 @app.command()
 def promote(reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Make the running challenger the champion (all traffic; its artifacts verified first)."""
-    _plan_and_apply(lambda g, who: g.plan_promote(by=who, reason=reason), by, yes)
+    _plan_and_apply("promote", None, reason, lambda g, who: g.plan_promote(by=who, reason=reason), by, yes)
 
 
 @app.command()
 def rollback(reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Send all traffic back to the champion and mark the challenger rolled back."""
-    _plan_and_apply(lambda g, who: g.plan_rollback(by=who, reason=reason), by, yes)
+    _plan_and_apply("rollback", None, reason, lambda g, who: g.plan_rollback(by=who, reason=reason), by, yes)
 
 
 def _store() -> TokenStore:
     return TokenStore.from_settings(get_settings())
+
+
+def _audit_token(action: str, name: str, role: str, allowed: bool, detail: str) -> None:
+    """Token changes are release actions too: who may approve is part of the record."""
+    AuditLog.from_settings(get_settings()).record(
+        who=_operator(""),
+        role=OPERATOR_ROLE,
+        action=action,
+        allowed=allowed,
+        target=f"token of {name}",
+        detail=detail,
+        after={"name": name, "role": role} if allowed else None,
+    )
 
 
 @tokens.command("issue")
@@ -155,13 +189,17 @@ def issue_token(
 ) -> None:
     """Issue a new random token for NAME and print it once; only its sha256 is stored."""
     if role not in ROLES:
-        console.print(f"[red]refused:[/] unknown role {role!r}; use one of {', '.join(ROLES)}")
+        why = f"unknown role {role!r}; use one of {', '.join(ROLES)}"
+        _audit_token("issue token", name, role, False, f"refused: {why}")
+        console.print(f"[red]refused:[/] {why}")
         raise typer.Exit(1)
     try:
         token = _store().issue(name, cast(Role, role))
     except IdentityError as exc:
+        _audit_token("issue token", name, role, False, f"refused: {exc}")
         console.print(f"[red]refused:[/] {exc}")
         raise typer.Exit(1) from None
+    _audit_token("issue token", name, role, True, f"issued a {role} token")
     console.print(f"Token for {name} ({role}); shown only now, store it in a secret manager:")
     typer.echo(token)
 
@@ -172,8 +210,10 @@ def revoke_token(name: Annotated[str, typer.Argument(help="Whose active token to
     try:
         _store().revoke(name)
     except IdentityError as exc:
+        _audit_token("revoke token", name, "", False, f"refused: {exc}")
         console.print(f"[red]refused:[/] {exc}")
         raise typer.Exit(1) from None
+    _audit_token("revoke token", name, "revoked", True, "revoked; the token is refused (401) from now on")
     console.print(f"Revoked the token of {name}.")
 
 
@@ -189,6 +229,40 @@ def list_tokens() -> None:
             f"{t.revoked_at:%Y-%m-%d %H:%M:%S}" if t.revoked_at else "-",
         )
     console.print(table)
+
+
+@app.command()
+def audit(
+    limit: Annotated[int, typer.Option(min=1, max=10000, help="How many entries, newest first.")] = 30,
+) -> None:
+    """The audit log: every release action, allowed or refused (who, role, when, what, why)."""
+    try:
+        entries = AuditLog.from_settings(get_settings()).entries(limit)
+    except Exception as exc:
+        _refuse(exc)
+    # One line per entry, not a table: reasons and details are long, and lines stay greppable.
+    for e in entries:
+        outcome = "allowed" if e.allowed else "[red]refused[/]"
+        console.print(
+            f"{e.at:%Y-%m-%d %H:%M:%S} {outcome} {e.action} {e.target} by {e.who} ({e.role}): "
+            f"{e.reason or '-'} [dim]| {e.detail}[/]",
+            markup=True,
+            highlight=False,
+        )
+
+
+@app.command("auto-approve")
+def auto_approve() -> None:
+    """Run the auto-approve policy once (only when FLYWHEEL_AUTO_APPROVE is on; the gate runs it every 5 s)."""
+    try:
+        gate = _gate()
+        if not gate.settings.auto_approve:
+            console.print("The auto-approve policy is off (FLYWHEEL_AUTO_APPROVE=false); nothing done.")
+            return
+        version = AutoApprove(gate).tick()
+    except Exception as exc:
+        _refuse(exc)
+    console.print(f"auto-approved {version}." if version else "No candidate to approve now.")
 
 
 @app.command()

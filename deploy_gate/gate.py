@@ -7,6 +7,12 @@ leaves users safe: approval writes the registry first and gives traffic last; ro
 takes traffic away first and records it after. Gate actions are serialised across
 processes by a Redis lock.
 
+Every applied plan, and every plan that fails to apply, is recorded in the audit log
+(`deploy_gate.audit`), the one home of who did what and why; the registry's gate-state
+tags and the split's `changed_by` are the current state, not the record. Callers record
+refusals that happen before a plan exists (a bad token, a version that is not pending)
+with `AuditLog.attempt`.
+
 Example: `DeployGate.from_settings(settings).approve("3", by="ana", reason="offline checks pass")`.
 """
 
@@ -16,10 +22,12 @@ import logging
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 from redis.exceptions import LockError
 
+from deploy_gate.audit import Attempt, AuditLog
 from deploy_gate.errors import (
     ApplyFailed,
     ChallengerRunning,
@@ -50,9 +58,15 @@ class DeployGate:
     """Approvals and the traffic split for one experiment."""
 
     def __init__(
-        self, registry: ModelRegistry, client: redis.Redis, settings: Settings, experiment: str = "default"
+        self,
+        registry: ModelRegistry,
+        client: redis.Redis,
+        settings: Settings,
+        experiment: str = "default",
+        audit: AuditLog | None = None,
     ) -> None:
         self.registry = registry
+        self.audit = audit or AuditLog.from_settings(settings)
         self.settings = settings
         self.experiment = experiment
         self.splits = TrafficSplitStore(client, settings, experiment)
@@ -80,6 +94,24 @@ class DeployGate:
 
     def history(self, limit: int = 100) -> list[TrafficSplit]:
         return self.splits.history(limit)
+
+    def snapshot(self, version: str | None) -> dict[str, Any]:
+        """What an audit entry keeps as "before"/"after": the version's gate state and the split."""
+        split = self.splits.get()
+        state: dict[str, Any] = {
+            "split": None
+            if split is None
+            else {
+                "state": split.state,
+                "champion": split.champion_version,
+                "challenger": split.challenger_version,
+                "challenger_share": split.challenger_share,
+            }
+        }
+        if version is not None:
+            state["version"] = version
+            state["gate_state"] = self.registry.gate_state(version)
+        return state
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -225,26 +257,53 @@ class DeployGate:
 
     # ---- applying ------------------------------------------------------------------------
 
-    def apply(self, plan: Plan) -> TrafficSplit | None:
-        """Run a plan's steps in order, refusing if the gate changed since it was made."""
-        with self._locked():
-            fresh = self._replan(plan)
-            if not plan.same_basis(fresh):
-                raise StalePlan("the gate changed since this plan was made; plan again and review it")
-            for i, step in enumerate(plan.steps):
-                try:
-                    step.run()
-                except Exception as exc:
-                    done = "; ".join(s.description for s in plan.steps[:i]) or "nothing"
-                    where = f"{plan.action} failed at step {i + 1} ({step.description}); already applied: {done}"
-                    down = dependency_down(exc)
-                    if down is not None:  # no traceback: a dependency's message may name its URL
-                        log.warning("%s: %s does not answer (%s)", where, down, type(exc).__name__)
-                        raise DependencyUnavailable(f"{down} does not answer: {where}") from exc
-                    log.exception("gate %s", where)
-                    raise ApplyFailed(where) from exc
-            log.info("gate %s %s by %s: %s", plan.action, plan.version or "", plan.by, plan.reason)
-            return self.splits.get()
+    def apply(self, plan: Plan, *, role: str = "system") -> TrafficSplit | None:
+        """Run a plan's steps in order, refusing if the gate changed since it was made.
+
+        The outcome is in the audit log before this returns or raises, recorded as `plan.by`
+        with `role` (the caller's, which the plan does not know).
+        """
+        target = f"version {plan.version}" if plan.version else f"experiment {self.experiment}"
+        attempt = Attempt(plan.action, plan.by, role, target, plan.reason)
+        # An audit log that cannot be written refuses the action before anything changes.
+        self.audit.check()
+        try:
+            with self._locked():
+                attempt.before = self.snapshot(plan.version)
+                split = self._apply_locked(plan)
+        except Exception as exc:
+            self.audit.refused(attempt, exc)
+            raise
+        try:
+            after: dict[str, Any] | None = self.snapshot(plan.version)
+        except Exception:  # applied all the same: the entry says so, without the state after
+            log.warning("could not read the state after an applied action", extra={"action": plan.action})
+            after = None
+        self.audit.allowed(attempt, detail="; ".join(plan.describe()), after=after)
+        return split
+
+    def _apply_locked(self, plan: Plan) -> TrafficSplit | None:
+        """The plan's steps, under the gate lock, after checking it was made from the current state."""
+        fresh = self._replan(plan)
+        if not plan.same_basis(fresh):
+            raise StalePlan("the gate changed since this plan was made; plan again and review it")
+        for i, step in enumerate(plan.steps):
+            try:
+                step.run()
+            except Exception as exc:
+                done = "; ".join(s.description for s in plan.steps[:i]) or "nothing"
+                where = f"{plan.action} failed at step {i + 1} ({step.description}); already applied: {done}"
+                down = dependency_down(exc)
+                if down is not None:  # no traceback: a dependency's message may name its URL
+                    log.warning("%s: %s does not answer (%s)", where, down, type(exc).__name__)
+                    raise DependencyUnavailable(f"{down} does not answer: {where}") from exc
+                log.exception("gate %s", where)
+                raise ApplyFailed(where) from exc
+        log.info(
+            "gate action applied",
+            extra={"action": plan.action, "version": plan.version, "by": plan.by, "reason": plan.reason},
+        )
+        return self.splits.get()
 
     def approve(self, version: str, *, by: str, reason: str) -> TrafficSplit | None:
         return self.apply(self.plan_approve(version, by=by, reason=reason))
@@ -333,9 +392,7 @@ class DeployGate:
 
 
 def _challenger_live(split: TrafficSplit) -> bool:
-    return (
-        bool(split.challenger_version) and split.challenger_share > 0 and split.state in ("running", "paused")
-    )
+    return bool(split.challenger_version) and split.challenger_share > 0 and split.state in ("running", "paused")
 
 
 def _require_who_why(by: str, reason: str) -> None:

@@ -76,6 +76,14 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def store_url(settings: Settings) -> str:
+    """The SQLAlchemy URL of the token store (the gate's audit log lives in the same database)."""
+    if settings.token_store_url:
+        return settings.token_store_url
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{(settings.data_dir / 'tokens.db').resolve()}"
+
+
 class TokenStore:
     """Issued tokens (hashes only) in a SQLAlchemy database; tables are made on first use."""
 
@@ -84,10 +92,7 @@ class TokenStore:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TokenStore:
-        if settings.token_store_url:
-            return cls(settings.token_store_url)
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        return cls(f"sqlite:///{(settings.data_dir / 'tokens.db').resolve()}")
+        return cls(store_url(settings))
 
     @cached_property
     def _engine(self) -> Engine:
@@ -124,6 +129,13 @@ class TokenStore:
         with Session(self._engine, expire_on_commit=False) as session:
             return list(session.scalars(select(IssuedToken).order_by(IssuedToken.id)))
 
+    def holder(self, token: str) -> IssuedToken | None:
+        """The issued token row for `token`, revoked or not (to name who tried a revoked token)."""
+        if not token:
+            return None
+        with Session(self._engine, expire_on_commit=False) as session:
+            return session.scalar(select(IssuedToken).where(IssuedToken.token_sha256 == token_hash(token)))
+
     def identify(self, token: str) -> Identity | None:
         """The active identity holding `token`, or None."""
         if not token:
@@ -158,6 +170,21 @@ class Authenticator:
         if identity is None:
             raise NotAuthenticated("the bearer token is unknown or revoked")
         return identity
+
+    def claimant(self, authorization: str | None) -> tuple[str, str]:
+        """(who, role) to record for a request `identify` refused; never the token itself.
+
+        A revoked token is named by its former holder with the role "revoked", so an audit
+        reader sees who still uses one; otherwise "anonymous" (no token) or "unknown token".
+        """
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return "anonymous", "none"
+        row = self.store.holder(token)
+        if row is not None and row.revoked_at is not None:
+            return row.name, "revoked"
+        return "unknown token", "none"
 
     def require(self, authorization: str | None, role: Role) -> Identity:
         """The identity behind the header, when its role allows `role`; else NotAuthenticated/NotAllowed."""

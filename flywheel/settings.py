@@ -103,6 +103,11 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of the issued-token store (hashes only); empty: SQLite under data_dir. "
         "Give the gate and the trainer the same one (e.g. the PostgreSQL that holds MLflow).",
     )
+    auto_approve: bool = Field(
+        default=False,
+        description="Approve pending candidates without a person (each approval audited as the "
+        "'auto-approve policy'); off by default: a person approves.",
+    )
 
     # Loop timing
     reward_window_s: float = Field(default=600.0, gt=0, description="Feedback window per generation.")

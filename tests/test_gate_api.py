@@ -189,6 +189,9 @@ def test_errors_are_mapped_and_requests_validated(client: TestClient) -> None:
     assert client.post("/api/promote", json=WHY, headers=auth()).json()["error"] == "no_challenger"
     assert client.post("/api/promote", json={}, headers=auth()).status_code == 422  # no reason
     assert client.get("/api/metrics/arms?bucket=drop table").status_code == 422
+    # A body that is not UTF-8 is a 422 saying where, without echoing what was sent.
+    r = client.post("/api/promote", content=b"\x80secret", headers={**auth(), "Content-Type": "text/plain"})
+    assert (r.status_code, r.json()["error"]) == (422, "invalid_request") and "secret" not in r.text
 
 
 def test_unknown_errors_are_not_echoed(gate_settings: Settings, gate: DeployGate) -> None:
@@ -212,26 +215,37 @@ def test_unknown_errors_are_not_echoed(gate_settings: Settings, gate: DeployGate
     assert all(r.headers.get(name) == value for name, value in SECURITY_HEADERS.items())
 
 
-def test_dashboard_page_shows_split_arms_and_pending_candidates(
-    client: TestClient, gate: DeployGate, versions: tuple[str, str], tmp_path: Path, registry: ModelRegistry
+def test_dashboard_page_is_a_template_with_its_code_and_chart_library_served_by_the_gate(
+    client: TestClient,
 ) -> None:
-    champion, candidate = versions
-    gate.approve(candidate, by="ana", reason="<script>alert(1)</script>")
-    waiting = register(registry, tmp_path, parent=candidate)
-
     r = client.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     page = r.text
-    assert "Satisfaction per arm" in page and "running" in page
-    assert f"champion <b>v{champion}</b>" in page and f"challenger <b>v{candidate}</b> 20%" in page
-    assert f'data-action="api/versions/{waiting}/approve"' in page  # the pending candidate's buttons
-    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
-    assert "http://" not in page and "https://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    # No inline script or handler: the CSP forbids them, so the page's own code is served apart.
-    assert "<script>" not in page and "onclick" not in page and "<style>" not in page
-    js = client.get("/static/gate.js")
-    assert js.status_code == 200 and "data-action" in js.text and "Authorization" in js.text
-    assert client.get("/static/gate.css").headers["content-type"].startswith("text/css")
+    for section in ("rollout", "chart", "arms", "difference", "srm", "guardrails", "holdout", "ramp",
+                    "pending", "versions", "audit"):  # fmt: skip
+        assert f'id="{section}"' in page
+    # Nothing from another origin, no inline script or style: the CSP forbids them.
+    assert "http://" not in page and "https://" not in page
+    assert "<script>" not in page and "onclick" not in page and "<style>" not in page and "style=" not in page
+    for path, kind, needle in (
+        ("static/dashboard.js", "text/javascript", "Authorization"),
+        ("static/gate.css", "text/css", "badge"),
+        ("static/vendor/uplot/uPlot.iife.min.js", "text/javascript", "uPlot"),
+        ("static/vendor/uplot/uPlot.min.css", "text/css", ".uplot"),
+        ("static/vendor/uplot/LICENSE", "", "MIT License"),
+    ):
+        assert f'"{path}"' in page or path.endswith("LICENSE")
+        got = client.get("/" + path)
+        assert got.status_code == 200 and got.headers["content-type"].startswith(kind) and needle in got.text
+    assert client.get("/?bucket=<b>").status_code == 422
+
+
+def test_the_template_escapes_what_it_is_given() -> None:
+    from deploy_gate.dashboard import render_dashboard
+
+    page = render_dashboard(experiment='<script>alert("x")</script>', bucket='1h"><b>')
+    assert "<script>alert" not in page and "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in page
+    assert 'data-bucket="1h&#34;&gt;&lt;b&gt;"' in page
 
 
 def test_every_response_carries_the_security_headers(
@@ -239,7 +253,7 @@ def test_every_response_carries_the_security_headers(
 ) -> None:
     responses = [
         client.get("/"),
-        client.get("/static/gate.js"),
+        client.get("/static/dashboard.js"),
         client.get("/api/versions"),
         client.get("/api/versions/999"),  # 404 from the error handler
         client.post("/api/promote", json=WHY),  # 401
@@ -296,15 +310,23 @@ def test_redis_down_answers_503_with_a_reason(
     with TestClient(create_app(gate_settings, gate=gate)) as c:
         answers = [
             c.get("/api/split"),
-            c.get("/"),
             c.post(f"/api/versions/{versions[1]}/approve", json=WHY, headers=auth()),
             c.post("/api/rollback", json=WHY, headers=auth()),
         ]
+        # The page itself still loads; its figures say what they could not fetch.
+        assert c.get("/").status_code == 200
+        audit = c.get("/api/audit").json()["entries"]
     for r in answers:
         assert r.status_code == 503, (r.request.url, r.text)
         assert r.json()["error"] == "dependency_unavailable" and "Redis" in r.json()["detail"]
         assert r.headers["x-frame-options"] == "DENY"
     assert registry.gate_state(versions[1]) == "pending"
+    # Both refused actions are in the audit log, with the outage as their reason.
+    assert [(e["action"], e["who"], e["allowed"]) for e in audit] == [
+        ("rollback", BOOTSTRAP_NAME, False),
+        ("approve", BOOTSTRAP_NAME, False),
+    ]
+    assert all("dependency_unavailable" in e["detail"] for e in audit)
 
 
 def test_mlflow_down_answers_503(

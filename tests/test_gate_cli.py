@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from deploy_gate.audit import AuditLog
 from deploy_gate.cli import app
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage
@@ -72,6 +73,18 @@ def test_approve_shows_the_plan_and_applies_only_when_confirmed(
     assert back.exit_code == 0, back.output
     assert splits.get().challenger_share == 0.0  # type: ignore[union-attr]
 
+    # Every attempt is audited (the declined plan asked nothing of the gate, so it is not).
+    entries = AuditLog.from_settings(env_settings).entries()
+    assert [(e.action, e.who, e.role, e.allowed) for e in entries] == [
+        ("rollback", "oncall (local CLI)", "operator", True),
+        ("approve", "ana (local CLI)", "operator", False),
+        ("approve", "ana (local CLI)", "operator", True),
+    ]
+    assert "not_pending" in entries[1].detail
+    assert entries[2].before["gate_state"] == "pending" and entries[2].after["gate_state"] == "approved"
+    shown = runner.invoke(app, ["audit", "--limit", "2"])
+    assert shown.exit_code == 0 and "oncall (local CLI)" in shown.output and "refused" in shown.output
+
 
 def test_tokens_are_issued_once_listed_without_their_value_and_revoked(env_settings: Settings) -> None:
     from flywheel.identity import Authenticator, NotAuthenticated, TokenStore
@@ -102,6 +115,16 @@ def test_tokens_are_issued_once_listed_without_their_value_and_revoked(env_setti
     assert runner.invoke(app, ["tokens", "revoke", "alice"]).exit_code == 1
     # A revoked name can be given a new token.
     assert runner.invoke(app, ["tokens", "issue", "--name", "alice"]).exit_code == 0
+    audited = [(e.action, e.target, e.allowed) for e in AuditLog.from_settings(env_settings).entries()]
+    assert audited[::-1] == [
+        ("issue token", "token of alice", True),
+        ("issue token", "token of alice", False),
+        ("issue token", "token of bob", False),
+        ("revoke token", "token of alice", True),
+        ("revoke token", "token of alice", False),
+        ("issue token", "token of alice", True),
+    ]
+    assert all(token not in repr(e) for e in AuditLog.from_settings(env_settings).entries())
 
 
 def test_the_cli_records_its_local_operator(env_settings: Settings, tmp_path: Path) -> None:

@@ -1,0 +1,458 @@
+// The deploy gate's dashboard: fetches the gate's JSON APIs every few seconds and renders them.
+// Every value is put into the page as a text node (el() below), never as markup, so a reason
+// holding "<script>" is shown as text. Actions POST with the approver token typed into the page
+// (kept in sessionStorage for this tab only) as a Bearer header; the gate checks and audits it.
+'use strict';
+(() => {
+  const TOKEN_KEY = 'flywheel.gate.token';
+  const PALETTE = ['#1f77b4', '#d62728', '#2ca02c', '#9467bd', '#ff7f0e', '#8c564b'];
+  const $ = (id) => document.getElementById(id);
+  const detailCache = new Map(); // version -> {at, body}: version details change rarely
+  let chart = null;
+  let chartKey = '';
+  let canAct = false; // the typed token is an approver's (GET api/me); the gate checks again anyway
+
+  function el(tag, props, ...kids) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(props || {})) {
+      if (v === undefined || v === null) continue;
+      if (k === 'class') e.className = v;
+      else if (k === 'text') e.textContent = v;
+      else if (k.startsWith('data-') || k === 'title' || k === 'type') e.setAttribute(k, v);
+      else e[k] = v;
+    }
+    for (const kid of kids.flat()) {
+      if (kid === null || kid === undefined) continue;
+      e.append(kid instanceof Node ? kid : String(kid)); // strings become text nodes
+    }
+    return e;
+  }
+
+  const fmt = (x, d = 3) => (x === null || x === undefined ? '–' : Number(x).toFixed(d));
+  const pct = (x) => (x === null || x === undefined ? '–' : `${Number((100 * x).toFixed(1))}%`);
+  const ci = (pair) => (pair ? `[${fmt(pair[0])}, ${fmt(pair[1])}]` : '–');
+  const when = (s) => (s ? new Date(s).toISOString().replace('T', ' ').slice(0, 19) + ' UTC' : '–');
+  const v = (x) => (x ? `v${x}` : '–');
+  const empty = (text) => el('p', { class: 'muted' }, text);
+  const badge = (ok, yes, no) => el('span', { class: ok ? 'badge ok' : 'badge bad' }, ok ? yes : no);
+
+  // A table from column specs [{label, num, key}] and rows of cells (text or nodes).
+  function table(columns, rows, rowProps) {
+    const head = el('tr', null, columns.map((c) => el('th', { class: c.num ? 'num' : null }, c.label)));
+    const body = rows.map((cells, i) =>
+      el('tr', rowProps ? rowProps(i) : null,
+        cells.map((cell, j) => el('td', {
+          class: columns[j].num ? 'num' : null,
+          'data-field': columns[j].key || null,
+        }, cell))));
+    return el('table', null, el('thead', null, head), el('tbody', null, body));
+  }
+
+  function fill(id, ...nodes) {
+    $(id).replaceChildren(...nodes.flat().filter((n) => n !== null && n !== undefined));
+  }
+
+  async function load(path) {
+    const r = await fetch(path, { headers: { Accept: 'application/json' }, cache: 'no-store' });
+    if (r.status === 404) return null;
+    if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
+    return r.json();
+  }
+
+  function say(text, bad) {
+    const m = $('msg');
+    m.textContent = text;
+    m.className = bad ? 'alarm' : 'okmsg';
+  }
+
+  // ---- sections ------------------------------------------------------------------------
+
+  function renderRollout(exp, splitView) {
+    const split = splitView && splitView.split;
+    const parts = [];
+    if (exp) {
+      parts.push(el('p', null,
+        el('span', { class: `state ${exp.state}`, 'data-field': 'experiment-state' }, exp.state), ' ',
+        `champion ${v(exp.champion)}, challenger ${v(exp.challenger)} at ${pct(exp.share)} of users`,
+        exp.holdout_version ? `, holdout ${v(exp.holdout_version)}` : ''));
+      const d = exp.analysis && exp.analysis.decision;
+      if (d) {
+        parts.push(el('p', null, 'Controller decision: ', el('b', null, d.action), ` (${when(d.at)}): `,
+          el('span', { class: 'reason' }, d.reason)));
+      }
+    } else {
+      parts.push(el('p', { class: 'muted', id: 'no-analysis' },
+        'No experiment analysis yet: the rollout controller has not published one. ' +
+        'Per-arm figures below come from the metrics API.'));
+    }
+    if (split) {
+      const share = split.challenger_version ? split.challenger_share : 0;
+      parts.push(el('p', { class: 'muted' },
+        el('span', { class: `state ${split.state}` }, split.state), ' traffic split: ',
+        `champion ${v(split.champion_version)} ${pct(1 - share)}, `,
+        split.challenger_version ? `challenger ${v(split.challenger_version)} ${pct(share)}` : 'no challenger',
+        `. Last change by ${split.changed_by} at ${when(split.changed_at)}: `,
+        el('span', { class: 'reason' }, split.reason)));
+    } else if (!exp) {
+      parts.push(empty('No traffic split yet: the first gate action creates it with the champion.'));
+    }
+    fill('rollout', parts);
+  }
+
+  function renderArms(exp, metrics) {
+    const a = exp && exp.analysis;
+    if (a) {
+      const rows = ['champion', 'challenger'].filter((k) => a.arms[k]).map((k) => {
+        const arm = a.arms[k];
+        return [k, v(k === 'champion' ? exp.champion : exp.challenger), String(arm.users),
+          String(arm.generations), fmt(arm.mean), ci(arm.ci)];
+      });
+      fill('arms', el('p', { class: 'muted small' },
+        `Unit: ${a.unit}; metric ${a.metric}; reward definition ${a.reward_version}. ` +
+        'Intervals are per-user (the randomised unit).'),
+      table([{ label: 'arm', key: 'arm' }, { label: 'version', key: 'version' },
+        { label: 'users', num: true, key: 'users' }, { label: 'generations', num: true, key: 'n' },
+        { label: 'mean', num: true, key: 'mean' }, { label: '95% CI', num: true, key: 'ci' }],
+      rows, (i) => ({ 'data-arm': rows[i][0] })));
+      return;
+    }
+    if (!metrics || !metrics.arms.length) {
+      fill('arms', empty('No rewards yet: figures appear once signals have written rewards.'));
+      return;
+    }
+    const rows = metrics.arms.map((arm) => [arm.arm, v(arm.model_version), String(arm.n), fmt(arm.mean),
+      arm.ci_low === null ? '–' : ci([arm.ci_low, arm.ci_high]),
+      Object.entries(arm.label_sources).map(([s, n]) => `${s} ${pct(n / arm.n)}`).join(', ')]);
+    fill('arms', el('p', { class: 'muted small' },
+      `Per-generation means of reward definition ${metrics.reward_version}, ${pct(metrics.confidence)} intervals.`),
+    table([{ label: 'arm', key: 'arm' }, { label: 'version', key: 'version' },
+      { label: 'generations', num: true, key: 'n' }, { label: 'mean reward', num: true, key: 'mean' },
+      { label: '95% CI', num: true, key: 'ci' }, { label: 'label sources', key: 'sources' }],
+    rows, (i) => ({ 'data-arm': rows[i][0] })));
+  }
+
+  // Series per arm: [{label, points: [{t, mean, lo, hi, n}]}], from the experiment or metrics API.
+  function chartSeries(series, metrics) {
+    if (series && series.buckets && series.buckets.length) {
+      const byArm = new Map();
+      for (const b of series.buckets) {
+        if (!byArm.has(b.arm)) byArm.set(b.arm, []);
+        byArm.get(b.arm).push({ t: Date.parse(b.start) / 1000, mean: b.mean, lo: b.ci ? b.ci[0] : null,
+          hi: b.ci ? b.ci[1] : null, n: b.users });
+      }
+      return { unit: 'users', arms: [...byArm].map(([label, points]) => ({ label, points })) };
+    }
+    if (!metrics) return { unit: 'n', arms: [] };
+    return {
+      unit: 'generations',
+      arms: metrics.arms.map((a) => ({
+        label: `${a.arm} v${a.model_version}`,
+        points: a.buckets.filter((b) => b.mean !== null).map((b) => ({
+          t: Date.parse(b.start) / 1000, mean: b.mean, lo: b.ci_low, hi: b.ci_high, n: b.n })),
+      })),
+    };
+  }
+
+  function renderChart(series, metrics) {
+    const s = chartSeries(series, metrics);
+    const note = $('chart-note');
+    if (!s.arms.length || !s.arms.some((a) => a.points.length)) {
+      if (chart) { chart.destroy(); chart = null; chartKey = ''; }
+      $('chart-legend').replaceChildren();
+      note.textContent = 'No rewards yet: the chart appears once signals have written rewards.';
+      return;
+    }
+    note.textContent = `Mean satisfaction per ${document.body.dataset.bucket} bucket (UTC); the shaded band is ` +
+      `each arm's 95% interval. Hover the chart for a bucket's figures and ${s.unit}.`;
+    const key = JSON.stringify(s);
+    if (key === chartKey && chart) return;
+    chartKey = key;
+    const xs = [...new Set(s.arms.flatMap((a) => a.points.map((p) => p.t)))].sort((a, b) => a - b);
+    const data = [xs];
+    const seriesOpts = [{}];
+    const bands = [];
+    s.arms.forEach((arm, i) => {
+      const color = PALETTE[i % PALETTE.length];
+      const at = new Map(arm.points.map((p) => [p.t, p]));
+      const col = (f) => xs.map((x) => (at.has(x) && at.get(x)[f] !== null ? at.get(x)[f] : null));
+      const base = data.length;
+      data.push(col('mean'), col('lo'), col('hi'), col('n'));
+      seriesOpts.push(
+        { label: arm.label, stroke: color, width: 2, spanGaps: true, points: { show: true, size: 6 },
+          value: (u, y) => fmt(y) },
+        { label: `${arm.label} low`, stroke: color + '66', width: 1, spanGaps: true, points: { show: false },
+          value: (u, y) => fmt(y) },
+        { label: `${arm.label} high`, stroke: color + '66', width: 1, spanGaps: true, points: { show: false },
+          value: (u, y) => fmt(y) },
+        { label: `${arm.label} ${s.unit}`, show: false, value: (u, y) => (y === null ? '–' : String(y)) });
+      bands.push({ series: [base + 2, base + 1], fill: color + '22' });
+    });
+    const box = $('chart');
+    const width = Math.max(320, Math.min(box.clientWidth || 900, 1100));
+    // Our own legend (uPlot's would list every band edge): one line per arm, the hovered bucket's figures.
+    const legend = (idx) => {
+      const at = idx === null || idx === undefined ? xs.length - 1 : idx;
+      $('chart-legend').replaceChildren(...s.arms.map((arm, i) => {
+        const p = arm.points.find((q) => q.t === xs[at]);
+        return el('span', { class: 'entry', 'data-arm': arm.label },
+          el('span', { class: `swatch c${i % PALETTE.length}` }), el('b', null, arm.label), ' ',
+          p ? `${fmt(p.mean)} ${p.lo === null ? '' : ci([p.lo, p.hi])} (${s.unit} ${p.n})` : '–');
+      }), el('span', { class: 'muted small' }, `bucket of ${when(new Date(xs[at] * 1000).toISOString())}`));
+    };
+    if (chart) chart.destroy();
+    box.replaceChildren();
+    chart = new uPlot({ // eslint-disable-line no-undef
+      width, height: 300, series: seriesOpts, bands,
+      scales: { x: { time: true } },
+      tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), 'Etc/UTC'), // eslint-disable-line no-undef
+      axes: [{ label: 'bucket start (UTC)' }, { label: 'satisfaction', values: (u, ticks) => ticks.map((t) => fmt(t, 2)) }],
+      legend: { show: false },
+      hooks: { setCursor: [(u) => legend(u.cursor.idx)] },
+    }, data, box);
+    legend(null);
+  }
+
+  function renderDifference(exp) {
+    const a = exp && exp.analysis;
+    if (!a) {
+      fill('difference', empty('No experiment analysis yet.'));
+      fill('srm', empty('No experiment analysis yet.'));
+      return;
+    }
+    const d = a.difference;
+    const seq = d.sequential_ci || [null, null]; // null until the controller has enough users
+    const verdict = seq[0] > 0 ? 'challenger better' : seq[1] < 0 ? 'challenger worse' : 'not yet decided';
+    fill('difference', el('dl', { class: 'facts' },
+      el('dt', null, 'estimate'), el('dd', { 'data-field': 'diff-estimate' }, fmt(d.estimate)),
+      el('dt', null, `always-valid ${pct(1 - d.alpha)} interval`),
+      el('dd', { 'data-field': 'diff-sequential' }, ci(seq), ' ',
+        el('span', { class: seq[0] > 0 ? 'badge ok' : seq[1] < 0 ? 'badge bad' : 'badge' }, verdict)),
+      el('dt', null, 'fixed-sample interval'), el('dd', null, ci(d.ci), ' ',
+        el('span', { class: 'muted small' }, '(valid only at one planned look)')),
+      el('dt', null, 'method'), el('dd', { class: 'small' }, d.method)));
+    const srm = a.srm;
+    fill('srm', el('p', null, badge(!srm.alarm, 'no mismatch', 'MISMATCH: ramp frozen'),
+      ` p = ${srm.p_value === null ? '–' : srm.p_value.toPrecision(3)}; users observed ${srm.observed.join(' / ')}, ` +
+      `expected shares ${srm.expected_shares.map(pct).join(' / ')} (alarm below p = 0.001).`));
+  }
+
+  function renderGuardrails(exp) {
+    const a = exp && exp.analysis;
+    if (!a) { fill('guardrails', empty('No experiment analysis yet.')); } else if (!a.guardrails.length) {
+      fill('guardrails', empty('No guardrail reported.'));
+    } else {
+      fill('guardrails', table(
+        [{ label: 'guardrail' }, { label: 'champion', num: true }, { label: 'challenger', num: true },
+          { label: 'bound' }, { label: '' }],
+        a.guardrails.map((g) => [g.name, fmt(g.champion), fmt(g.challenger), g.bound,
+          badge(g.ok, 'ok', 'breached')])));
+    }
+    const h = exp && exp.holdout;
+    if (!h) {
+      fill('holdout', empty(exp ? 'No holdout configured.' : 'No experiment analysis yet.'));
+      return;
+    }
+    const eff = h.cumulative_effect;
+    fill('holdout', el('p', null,
+      `${pct(h.share)} of users stay on ${v(h.version)} (${h.users} users, mean ${fmt(h.mean)}). `,
+      'Cumulative effect of the releases since: ', el('b', null, eff ? fmt(eff.estimate) : '–'),
+      eff ? ` ${ci(eff.ci)}` : ''));
+  }
+
+  function renderRamp(exp) {
+    if (!exp) {
+      fill('ramp', empty('No experiment analysis yet.'));
+      fill('timeline');
+      return;
+    }
+    const ramp = exp.ramp || [];
+    const timeline = exp.timeline || [];
+    const rows = ramp.map((r) => [pct(r.share), String(r.min_users), `${Math.round(r.min_seconds / 60)} min`,
+      when(r.entered_at), r.left_at ? when(r.left_at) : r.entered_at ? 'current' : '–']);
+    fill('ramp', rows.length ? table([{ label: 'share' }, { label: 'min users', num: true },
+      { label: 'min time', num: true }, { label: 'entered' }, { label: 'left' }], rows,
+    (i) => ({ class: ramp[i].entered_at && !ramp[i].left_at ? 'current' : null }))
+      : empty('No ramp configured.'));
+    fill('timeline', timeline.length
+      ? el('ul', { class: 'timeline' }, timeline.slice().reverse().map((t) =>
+        el('li', null, el('span', { class: 'muted' }, when(t.at)), ' ', el('b', null, t.event), ` by ${t.by}`)))
+      : null);
+  }
+
+  function gatesCell(gates) {
+    if (!gates) return el('span', { class: 'muted' }, 'not run');
+    if (!gates.length) return el('span', { class: 'muted' }, 'none');
+    return el('span', null, gates.map((g) => el('span', {
+      class: g.passed ? 'badge ok' : 'badge bad',
+      title: `${g.name}: ${fmt(g.value, 4)} (bound ${g.bound})${g.detail ? ' — ' + g.detail : ''}`,
+    }, `${g.name} ${g.passed ? '✓' : '✗'}`)));
+  }
+
+  async function versionDetails(versions) {
+    const now = Date.now();
+    const wanted = versions.slice(0, 10).map((x) => x.version);
+    await Promise.all(wanted.map(async (ver) => {
+      const c = detailCache.get(ver);
+      if (c && now - c.at < 60000) return;
+      try {
+        detailCache.set(ver, { at: now, body: await load(`api/versions/${encodeURIComponent(ver)}`) });
+      } catch (e) { /* shown as "not run"; tried again next minute */ }
+    }));
+    return (ver) => { const c = detailCache.get(ver); return c && c.body ? c.body.offline_gates : undefined; };
+  }
+
+  function renderVersions(versions, gatesOf) {
+    const pending = versions.filter((x) => x.gate_state === 'pending');
+    fill('pending', pending.length ? table(
+      [{ label: 'version', key: 'version' }, { label: 'registered' }, { label: 'parent' },
+        { label: 'samples', num: true }, { label: 'offline gates' }, { label: '' }],
+      pending.map((x) => {
+        const path = `api/versions/${encodeURIComponent(x.version)}`;
+        return [v(x.version), when(x.created_at), v(x.parent_version), String(x.sample_count),
+          gatesCell(gatesOf(x.version)),
+          el('span', { class: 'buttons' },
+            el('button', { type: 'button', 'data-action': `${path}/approve`, 'data-version': x.version }, 'approve'),
+            el('button', { type: 'button', class: 'danger', 'data-action': `${path}/reject`,
+              'data-version': x.version }, 'reject'))];
+      }), (i) => ({ 'data-version': pending[i].version }))
+      : empty('No candidate waits for approval.'));
+    fill('versions', versions.length ? table(
+      [{ label: 'version' }, { label: 'gate state', key: 'gate-state' }, { label: 'aliases' },
+        { label: 'parent (lineage)' }, { label: 'registered' }, { label: 'samples', num: true },
+        { label: 'offline gates' }],
+      versions.slice(0, 20).map((x) => [v(x.version), el('span', { class: `state ${x.gate_state}` }, x.gate_state),
+        x.aliases.join(', '), v(x.parent_version), when(x.created_at), String(x.sample_count),
+        gatesCell(gatesOf(x.version))]),
+      (i) => ({ 'data-version': versions[i].version }))
+      : empty('No model version registered yet.'));
+  }
+
+  function stateText(s) {
+    if (!s) return '–';
+    const parts = [];
+    if (s.gate_state) parts.push(`v${s.version} ${s.gate_state}`);
+    if (s.split) {
+      parts.push(`${s.split.state}: champion v${s.split.champion}` +
+        (s.split.challenger ? `, challenger v${s.split.challenger} ${pct(s.split.challenger_share)}` : ''));
+    }
+    return parts.join('; ') || '–';
+  }
+
+  function renderAudit(page) {
+    const entries = (page && page.entries) || [];
+    fill('audit', entries.length ? table(
+      [{ label: 'when' }, { label: 'who', key: 'who' }, { label: 'role', key: 'role' },
+        { label: 'action', key: 'action' }, { label: 'target' }, { label: 'outcome', key: 'outcome' },
+        { label: 'why', key: 'reason' }, { label: 'before → after' }, { label: 'detail' }],
+      entries.map((e) => [when(e.at), e.who, e.role, e.action, e.target,
+        badge(e.allowed, 'allowed', 'refused'), el('span', { class: 'reason' }, e.reason),
+        el('span', { class: 'small' }, stateText(e.before), e.after ? ` → ${stateText(e.after)}` : ''),
+        el('span', { class: 'small muted' }, e.detail)]),
+      (i) => ({ class: entries[i].allowed ? null : 'refused' }))
+      : empty('No action recorded yet.'));
+  }
+
+  async function whoami() {
+    const token = $('token').value.trim();
+    const who = $('whoami');
+    if (!token) {
+      canAct = false;
+      who.textContent = 'No token: enter an approver token to approve, reject, promote or roll back.';
+      who.className = 'muted';
+    } else {
+      const r = await fetch('api/me', { headers: { Authorization: `Bearer ${token}` }, cache: 'no-store' });
+      const me = r.ok ? await r.json() : null;
+      canAct = Boolean(me && me.can_approve);
+      who.textContent = me ? `Acting as ${me.name} (${me.role})${canAct ? '' : ': this role cannot approve'}.`
+        : 'This token is unknown or revoked.';
+      who.className = canAct ? 'okmsg' : 'alarm';
+    }
+    for (const b of document.querySelectorAll('button[data-action]')) {
+      b.disabled = !canAct;
+      b.title = canAct ? '' : 'needs an approver token';
+    }
+  }
+
+  // ---- refresh loop ----------------------------------------------------------------------
+
+  async function refresh() {
+    const bucket = encodeURIComponent(document.body.dataset.bucket || '1h');
+    const got = await Promise.allSettled([
+      load('api/experiment'), load('api/split'), load('api/versions'), load('api/audit?limit=50'),
+      load(`api/metrics/arms?bucket=${bucket}`),
+    ]);
+    const [exp, split, versions, audit, metrics] = got.map((r) => (r.status === 'fulfilled' ? r.value : undefined));
+    let series = null;
+    if (exp) {
+      try { series = await load(`api/experiment/series?bucket=${bucket}`); } catch (e) { series = null; }
+    }
+    const failed = got.filter((r) => r.status === 'rejected').map((r) => r.reason.message);
+    renderRollout(exp, split);
+    renderArms(exp, metrics);
+    renderDifference(exp);
+    renderGuardrails(exp);
+    renderRamp(exp);
+    if (versions) renderVersions(versions, await versionDetails(versions));
+    if (audit) renderAudit(audit);
+    await whoami().catch(() => { canAct = false; });
+    try { renderChart(series, metrics); } catch (e) { $('chart-note').textContent = `chart: ${e.message}`; }
+    const up = $('updated');
+    up.textContent = failed.length ? `could not load ${failed.join('; ')}` : `updated ${new Date().toLocaleTimeString()}`;
+    up.className = failed.length ? 'alarm' : '';
+    document.body.dataset.loaded = 'true';
+  }
+
+  async function act(button) {
+    const reason = $('reason').value.trim();
+    if (!reason) {
+      say('Say why first: the reason is kept in the audit log.', true);
+      $('reason').focus();
+      return;
+    }
+    const token = $('token').value.trim();
+    const headers = { 'Content-Type': 'application/json', Accept: 'application/json' };
+    if (token) headers.Authorization = `Bearer ${token}`;
+    button.disabled = true;
+    try {
+      const r = await fetch(button.dataset.action, { method: 'POST', headers, body: JSON.stringify({ reason }) });
+      const body = await r.json().catch(() => ({}));
+      if (r.ok) {
+        say(`Done: ${body.plan.action} ${body.plan.version || ''} (by ${body.plan.by}).`, false);
+      } else {
+        const detail = typeof body.detail === 'string' ? body.detail : JSON.stringify(body.detail || body);
+        say(`Refused (${r.status}): ${detail}`, true);
+      }
+    } catch (e) {
+      say(`Could not reach the gate: ${e.message}`, true);
+    } finally {
+      button.disabled = !canAct;
+    }
+    await refresh();
+  }
+
+  function loop() {
+    const every = Number(document.body.dataset.refreshMs) || 5000;
+    refresh().catch((e) => { $('updated').textContent = `error: ${e.message}`; })
+      .finally(() => setTimeout(loop, every));
+  }
+
+  document.addEventListener('DOMContentLoaded', () => {
+    const token = $('token');
+    token.value = sessionStorage.getItem(TOKEN_KEY) || '';
+    token.addEventListener('input', () => {
+      sessionStorage.setItem(TOKEN_KEY, token.value.trim());
+      whoami().catch(() => { canAct = false; });
+    });
+    $('forget').addEventListener('click', () => {
+      sessionStorage.removeItem(TOKEN_KEY);
+      token.value = '';
+      whoami().catch(() => { canAct = false; });
+    });
+    for (const f of document.querySelectorAll('form')) f.addEventListener('submit', (e) => e.preventDefault());
+    document.addEventListener('click', (e) => {
+      const b = e.target.closest('button[data-action]');
+      if (b) act(b);
+    });
+    loop();
+  });
+})();
