@@ -30,9 +30,11 @@ from deploy_gate.errors import (
     NoChallenger,
     NoChampion,
     NotPending,
+    OfflineGateFailed,
     StalePlan,
     dependency_down,
 )
+from deploy_gate.offline import OfflineGates
 from deploy_gate.plan import Plan, Step
 from deploy_gate.views import GateStatus, VersionView
 from flywheel.connections import redis_client
@@ -50,9 +52,18 @@ class DeployGate:
     """Approvals and the traffic split for one experiment."""
 
     def __init__(
-        self, registry: ModelRegistry, client: redis.Redis, settings: Settings, experiment: str = "default"
+        self,
+        registry: ModelRegistry,
+        client: redis.Redis,
+        settings: Settings,
+        experiment: str = "default",
+        *,
+        offline: OfflineGates | None = None,
     ) -> None:
+        """`offline`: the offline gates approval requires; `from_settings` always wires them in, and
+        only tests of the gate's own bookkeeping (fake checkpoints that no model could load) leave them out."""
         self.registry = registry
+        self.offline = offline
         self.settings = settings
         self.experiment = experiment
         self.splits = TrafficSplitStore(client, settings, experiment)
@@ -61,7 +72,8 @@ class DeployGate:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DeployGate:
-        return cls(ModelRegistry(settings), redis_client(settings), settings)
+        registry = ModelRegistry(settings)
+        return cls(registry, redis_client(settings), settings, offline=OfflineGates(settings, registry))
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -103,6 +115,7 @@ class DeployGate:
             )
         if verify:
             self._verify(version)
+            self._require_offline_gates(version, split.champion_version)
         share = self.settings.challenger_share
         after = split.model_copy(
             update={
@@ -310,6 +323,19 @@ class DeployGate:
             raise CorruptArtifact(
                 f"{exc}; refusing to send traffic to it (register the checkpoint again)"
             ) from None
+
+    def _require_offline_gates(self, version: str, champion: str) -> None:
+        """Refuse a candidate that failed an offline gate against the current champion (run them when
+        they have not been). Re-planning under the lock skips this, as it skips verification."""
+        if self.offline is None:
+            return
+        report = self.offline.ensure(version, champion)
+        if not report.passed:
+            failed = "; ".join(f"{r.name}: {r.detail} (bound {r.bound})" for r in report.failed)
+            raise OfflineGateFailed(
+                f"version {version} failed offline gates against champion {champion}: {failed}; "
+                f"it cannot be approved (see GET /api/versions/{version})"
+            )
 
     def _put(self, split: TrafficSplit) -> None:
         self.splits.put(split.model_copy(update={"changed_at": utcnow()}))
