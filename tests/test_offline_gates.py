@@ -6,6 +6,7 @@ Real parts: tiny bootstrapped models, the real registry (MLflow on SQLite), Redi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -32,8 +33,18 @@ from flywheel.signing import sign_generation
 from model_registry import ModelRegistry
 
 CONFIG = OfflineGateConfig(
-    n_prompts=8, logged_prompts=4, n_text_windows=4, ope_min_samples=20, ope_min_ess=5, bootstrap_samples=200
-)
+    n_prompts=8, logged_prompts=4, n_text_windows=4, ope_min_samples=20, ope_min_ess=5, bootstrap_samples=200,
+    num_threads=1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run many times faster on one thread on a busy machine (the tests' own sampling too)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # ---- the off-policy estimators on a synthetic bandit whose value is known ----------------------------

@@ -38,6 +38,8 @@ class OfflineGateConfig:
         ope_dm_prompts: logged prompts the candidate completes for the direct-method term of DR.
         bootstrap_samples, confidence: the seeded percentile bootstrap of both estimates.
     seed: every sample, prompt choice and bootstrap draw; the same seed gives the same results.
+    num_threads: torch intra-op threads while the gates run (None: torch's default). Small models
+        on a busy machine run many times faster on 1 (hand-off costs more than their matmuls).
     """
 
     n_prompts: int = 24
@@ -66,6 +68,7 @@ class OfflineGateConfig:
     confidence: float = 0.95
 
     seed: int = 0
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         errors = []
@@ -93,6 +96,8 @@ class OfflineGateConfig:
             errors.append(f"ope_margin={self.ope_margin}: must be >= 0")
         if not 0.5 <= self.confidence < 1.0:
             errors.append(f"confidence={self.confidence}: must be in [0.5, 1)")
+        if self.num_threads is not None and self.num_threads < 1:
+            errors.append(f"num_threads={self.num_threads}: must be >= 1 (or None for torch's default)")
         if errors:
             raise ValueError("invalid OfflineGateConfig: " + "; ".join(errors))
 

@@ -20,6 +20,8 @@ A candidate that does not load fails `sanity` and every other gate says it was n
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,17 @@ def _result(name: str, ok: bool, value: float | None, bound: str, detail: str) -
     return OfflineGateResult(name, "passed" if ok else "failed", finite, bound, detail)
 
 
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_gates(
     candidate_dir: Path,
     champion: Policy,
@@ -56,6 +69,18 @@ def run_gates(
     config: OfflineGateConfig,
 ) -> list[OfflineGateResult]:
     """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`."""
+    with _threads(config.num_threads):
+        return _run_gates(candidate_dir, champion, prompts, texts, traffic, config)
+
+
+def _run_gates(
+    candidate_dir: Path,
+    champion: Policy,
+    prompts: list[str],
+    texts: list[str],
+    traffic: LoggedTraffic,
+    config: OfflineGateConfig,
+) -> list[OfflineGateResult]:
     try:
         candidate = load_policy(candidate_dir)
     except (CheckpointError, ValueError, OSError) as exc:
