@@ -30,7 +30,7 @@ from flywheel.lake.tables import EVENTS, REWARDS, events_frame, rewards_frame
 from flywheel.lm import Policy, load_policy
 from flywheel.settings import Settings, get_settings
 from flywheel.signing import sign_generation
-from model_registry import ModelRegistry
+from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
 
 CONFIG = OfflineGateConfig(
     n_prompts=8, logged_prompts=4, n_text_windows=4, ope_min_samples=20, ope_min_ess=5, bootstrap_samples=200,
@@ -378,3 +378,26 @@ def test_cli_check_prints_each_verdict_and_exits_1_on_a_failure(
     assert f"version {bad} vs champion 1" in result.output and "failed" in result.output
     report = registry.offline_gates(bad)
     assert report is not None and not report.passed and "sanity" in [r.name for r in report.failed]
+
+
+def test_a_new_report_replaces_the_old_one_whole(settings: Settings, tmp_path: Path) -> None:
+    registry = ModelRegistry(settings)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    v = registry.register(tmp_path / "ckpt", ModelLineage(base="fake"))
+    assert registry.offline_gates(v) is None
+    at = datetime(2026, 11, 25, 10, tzinfo=UTC)
+    first = [
+        OfflineGateResult("sanity", "passed", 0.0, "-", "x" * 5000),
+        OfflineGateResult("old_gate", "failed", None, "-", ""),
+    ]
+    registry.record_offline_gates(v, OfflineGateReport(at, "1", first, {"seed": 0}))
+    report = registry.offline_gates(v)
+    assert report is not None and not report.passed and [r.name for r in report.failed] == ["old_gate"]
+    assert len(report.results[0].detail) == 2000  # tag values are capped; details are cut, never refused
+    registry.record_offline_gates(v, OfflineGateReport(at, "2", first[:1], {"seed": 0}))
+    again = registry.offline_gates(v)
+    assert again is not None and again.passed and again.champion == "2"
+    assert [r.name for r in again.results] == ["sanity"]
+    assert not any(k.startswith("flywheel.offline_gate.old_gate") for k in registry.client.get_model_version(
+        settings.registered_model_name, v).tags)  # fmt: skip

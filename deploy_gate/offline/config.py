@@ -38,8 +38,9 @@ class OfflineGateConfig:
         ope_dm_prompts: logged prompts the candidate completes for the direct-method term of DR.
         bootstrap_samples, confidence: the seeded percentile bootstrap of both estimates.
     seed: every sample, prompt choice and bootstrap draw; the same seed gives the same results.
-    num_threads: torch intra-op threads while the gates run (None: torch's default). Small models
-        on a busy machine run many times faster on 1 (hand-off costs more than their matmuls).
+    num_threads: torch intra-op threads while the gates run. None: 1 for a champion under
+        `small_model_params` parameters (hand-off between threads costs more than such a model's
+        matmuls: ~3x slower on two threads, ~50x on a busy machine, measured), else torch's default.
     """
 
     n_prompts: int = 24
@@ -69,6 +70,7 @@ class OfflineGateConfig:
 
     seed: int = 0
     num_threads: int | None = None
+    small_model_params: int = 20_000_000
 
     def __post_init__(self) -> None:
         errors = []

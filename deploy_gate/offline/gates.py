@@ -69,7 +69,10 @@ def run_gates(
     config: OfflineGateConfig,
 ) -> list[OfflineGateResult]:
     """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`."""
-    with _threads(config.num_threads):
+    threads = config.num_threads
+    if threads is None and sum(p.numel() for p in champion.model.parameters()) < config.small_model_params:
+        threads = 1
+    with _threads(threads):
         return _run_gates(candidate_dir, champion, prompts, texts, traffic, config)
 
 
@@ -191,11 +194,17 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -
         )
         return OfflineGateResult(name, "insufficient_evidence", None, f"n >= {config.ope_min_samples}", detail)
     log_w = np.empty(len(samples))
-    with torch.no_grad():
-        for i, s in enumerate(samples):
-            ids = [s.record.prompt_token_ids], [s.record.completion_token_ids]
-            lp, _ = token_logprobs(candidate.model, *ids, candidate.pad_id)
-            log_w[i] = float(lp.sum()) - sum(s.record.behaviour_logprobs)
+    try:
+        with torch.no_grad():
+            for i, s in enumerate(samples):
+                ids = [s.record.prompt_token_ids], [s.record.completion_token_ids]
+                lp, _ = token_logprobs(candidate.model, *ids, candidate.pad_id)
+                log_w[i] = float(lp.sum()) - sum(s.record.behaviour_logprobs)
+    except (RuntimeError, IndexError, ValueError) as exc:  # token ids outside its vocabulary, shapes
+        why = f"cannot score the champion's logged completions: {type(exc).__name__}: {exc}"
+        return OfflineGateResult(name, "failed", None, "scores logged traffic", why)
+    if not np.all(np.isfinite(log_w)):
+        return OfflineGateResult(name, "failed", None, "finite weights", "NaN or infinite log-probs on logged traffic")
     rewards = np.array([s.reward for s in samples])
     logged = _features([s.record.completion for s in samples])
     coef = ope.fit_reward_model(logged, rewards)

@@ -13,13 +13,13 @@ import json
 import logging
 
 from deploy_gate.offline.config import OfflineGateConfig
-from deploy_gate.offline.gates import run_gates
+from deploy_gate.offline.gates import GATES, run_gates
 from deploy_gate.offline.heldout import held_out
 from deploy_gate.offline.logged import champion_traffic, recent_prompts
 from flywheel.contract import utcnow
-from flywheel.lm import load_policy
+from flywheel.lm import CheckpointError, load_policy
 from flywheel.settings import Settings
-from model_registry import ModelRegistry, OfflineGateReport
+from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,13 @@ class OfflineGates:
         )
         prompts = data.prompts + recent_prompts(self.settings, cfg.logged_prompts)
         traffic = champion_traffic(self.settings, champion, cfg.reward_version, cfg.ope_max_samples)
-        results = run_gates(candidate_dir, load_policy(champion_dir), prompts, data.texts, traffic, cfg)
+        try:
+            champion_policy = load_policy(champion_dir)
+        except (CheckpointError, ValueError, OSError) as exc:  # nothing to compare with: no verdict can pass
+            why = f"not run: the champion (version {champion}) does not load: {exc}"
+            results = [OfflineGateResult(name, "failed", None, "-", why) for name in GATES]
+        else:
+            results = run_gates(candidate_dir, champion_policy, prompts, data.texts, traffic, cfg)
         report = OfflineGateReport(
             checked_at=utcnow(), champion=champion, results=results, config=self.recorded_config()
         )
