@@ -86,9 +86,25 @@ class GateChangeView(BaseModel):
     reason: str
 
 
+class OfflineGateView(BaseModel):
+    """One offline gate's verdict; `status` adds "insufficient_evidence" (shown, never blocks) to pass/fail."""
+
+    name: str
+    passed: bool
+    status: str
+    value: float | None
+    bound: str
+    detail: str
+
+
 class VersionDetail(VersionView):
     history: list[GateChangeView]
     audit: list[AuditEntry]  # every attempt on this version, allowed or refused, newest first
+    offline_gates: list[OfflineGateView] = Field(
+        default_factory=list, description="The last offline-gate report; empty until the gates have run."
+    )
+    offline_gates_checked_at: datetime | None = None
+    offline_gates_champion: str | None = Field(default=None, description="The champion they compared against.")
 
 
 read = APIRouter(prefix="/api", tags=["read"])
@@ -108,8 +124,21 @@ def get_version(version: str, gate: Gate) -> VersionDetail:
                 GateChangeView(state=c.state, previous=c.previous, by=c.by, at=c.at, reason=c.reason)
                 for c in gate.registry.gate_history(version)
             ]
-            audit = gate.audit.entries(100, target=f"version {version}")
-            return VersionDetail(**v.model_dump(), history=history, audit=audit)
+            report = gate.registry.offline_gates(version)
+            gates = [
+                OfflineGateView(
+                    name=r.name, passed=r.passed, status=r.status, value=r.value, bound=r.bound, detail=r.detail
+                )
+                for r in (report.results if report else [])
+            ]
+            return VersionDetail(
+                **v.model_dump(),
+                history=history,
+                audit=gate.audit.entries(100, target=f"version {version}"),
+                offline_gates=gates,
+                offline_gates_checked_at=report.checked_at if report else None,
+                offline_gates_champion=report.champion if report else None,
+            )
     raise UnknownVersion(f"no model version {version!r} in the registry")  # 404 (deploy_gate.errors)
 
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deploy_gate.audit import AuditLog
-from deploy_gate.errors import as_gate_error
+from deploy_gate.errors import NoChampion, as_gate_error
 from deploy_gate.gate import DeployGate
 from deploy_gate.plan import Plan
 from deploy_gate.policy import AutoApprove
@@ -163,6 +163,45 @@ def promote(reason: Reason, by: By = "", yes: Yes = False) -> None:
 def rollback(reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Send all traffic back to the champion and mark the challenger rolled back."""
     _plan_and_apply("rollback", None, reason, lambda g, who: g.plan_rollback(by=who, reason=reason), by, yes)
+
+
+@app.command()
+def check(
+    version: Annotated[str | None, typer.Argument(help="The candidate to check; omit with --pending.")] = None,
+    pending: Annotated[bool, typer.Option("--pending", help="Check every pending candidate not yet checked.")] = False,
+) -> None:
+    """Run the offline gates on a candidate against the champion and record the results on it.
+
+    Exits 1 when a gate failed (the gate then refuses to approve it).
+    """
+    try:
+        gate = _gate()
+        offline = gate.offline
+        assert offline is not None  # from_settings always wires the offline gates in
+        champion = gate.status().champion
+        if champion is None:
+            raise NoChampion("the registry has no champion to compare with; make one the champion first")
+        if pending:
+            versions = [v.version for v in gate.status().pending if offline.current(v.version, champion) is None]
+        elif version:
+            versions = [version]
+        else:
+            console.print("[red]refused:[/] name a VERSION or pass --pending")
+            raise typer.Exit(1)
+        failed = False
+        for v in versions:
+            report = offline.check(v, champion)
+            failed |= not report.passed
+            table = Table("gate", "verdict", "value", "bound", "detail", title=f"version {v} vs champion {champion}")
+            for r in report.results:
+                colour = {"passed": "green", "failed": "red"}.get(r.status, "yellow")
+                value = "-" if r.value is None else f"{r.value:.4g}"
+                table.add_row(r.name, f"[{colour}]{r.status}[/]", value, r.bound, r.detail)
+            console.print(table)
+    except Exception as exc:
+        _refuse(exc)
+    if failed:
+        raise typer.Exit(1)
 
 
 def _store() -> TokenStore:

@@ -55,6 +55,13 @@ class NotPending(GateError):
     code = "not_pending"
 
 
+class OfflineGateFailed(GateError):
+    """The candidate failed an offline gate (deploy_gate.offline); the message names which and why."""
+
+    status_code = 409
+    code = "offline_gate_failed"
+
+
 class NoChampion(GateError):
     status_code = 409
     code = "no_champion"

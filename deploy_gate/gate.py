@@ -38,9 +38,11 @@ from deploy_gate.errors import (
     NoChallenger,
     NoChampion,
     NotPending,
+    OfflineGateFailed,
     StalePlan,
     dependency_down,
 )
+from deploy_gate.offline import OfflineGates
 from deploy_gate.plan import Plan, Step
 from deploy_gate.views import GateStatus, VersionView
 from flywheel.connections import redis_client
@@ -64,9 +66,14 @@ class DeployGate:
         settings: Settings,
         experiment: str = "default",
         audit: AuditLog | None = None,
+        *,
+        offline: OfflineGates | None = None,
     ) -> None:
+        """`offline`: the offline gates approval requires; `from_settings` always wires them in, and
+        only tests of the gate's own bookkeeping (fake checkpoints that no model could load) leave them out."""
         self.registry = registry
         self.audit = audit or AuditLog.from_settings(settings)
+        self.offline = offline
         self.settings = settings
         self.experiment = experiment
         self.splits = TrafficSplitStore(client, settings, experiment)
@@ -75,7 +82,8 @@ class DeployGate:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DeployGate:
-        return cls(ModelRegistry(settings), redis_client(settings), settings)
+        registry = ModelRegistry(settings)
+        return cls(registry, redis_client(settings), settings, offline=OfflineGates(settings, registry))
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -135,6 +143,7 @@ class DeployGate:
             )
         if verify:
             self._verify(version)
+            self._require_offline_gates(version, split.champion_version)
         share = self.settings.challenger_share
         after = split.model_copy(
             update={
@@ -369,6 +378,19 @@ class DeployGate:
             raise CorruptArtifact(
                 f"{exc}; refusing to send traffic to it (register the checkpoint again)"
             ) from None
+
+    def _require_offline_gates(self, version: str, champion: str) -> None:
+        """Refuse a candidate that failed an offline gate against the current champion (run them when
+        they have not been). Re-planning under the lock skips this, as it skips verification."""
+        if self.offline is None:
+            return
+        report = self.offline.ensure(version, champion)
+        if not report.passed:
+            failed = "; ".join(f"{r.name}: {r.detail} (bound {r.bound})" for r in report.failed)
+            raise OfflineGateFailed(
+                f"version {version} failed offline gates against champion {champion}: {failed}; "
+                f"it cannot be approved (see GET /api/versions/{version})"
+            )
 
     def _put(self, split: TrafficSplit) -> None:
         self.splits.put(split.model_copy(update={"changed_at": utcnow()}))

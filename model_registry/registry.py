@@ -45,6 +45,9 @@ TAG_LINEAGE = "flywheel.lineage"
 TAG_GATE_STATE = "flywheel.gate_state"
 TAG_GATE_HISTORY = "flywheel.gate_history."  # + zero-padded sequence number
 TAG_MANIFEST_SHA = "flywheel.manifest_sha256"
+TAG_OFFLINE_GATES = "flywheel.offline_gates"  # the report's summary; written last
+TAG_OFFLINE_GATE = "flywheel.offline_gate."  # + gate name: one result each (tag values are capped)
+_DETAIL_CHARS = 2000
 
 
 @dataclass
@@ -65,6 +68,43 @@ class GateChange:
     by: str
     at: datetime
     reason: str
+
+
+@dataclass(frozen=True)
+class OfflineGateResult:
+    """One offline gate's verdict on a version.
+
+    `status` is "passed", "failed" or "insufficient_evidence" (shown, never blocks); `passed` is
+    False only for "failed". `bound` says in words what `value` had to satisfy.
+    """
+
+    name: str
+    status: str
+    value: float | None
+    bound: str
+    detail: str
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "failed"
+
+
+@dataclass(frozen=True)
+class OfflineGateReport:
+    """Every offline gate's result for a version, checked against `champion` at `checked_at`."""
+
+    checked_at: datetime
+    champion: str | None
+    results: list[OfflineGateResult]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> list[OfflineGateResult]:
+        return [r for r in self.results if not r.passed]
 
 
 class UnknownVersion(LookupError):
@@ -245,7 +285,52 @@ class ModelRegistry:
         keys = sorted(k for k in tags if k.startswith(TAG_GATE_HISTORY))
         return [_change_from_json(tags[k]) for k in keys]
 
+    @_reachable
+    def offline_gates(self, version: str) -> OfflineGateReport | None:
+        """The last offline-gate report recorded on `version`, or None when none was."""
+        tags = self._version(version).tags
+        raw = tags.get(TAG_OFFLINE_GATES)
+        if raw is None:
+            return None
+        summary = json.loads(raw)
+        results = [
+            OfflineGateResult(name=name, **json.loads(tags[TAG_OFFLINE_GATE + name]))
+            for name in summary["gates"]
+            if TAG_OFFLINE_GATE + name in tags
+        ]
+        return OfflineGateReport(
+            checked_at=datetime.fromisoformat(summary["checked_at"]),
+            champion=summary["champion"],
+            results=results,
+            config=summary.get("config", {}),
+        )
+
     # -- changing ----------------------------------------------------------------------
+    @_reachable
+    def record_offline_gates(self, version: str, report: OfflineGateReport) -> None:
+        """Record `report` on `version` (replacing an earlier one): one tag per gate, the summary last.
+
+        Readers follow the summary's list of gates, so a crash part-way leaves the previous report
+        (or none) readable, never a mix presented as one.
+        """
+        mv = self._version(version)
+        for r in report.results:
+            if not r.name.replace("_", "").isalnum():
+                raise ValueError(f"offline gate name {r.name!r}: use letters, digits and underscores")
+            value = {"status": r.status, "value": r.value, "bound": r.bound, "detail": r.detail[:_DETAIL_CHARS]}
+            self._client.set_model_version_tag(self._name, str(version), TAG_OFFLINE_GATE + r.name, json.dumps(value))
+        summary = {
+            "checked_at": report.checked_at.isoformat(),
+            "champion": report.champion,
+            "passed": report.passed,
+            "gates": [r.name for r in report.results],
+            "config": report.config,
+        }
+        self._client.set_model_version_tag(self._name, str(version), TAG_OFFLINE_GATES, json.dumps(summary))
+        names = {TAG_OFFLINE_GATE + r.name for r in report.results}
+        for stale in [k for k in mv.tags if k.startswith(TAG_OFFLINE_GATE) and k not in names]:
+            self._client.delete_model_version_tag(self._name, str(version), stale)
+
     @_reachable
     def set_gate_state(self, version: str, state: str, *, by: str, reason: str = "") -> None:
         """Move `version` to `state`, recording who did it, when and why."""

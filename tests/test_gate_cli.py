@@ -11,11 +11,12 @@ from typer.testing import CliRunner
 
 from deploy_gate.audit import AuditLog
 from deploy_gate.cli import app
+from deploy_gate.offline import OfflineGates
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage
+from flywheel.contract import ModelLineage, utcnow
 from flywheel.settings import Settings, get_settings
 from flywheel.traffic import TrafficSplitStore
-from model_registry import ModelRegistry
+from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
 
 
 @pytest.fixture
@@ -42,6 +43,13 @@ def register(registry: ModelRegistry, tmp_path: Path, name: str) -> str:
     return registry.register(ckpt, ModelLineage(base="fake"))
 
 
+def offline_gates_passed(settings: Settings, registry: ModelRegistry, version: str, champion: str) -> None:
+    """Record passing offline gates: a fake checkpoint cannot run them (tests/test_offline_gates.py runs them)."""
+    result = OfflineGateResult("sanity", "passed", 0.0, "-", "recorded by the test")
+    config = OfflineGates(settings, registry).recorded_config()
+    registry.record_offline_gates(version, OfflineGateReport(utcnow(), champion, [result], config))
+
+
 def test_approve_shows_the_plan_and_applies_only_when_confirmed(
     env_settings: Settings, tmp_path: Path
 ) -> None:
@@ -49,6 +57,7 @@ def test_approve_shows_the_plan_and_applies_only_when_confirmed(
     champion = register(registry, tmp_path, "a")
     registry.set_alias("champion", champion)
     candidate = register(registry, tmp_path, "b")
+    offline_gates_passed(env_settings, registry, candidate, champion)
     splits = TrafficSplitStore(redis_client(env_settings), env_settings)
     runner = CliRunner()
 
@@ -132,6 +141,7 @@ def test_the_cli_records_its_local_operator(env_settings: Settings, tmp_path: Pa
     champion = register(registry, tmp_path, "a")
     registry.set_alias("champion", champion)
     candidate = register(registry, tmp_path, "b")
+    offline_gates_passed(env_settings, registry, candidate, champion)
     done = CliRunner().invoke(app, ["approve", candidate, "--by", "ana", "--reason", "ok", "--yes"])
     assert done.exit_code == 0, done.output
     assert registry.gate_history(candidate)[-1].by == "ana (local CLI)"

@@ -14,20 +14,42 @@ EOT = "<|endoftext|>"
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"})
 
 
-def stdlib_corpus(n_files: int, max_chars: int, seed: int) -> list[str]:
-    """A deterministic sample of the standard library's .py files (sorted, then seeded sample)."""
+def _stdlib_files(skip: frozenset[str]) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files: list[Path] = []
     for folder, subdirs, names in os.walk(root):
         # Pruned while walking: site-packages and the test suites are most of the tree.
-        subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
+        subdirs[:] = [d for d in subdirs if d not in skip]
         files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     files.sort()
+    return files
+
+
+def _corpus_files(n_files: int, seed: int) -> list[Path]:
+    files = _stdlib_files(_SKIP_DIRS)
     if not files:
-        raise RuntimeError(f"no .py files under {root}; the bootstrap corpus is the Python standard library.")
-    chosen = random.Random(seed).sample(files, min(n_files, len(files)))
-    texts = [f.read_text(encoding="utf-8", errors="replace")[:max_chars] for f in chosen]
+        raise RuntimeError("no .py files in the standard library; the bootstrap corpus is the Python standard library.")
+    return random.Random(seed).sample(files, min(n_files, len(files)))
+
+
+def stdlib_corpus(n_files: int, max_chars: int, seed: int) -> list[str]:
+    """A deterministic sample of the standard library's .py files (sorted, then seeded sample)."""
+    texts = [f.read_text(encoding="utf-8", errors="replace")[:max_chars] for f in _corpus_files(n_files, seed)]
     return [t for t in texts if t.strip()]
+
+
+def held_out_files(n_files: int, seed: int) -> list[Path]:
+    """Standard-library .py files that `stdlib_corpus(n_files, _, seed)` never trains on, sorted.
+
+    The test suites (`test/`, `idle_test/`, never in any bootstrap corpus; some slim images delete
+    them) come first, then the library files the seeded sample did not pick.
+    """
+    corpus = set(_corpus_files(n_files, seed))
+    everything = _stdlib_files(frozenset({"site-packages", "dist-packages", "__pycache__"}))
+    is_test = [bool(_SKIP_DIRS & set(f.parts)) for f in everything]
+    tests = [f for f, t in zip(everything, is_test, strict=True) if t]
+    rest = [f for f, t in zip(everything, is_test, strict=True) if not t and f not in corpus]
+    return tests + rest
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, context: int):  # -> PreTrainedTokenizerFast

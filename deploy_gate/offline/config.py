@@ -1,0 +1,117 @@
+"""`OfflineGateConfig`: every bound the offline gates hold a candidate to, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class OfflineGateConfig:
+    """What the offline gates measure, on what, and the bounds a candidate must stay within.
+
+    Held-out data (chosen deterministically from `seed`)
+        n_prompts: held-out prompts cut from standard-library files the model was not trained on
+            (`flywheel.lm.corpus.held_out_files`); logged_prompts: up to this many of the most
+            recent prompts served (signed generations in the lake) are added to them.
+        n_text_windows, text_window_tokens: held-out text scored for perplexity.
+        max_tokens: completion length per generation (serving's one-line completions).
+    Sanity
+        max_empty_rate: share of generations with no visible text (a flood of declines) above which
+            the candidate fails; max_truncated_rate: share cut at max_tokens above which it fails.
+    KL to the champion
+        max_kl: mean per-token KL(candidate || champion), in nats, over the candidate's own
+            completions of the held-out prompts (the quantity the trainer's KL penalty keeps small).
+    Regression
+        max_perplexity_ratio: candidate perplexity / champion perplexity on the held-out text.
+    Reward hacking (candidate against champion on the same prompts and seeds)
+        max_empty_rate_increase: absolute rise in the empty-output rate;
+        length_ratio_range: (low, high) bounds on mean completion length / the champion's.
+    Off-policy estimate (from the champion's signed, rewarded traffic)
+        reward_version: the reward definition to use ("" = the most recently emitted one).
+        ope_max_samples: newest logged generations used; ope_min_samples and ope_min_ess: below
+            either, the verdict is "insufficient evidence" (shown, does not block).
+        ope_margin: on d = DR estimate - the champion's logged mean reward (paired bootstrap
+            interval): passed when d's lower end >= -margin, failed when its upper end < -margin,
+            otherwise "insufficient evidence".
+        ope_dm_prompts: logged prompts the candidate completes for the direct-method term of DR.
+        bootstrap_samples, confidence: the seeded percentile bootstrap of both estimates.
+    seed: every sample, prompt choice and bootstrap draw; the same seed gives the same results.
+    num_threads: torch intra-op threads while the gates run. None: 1 for a champion under
+        `small_model_params` parameters (hand-off between threads costs more than such a model's
+        matmuls: ~3x slower on two threads, ~50x on a busy machine, measured), else torch's default.
+    """
+
+    n_prompts: int = 24
+    logged_prompts: int = 16
+    n_text_windows: int = 16
+    text_window_tokens: int = 96
+    max_tokens: int = 24
+
+    max_empty_rate: float = 0.5
+    max_truncated_rate: float = 0.5
+
+    max_kl: float = 0.1
+
+    max_perplexity_ratio: float = 1.05
+
+    max_empty_rate_increase: float = 0.1
+    length_ratio_range: tuple[float, float] = (0.5, 2.0)
+
+    reward_version: str = ""
+    ope_max_samples: int = 2000
+    ope_min_samples: int = 50
+    ope_min_ess: float = 30.0
+    ope_margin: float = 0.05
+    ope_dm_prompts: int = 128
+    bootstrap_samples: int = 500
+    confidence: float = 0.95
+
+    seed: int = 0
+    num_threads: int | None = None
+    small_model_params: int = 20_000_000
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name in ("n_prompts", "n_text_windows", "max_tokens", "bootstrap_samples", "ope_max_samples"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("logged_prompts", "ope_min_samples", "ope_dm_prompts"):
+            if getattr(self, name) < 0:
+                errors.append(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.text_window_tokens < 2:
+            errors.append(f"text_window_tokens={self.text_window_tokens}: must be >= 2 (one token predicts the next)")
+        for name in ("max_empty_rate", "max_truncated_rate", "max_empty_rate_increase"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                errors.append(f"{name}={getattr(self, name)}: a share, must be in [0, 1]")
+        if self.max_kl <= 0:
+            errors.append(f"max_kl={self.max_kl}: must be > 0 (nats per token)")
+        if self.max_perplexity_ratio < 1.0:
+            errors.append(f"max_perplexity_ratio={self.max_perplexity_ratio}: must be >= 1 (1 = no worse at all)")
+        low, high = self.length_ratio_range
+        if not 0.0 < low <= 1.0 <= high:
+            errors.append(f"length_ratio_range={self.length_ratio_range}: need 0 < low <= 1 <= high")
+        if self.ope_min_ess < 1:
+            errors.append(f"ope_min_ess={self.ope_min_ess}: must be >= 1")
+        if self.ope_margin < 0:
+            errors.append(f"ope_margin={self.ope_margin}: must be >= 0")
+        if not 0.5 <= self.confidence < 1.0:
+            errors.append(f"confidence={self.confidence}: must be in [0.5, 1)")
+        if self.num_threads is not None and self.num_threads < 1:
+            errors.append(f"num_threads={self.num_threads}: must be >= 1 (or None for torch's default)")
+        if errors:
+            raise ValueError("invalid OfflineGateConfig: " + "; ".join(errors))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> OfflineGateConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown OfflineGateConfig fields {unknown}; known: {sorted(known)}")
+        if "length_ratio_range" in values:
+            values = {**values, "length_ratio_range": tuple(values["length_ratio_range"])}
+        return cls(**values)

@@ -1,0 +1,120 @@
+"""What the offline gates read from the lake: the champion's signed, rewarded traffic and recent prompts.
+
+Only generations serving signed (`flywheel.signing`) count, as for training: their token ids and
+behaviour log-probs are what the champion really did, so the importance weights of the off-policy
+estimate are about the champion and nobody's forgery. A generation is used when its signature
+verifies, it was served by the champion, and it was sampled at temperature 1 (the logged
+log-probs are the untempered policy's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import polars as pl
+
+from flywheel.contract import GenerationRecord
+from flywheel.lake.tables import EVENTS, REWARDS
+from flywheel.settings import Settings
+from flywheel.signing import check_generation
+
+
+@dataclass(frozen=True)
+class LoggedSample:
+    """One signed generation of the champion with its current reward."""
+
+    generation_id: str
+    record: GenerationRecord
+    reward: float
+
+
+@dataclass(frozen=True)
+class LoggedTraffic:
+    samples: list[LoggedSample]
+    reward_version: str | None
+    untrusted: int  # rewarded generations left out: unsigned, forged, or not the champion's
+
+
+def champion_traffic(settings: Settings, champion: str, reward_version: str, limit: int) -> LoggedTraffic:
+    """The newest `limit` rewarded generations the champion served, signed, at temperature 1."""
+    rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
+    if rewards is None:
+        return LoggedTraffic([], None, 0)
+    version = reward_version or _newest_reward_version(rewards)
+    if version is None:
+        return LoggedTraffic([], None, 0)
+    latest = (
+        REWARDS.latest(rewards.filter((pl.col("reward_version") == version) & (pl.col("model_version") == champion)))
+        .sort("emitted_at", descending=True)
+        .head(limit)
+        .select("generation_id", "reward")
+        .collect()
+    )
+    reward_of = dict(zip(latest["generation_id"], latest["reward"], strict=True))
+    records = _signed_generations(settings, list(reward_of))
+    samples = [
+        LoggedSample(gid, rec, float(reward_of[gid]))
+        for gid, rec in sorted(records.items())
+        if rec.model_version == champion and rec.temperature == 1.0 and rec.completion_token_ids
+    ]
+    return LoggedTraffic(samples, version, len(reward_of) - len(samples))
+
+
+def recent_prompts(settings: Settings, limit: int) -> list[str]:
+    """Up to `limit` distinct prompts of the most recent signed generations (newest first)."""
+    if limit == 0:
+        return []
+    events = EVENTS.scan(EVENTS.at(settings.lake_dir))
+    if events is None:
+        return []
+    recent = (
+        events.filter(pl.col("type") == "generation")
+        .sort("ts", descending=True)
+        .head(limit * 4)  # room for unsigned ones and repeats
+        .select("generation_id", "user_id", "properties")
+        .collect()
+    )
+    key = settings.serving_key.get_secret_value()
+    prompts: list[str] = []
+    for gid, user, properties in recent.iter_rows():
+        record = _parse(properties)
+        if record is None or check_generation(key, gid, user or "", record) is not None:
+            continue
+        if record.prompt.strip() and record.prompt not in prompts:
+            prompts.append(record.prompt)
+        if len(prompts) == limit:
+            break
+    return prompts
+
+
+def _newest_reward_version(rewards: pl.LazyFrame) -> str | None:
+    newest = rewards.sort("emitted_at").select(pl.col("reward_version").last()).collect()
+    return None if newest.is_empty() else newest.item()
+
+
+def _signed_generations(settings: Settings, generation_ids: list[str]) -> dict[str, GenerationRecord]:
+    """generation id -> the first logged record of it whose signature verifies."""
+    events = EVENTS.scan(EVENTS.at(settings.lake_dir))
+    if events is None or not generation_ids:
+        return {}
+    frame = (
+        events.filter((pl.col("type") == "generation") & pl.col("generation_id").is_in(generation_ids))
+        .select("generation_id", "user_id", "properties")
+        .collect()
+    )
+    key = settings.serving_key.get_secret_value()
+    found: dict[str, GenerationRecord] = {}
+    for gid, user, properties in frame.iter_rows():
+        if gid in found:
+            continue
+        record = _parse(properties)
+        if record is not None and check_generation(key, gid, user or "", record) is None:
+            found[gid] = record
+    return found
+
+
+def _parse(properties: str) -> GenerationRecord | None:
+    try:
+        return GenerationRecord.model_validate_json(properties)
+    except ValueError:
+        return None

@@ -1,0 +1,82 @@
+"""Measurements of loaded policies on held-out data: generations, KL between two policies, perplexity.
+
+Everything is seeded per prompt, so the candidate and the champion sample with the same random
+numbers (common random numbers): a candidate close to the champion gives nearly the same
+completions, and differences in rates come from the weights, not from the dice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flywheel.lm import Generation, Policy
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A policy's completions of the held-out prompts."""
+
+    generations: list[Generation]
+
+    @property
+    def empty_rate(self) -> float:
+        return sum(not g.completion.strip() for g in self.generations) / max(1, len(self.generations))
+
+    @property
+    def truncated_rate(self) -> float:
+        return sum(g.finish_reason == "length" for g in self.generations) / max(1, len(self.generations))
+
+    @property
+    def mean_length(self) -> float:
+        """Mean completion length in characters (what the user is shown)."""
+        return sum(len(g.completion) for g in self.generations) / max(1, len(self.generations))
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(x) for g in self.generations for x in g.logprobs)
+
+
+def sample(policy: Policy, prompts: list[str], max_tokens: int, seed: int) -> Sampled:
+    return Sampled(
+        [policy.generate(p, max_tokens=max_tokens, temperature=1.0, seed=seed + i) for i, p in enumerate(prompts)]
+    )
+
+
+@torch.inference_mode()
+def _next_token_logprobs(policy: Policy, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """(len(completion), vocab) log-probs of each completion position's next-token distribution."""
+    inputs = torch.tensor([prompt_ids + completion_ids[:-1]], device=policy.device)
+    logits = policy.model(input_ids=inputs, use_cache=False).logits[0, len(prompt_ids) - 1 :].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def mean_kl(candidate: Policy, champion: Policy, sampled: Sampled) -> float:
+    """Mean per-token KL(candidate || champion) in nats over the candidate's own completions."""
+    total, tokens = 0.0, 0
+    for g in sampled.generations:
+        lp_cand = _next_token_logprobs(candidate, g.prompt_token_ids, g.completion_token_ids)
+        lp_champ = _next_token_logprobs(champion, g.prompt_token_ids, g.completion_token_ids)
+        kl = (lp_cand.exp() * (lp_cand - lp_champ)).sum(-1)  # (T,)
+        total += float(kl.sum())
+        tokens += kl.numel()
+    return total / max(1, tokens)
+
+
+@torch.inference_mode()
+def perplexity(policy: Policy, texts: list[str], window_tokens: int) -> float:
+    """exp(mean negative log-likelihood per token) over the first `window_tokens` tokens of each text."""
+    nll, tokens = 0.0, 0
+    limit = min(window_tokens, policy.context)
+    for text in texts:
+        ids = list(policy.tokenizer(text, truncation=True, max_length=limit)["input_ids"])
+        if len(ids) < 2:
+            continue
+        inputs = torch.tensor([ids], device=policy.device)
+        logits = policy.model(input_ids=inputs, use_cache=False).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, inputs[0, 1:, None])[:, 0]
+        nll -= float(lp.sum())
+        tokens += lp.numel()
+    return math.exp(nll / tokens) if tokens else math.nan

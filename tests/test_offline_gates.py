@@ -1,0 +1,403 @@
+"""Offline gates: each passes a healthy candidate and fails a harmed one with its reason; OPE is right
+on data whose true value is known; a failed gate blocks approval and shows on the version's API view.
+
+Real parts: tiny bootstrapped models, the real registry (MLflow on SQLite), Redis and the lake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from typer.testing import CliRunner
+
+from deploy_gate.app import create_app
+from deploy_gate.cli import app as gate_cli
+from deploy_gate.gate import DeployGate
+from deploy_gate.offline import GATES, OfflineGateConfig, OfflineGates, ope
+from deploy_gate.offline.gates import run_gates
+from deploy_gate.offline.heldout import held_out
+from deploy_gate.offline.logged import LoggedTraffic, champion_traffic
+from flywheel.connections import redis_client
+from flywheel.contract import Event, EventType, GenerationRecord, ModelLineage, RewardRecord
+from flywheel.lake.tables import EVENTS, REWARDS, events_frame, rewards_frame
+from flywheel.lm import Policy, load_policy
+from flywheel.settings import Settings, get_settings
+from flywheel.signing import sign_generation
+from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
+
+CONFIG = OfflineGateConfig(
+    n_prompts=8, logged_prompts=4, n_text_windows=4, ope_min_samples=20, ope_min_ess=5, bootstrap_samples=200,
+    num_threads=1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run many times faster on one thread on a busy machine (the tests' own sampling too)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- the off-policy estimators on a synthetic bandit whose value is known ----------------------------
+
+
+def _bandit(n: int, seed: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(true value of pi, rewards, log weights, qhat(x, a) logged, qhat(x, pi)) for a 5-armed bandit."""
+    rng = np.random.default_rng(seed)
+    k, n_ctx = 5, 20
+    p = rng.uniform(0.1, 0.9, (n_ctx, k))  # P(reward 1 | context, action)
+    mu = rng.dirichlet(np.ones(k) * 2, n_ctx)  # the behaviour (champion) policy
+    pi = rng.dirichlet(np.ones(k) * 2, n_ctx)  # the target (candidate) policy
+    true_value = float(np.mean((pi * p).sum(1)))  # contexts are uniform
+    x = rng.integers(0, n_ctx, n)
+    a = np.array([rng.choice(k, p=mu[c]) for c in x])
+    r = (rng.random(n) < p[x, a]).astype(float)
+    qhat = np.clip(p + rng.normal(0, 0.1, p.shape), 0, 1)  # a reward model with some error
+    return true_value, r, np.log(pi[x, a]) - np.log(mu[x, a]), qhat[x, a], (pi * qhat).sum(1)[x]
+
+
+def test_snips_and_dr_recover_the_true_value_and_agree_with_a_naive_reference() -> None:
+    true_value, r, log_w, q_logged, q_target = _bandit(20_000, seed=1)
+    est = ope.estimate(r, log_w, q_logged, q_target, bootstrap_samples=200, seed=3)
+
+    # Naive reference: the textbook formulas, one sample at a time, with plain ratios.
+    w = [float(np.exp(v)) for v in log_w]
+    naive_snips = sum(wi * ri for wi, ri in zip(w, r, strict=True)) / sum(w)
+    naive_dr = sum(q_target) / len(q_target) + sum(
+        wi * (ri - qi) for wi, ri, qi in zip(w, r, q_logged, strict=True)
+    ) / sum(w)
+    naive_ess = sum(w) ** 2 / sum(wi * wi for wi in w)
+    assert est.snips.value == pytest.approx(naive_snips, rel=1e-9)
+    assert est.dr.value == pytest.approx(naive_dr, rel=1e-9)
+    assert est.ess == pytest.approx(naive_ess, rel=1e-9)
+
+    for e in (est.snips, est.dr):
+        assert abs(e.value - true_value) < 0.02
+        assert e.ci[0] <= true_value <= e.ci[1]
+    assert 1 <= est.ess < est.n
+    # The behaviour's own value differs from the target's: the estimate is not just the logged mean.
+    assert abs(est.behaviour_mean - true_value) > 0.02
+    # Seeded: the same seed gives the same interval.
+    again = ope.estimate(r, log_w, q_logged, q_target, bootstrap_samples=200, seed=3)
+    assert again.dr.ci == est.dr.ci
+
+
+def test_dr_with_a_good_reward_model_is_tighter_than_snips() -> None:
+    _, r, log_w, q_logged, q_target = _bandit(5_000, seed=2)
+    est = ope.estimate(r, log_w, q_logged, q_target, bootstrap_samples=300, seed=0)
+    assert est.dr.ci[1] - est.dr.ci[0] < est.snips.ci[1] - est.snips.ci[0]
+
+
+def test_huge_log_weights_do_not_overflow() -> None:
+    log_w = np.array([800.0, 799.0, -50.0])
+    assert ope.snips([1.0, 0.0, 0.0], log_w) == pytest.approx(1 / (1 + np.exp(-1)))
+    assert ope.effective_sample_size(log_w) > 1.0
+    with pytest.raises(ValueError, match="NaN"):
+        ope.snips([1.0], [float("nan")])
+
+
+def test_config_refuses_bad_bounds_and_names_each() -> None:
+    with pytest.raises(ValueError) as err:
+        OfflineGateConfig(max_kl=0, length_ratio_range=(1.5, 2.0), confidence=1.0)
+    assert "max_kl" in str(err.value) and "length_ratio_range" in str(err.value) and "confidence" in str(err.value)
+    with pytest.raises(ValueError, match="unknown OfflineGateConfig fields"):
+        OfflineGateConfig.from_dict({"max_kll": 1})
+    assert OfflineGateConfig.from_dict(CONFIG.to_dict()) == CONFIG
+
+
+# ---- candidates: healthy (one small training step) and harmed --------------------------------------
+
+
+def healthy(champion_dir: Path, out: Path) -> Path:
+    """The champion after one small training step on held-in code."""
+    policy = load_policy(champion_dir)
+    policy.model.train()
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-4)
+    ids = policy.tokenizer("def add(a, b):\n    return a + b\n", return_tensors="pt")["input_ids"]
+    policy.model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    policy.model.eval()
+    return policy.save(out)
+
+
+def noisy(champion_dir: Path, out: Path, scale: float = 2.0) -> Path:
+    """The champion with Gaussian noise of `scale` times each weight matrix's own spread added."""
+    policy = load_policy(champion_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * scale)
+    return policy.save(out)
+
+
+def eos_only(champion_dir: Path, out: Path) -> Path:
+    """A model whose every next token is end-of-text (it declines every suggestion).
+
+    Embeddings are tied, so the output layer sees only one hidden dimension `d`, held at a large
+    positive value for every input; the end-of-text embedding has twice everyone else's `d`.
+    """
+    policy = load_policy(champion_dir)
+    model = policy.model
+    eot, d = int(policy.tokenizer.eos_token_id), 0
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, d] = 50.0
+        emb[eot, d] = 100.0
+        for layer in model.model.layers:  # no layer writes to dimension d
+            layer.self_attn.o_proj.weight[d] = 0.0
+            layer.mlp.down_proj.weight[d] = 0.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[d] = 1.0
+    return policy.save(out)
+
+
+@pytest.fixture(scope="module")
+def champion(tiny_model_dir: Path) -> Policy:
+    return load_policy(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_model_dir: Path):  # -> HeldOut
+    return held_out(tiny_model_dir, CONFIG.n_prompts, CONFIG.n_text_windows, CONFIG.text_window_tokens * 4, 0)
+
+
+def by_name(results: list) -> dict:
+    assert [r.name for r in results] == list(GATES)
+    return {r.name: r for r in results}
+
+
+NO_TRAFFIC = LoggedTraffic([], None, 0)
+
+
+def test_held_out_data_is_deterministic_and_not_from_the_training_sample(tiny_model_dir: Path, data) -> None:
+    from flywheel.lm.corpus import stdlib_corpus
+
+    again = held_out(tiny_model_dir, CONFIG.n_prompts, CONFIG.n_text_windows, CONFIG.text_window_tokens * 4, 0)
+    assert again == data and len(data.prompts) == CONFIG.n_prompts and len(data.texts) == CONFIG.n_text_windows
+    trained = "\n".join(stdlib_corpus(40, 12_000, 0))  # the "test" preset's corpus, seed 0
+    assert not any(t in trained for t in data.texts)
+
+
+def test_every_gate_passes_a_candidate_one_small_step_from_the_champion(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    results = by_name(
+        run_gates(healthy(tiny_model_dir, tmp_path / "h"), champion, data.prompts, data.texts, NO_TRAFFIC, CONFIG)
+    )
+    for name in GATES[:-1]:
+        assert results[name].status == "passed", results[name]
+    assert 0 < results["kl_to_champion"].value < CONFIG.max_kl
+    # No logged traffic: the off-policy estimate says so and does not block.
+    assert results["ope_satisfaction"].status == "insufficient_evidence" and results["ope_satisfaction"].passed
+
+
+def test_noisy_weights_fail_kl_and_perplexity_with_their_numbers(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    results = by_name(
+        run_gates(noisy(tiny_model_dir, tmp_path / "n"), champion, data.prompts, data.texts, NO_TRAFFIC, CONFIG)
+    )
+    kl, ppl = results["kl_to_champion"], results["perplexity_regression"]
+    assert kl.status == "failed" and kl.value > CONFIG.max_kl and "KL(candidate || champion)" in kl.detail
+    assert ppl.status == "failed" and ppl.value > CONFIG.max_perplexity_ratio and "perplexity" in ppl.detail
+
+
+def test_a_model_that_only_says_end_of_text_fails_sanity_and_the_empty_rate_check(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    results = by_name(
+        run_gates(eos_only(tiny_model_dir, tmp_path / "e"), champion, data.prompts, data.texts, NO_TRAFFIC, CONFIG)
+    )
+    assert results["sanity"].status == "failed" and "100% of its outputs are empty" in results["sanity"].detail
+    assert results["empty_rate_vs_champion"].status == "failed" and results["empty_rate_vs_champion"].value == 1.0
+    assert results["mean_length_vs_champion"].status == "failed" and results["mean_length_vs_champion"].value == 0.0
+
+
+def test_a_checkpoint_that_does_not_load_fails_sanity_and_says_so(champion: Policy, data, tmp_path: Path) -> None:
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "fake"}')
+    results = by_name(run_gates(tmp_path / "broken", champion, data.prompts, data.texts, NO_TRAFFIC, CONFIG))
+    assert results["sanity"].status == "failed" and "does not load" in results["sanity"].detail
+    assert all(r.status == "failed" and "not run" in r.detail for n, r in results.items() if n != "sanity")
+
+
+# ---- the off-policy gate on the champion's logged traffic ------------------------------------------
+
+
+def log_champion_traffic(settings: Settings, policy: Policy, version: str, n: int, forged: int = 0) -> None:
+    """`n` signed generations of the champion (reward 1 for non-empty, else 0) and `forged` unsigned ones."""
+    key = settings.serving_key.get_secret_value()
+    events, rewards = [], []
+    start = datetime(2026, 11, 25, 9, tzinfo=UTC)
+    prompts = ["def main(", "import os\nimport ", "class Parser:\n    def ", "for i in range("]
+    for i in range(n + forged):
+        gid, user = f"g{i:04d}", f"u{i % 7}"
+        g = policy.generate(prompts[i % len(prompts)], max_tokens=8, seed=i)
+        rec = GenerationRecord(
+            prompt=prompts[i % len(prompts)], prompt_token_ids=g.prompt_token_ids, completion=g.completion,
+            completion_token_ids=g.completion_token_ids, behaviour_logprobs=g.logprobs, model_version=version,
+            finish_reason=g.finish_reason,
+        )  # fmt: skip
+        if i < n:
+            rec.signature = sign_generation(key, gid, user, rec)
+        at = start + timedelta(seconds=i)
+        events.append((Event(type=EventType.GENERATION, generation_id=gid, user_id=user, ts=at, source="serving",
+                             properties=rec.model_dump()), "t", 0, i))  # fmt: skip
+        rewards.append(RewardRecord(generation_id=gid, reward_version="r1", reward=float(bool(g.completion.strip())),
+                                    confidence=1.0, label_source="explicit", user_id=user, model_version=version,
+                                    arm="champion", experiment="default", window_start=at, window_end=at,
+                                    emitted_at=at + timedelta(seconds=5)))  # fmt: skip
+    EVENTS.write(EVENTS.at(settings.lake_dir), events_frame(events), "gen")
+    REWARDS.write(REWARDS.at(settings.lake_dir), rewards_frame(rewards), "rew")
+
+
+def test_ope_uses_only_signed_champion_traffic_and_passes_the_champion_itself(
+    settings: Settings, tiny_model_dir: Path, champion: Policy, data
+) -> None:
+    log_champion_traffic(settings, champion, "1", n=40, forged=5)
+    traffic = champion_traffic(settings, "1", "", 1000)
+    assert len(traffic.samples) == 40 and traffic.untrusted == 5 and traffic.reward_version == "r1"
+    ope_result = by_name(run_gates(tiny_model_dir, champion, data.prompts, data.texts, traffic, CONFIG))[
+        "ope_satisfaction"
+    ]
+    # The candidate is the champion: every weight is 1, so ESS = n and SNIPS is the logged mean; DR
+    # adds only its direct-method term's sampling noise, which must not make the champion fail.
+    mean = float(np.mean([s.reward for s in traffic.samples]))
+    assert ope_result.status != "failed", ope_result
+    assert "ESS 40.0 of n=40" in ope_result.detail and f"SNIPS {mean:.4g}" in ope_result.detail
+    assert ope_result.value == pytest.approx(mean, abs=0.15)
+
+
+def test_ope_fails_a_candidate_that_declines_what_the_champion_was_rewarded_for(
+    settings: Settings, tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    log_champion_traffic(settings, champion, "1", n=40)
+    traffic = champion_traffic(settings, "1", "r1", 1000)
+    config = OfflineGateConfig(**{**CONFIG.to_dict(), "ope_min_ess": 1.0})
+    harmed = eos_only(tiny_model_dir, tmp_path / "e")
+    result = by_name(run_gates(harmed, champion, data.prompts, data.texts, traffic, config))["ope_satisfaction"]
+    assert result.status == "failed" and "worse than the champion" in result.detail, result
+
+
+# ---- approval, the CLI and the API -----------------------------------------------------------------
+
+TOKEN = "offline-gates-admin-token"
+
+
+@pytest.fixture
+def gate_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"approval_token": SecretStr(TOKEN)})
+
+
+@pytest.fixture
+def registry(gate_settings: Settings, tiny_model_dir: Path) -> ModelRegistry:
+    registry = ModelRegistry(gate_settings)
+    v = registry.register(tiny_model_dir, ModelLineage(base="tiny"))
+    registry.set_gate_state(v, "champion", by="bootstrap", reason="first model")
+    registry.set_alias("champion", v)
+    return registry
+
+
+@pytest.fixture
+def gate(registry: ModelRegistry, gate_settings: Settings) -> DeployGate:
+    offline = OfflineGates(gate_settings, registry, CONFIG)
+    return DeployGate(registry, redis_client(gate_settings), gate_settings, offline=offline)
+
+
+def test_approval_of_a_candidate_that_failed_a_gate_is_refused_and_the_api_shows_why(
+    gate: DeployGate, registry: ModelRegistry, gate_settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    bad = registry.register(noisy(tiny_model_dir, tmp_path / "n"), ModelLineage(base="tiny", parent_version="1"))
+    good = registry.register(healthy(tiny_model_dir, tmp_path / "h"), ModelLineage(base="tiny", parent_version="1"))
+    with TestClient(create_app(gate_settings, gate=gate)) as client:
+        refused = client.post(f"/api/versions/{bad}/approve", json={"reason": "looks fine"},
+                              headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        assert refused.status_code == 409 and refused.json()["error"] == "offline_gate_failed"
+        assert "kl_to_champion" in refused.json()["detail"] and "perplexity_regression" in refused.json()["detail"]
+        assert registry.gate_state(bad) == "pending"
+
+        view = client.get(f"/api/versions/{bad}").json()
+        gates = {g["name"]: g for g in view["offline_gates"]}
+        assert list(gates) == list(GATES) and view["offline_gates_champion"] == "1"
+        assert gates["kl_to_champion"] == {
+            **gates["kl_to_champion"],
+            "passed": False,
+            "status": "failed",
+            "bound": "<= 0.1",
+        }
+        assert gates["kl_to_champion"]["value"] > 0.1
+        assert client.get(f"/api/versions/{good}").json()["offline_gates"] == []  # not run yet
+
+        ok = client.post(f"/api/versions/{good}/approve", json={"reason": "gates pass"},
+                         headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        assert ok.status_code == 200, ok.json()
+        assert all(g["passed"] for g in client.get(f"/api/versions/{good}").json()["offline_gates"])
+    assert registry.gate_state(good) == "approved"
+    # The recorded report is reused, not recomputed, while the champion and config stay the same.
+    report = registry.offline_gates(good)
+    assert report is not None and gate.offline is not None
+    assert gate.offline.ensure(good, "1").checked_at == report.checked_at
+
+
+def test_a_report_against_another_champion_is_run_again(
+    gate: DeployGate, registry: ModelRegistry, tiny_model_dir: Path
+) -> None:
+    candidate = registry.register(tiny_model_dir, ModelLineage(base="tiny", parent_version="1"))
+    assert gate.offline is not None
+    first = gate.offline.check(candidate, "1")
+    assert gate.offline.current(candidate, "1") == first
+    assert gate.offline.current(candidate, "2") is None
+
+
+def test_cli_check_prints_each_verdict_and_exits_1_on_a_failure(
+    registry: ModelRegistry, gate_settings: Settings, tiny_model_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    bad = registry.register(eos_only(tiny_model_dir, tmp_path / "e"), ModelLineage(base="tiny", parent_version="1"))
+    # The CLI reads settings from the environment, as in production.
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(gate_settings.data_dir))
+    monkeypatch.setenv("FLYWHEEL_MLFLOW_TRACKING_URI", gate_settings.mlflow_tracking_uri)
+    monkeypatch.setenv("FLYWHEEL_REDIS_URL", gate_settings.redis_url)
+    monkeypatch.setenv("FLYWHEEL_REDIS_PREFIX", gate_settings.redis_prefix)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(gate_cli, ["check", "--pending"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 1, result.output
+    assert f"version {bad} vs champion 1" in result.output and "failed" in result.output
+    report = registry.offline_gates(bad)
+    assert report is not None and not report.passed and "sanity" in [r.name for r in report.failed]
+
+
+def test_a_new_report_replaces_the_old_one_whole(settings: Settings, tmp_path: Path) -> None:
+    registry = ModelRegistry(settings)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    v = registry.register(tmp_path / "ckpt", ModelLineage(base="fake"))
+    assert registry.offline_gates(v) is None
+    at = datetime(2026, 11, 25, 10, tzinfo=UTC)
+    first = [
+        OfflineGateResult("sanity", "passed", 0.0, "-", "x" * 5000),
+        OfflineGateResult("old_gate", "failed", None, "-", ""),
+    ]
+    registry.record_offline_gates(v, OfflineGateReport(at, "1", first, {"seed": 0}))
+    report = registry.offline_gates(v)
+    assert report is not None and not report.passed and [r.name for r in report.failed] == ["old_gate"]
+    assert len(report.results[0].detail) == 2000  # tag values are capped; details are cut, never refused
+    registry.record_offline_gates(v, OfflineGateReport(at, "2", first[:1], {"seed": 0}))
+    again = registry.offline_gates(v)
+    assert again is not None and again.passed and again.champion == "2"
+    assert [r.name for r in again.results] == ["sanity"]
+    assert not any(k.startswith("flywheel.offline_gate.old_gate") for k in registry.client.get_model_version(
+        settings.registered_model_name, v).tags)  # fmt: skip
