@@ -84,6 +84,7 @@ class RolloutController:
         self.config = config or RolloutConfig()
         self.clock = clock
         self._key = f"{gate.settings.redis_prefix}rollout:{self.config.experiment}"
+        self._cache = data.FileCache()  # each lake file parsed once over the controller's life
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class RolloutController:
             rec.note(now, f"resumed at {split.challenger_share:.0%}", by=split.changed_by)
         assert split.challenger_version is not None
         arms = {"champion": split.champion_version, "challenger": split.challenger_version}
-        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.started_at)
+        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.started_at, cache=self._cache)
         step = self._step(rec)
         assert rec.started_at is not None
         rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now)
@@ -267,7 +268,7 @@ class RolloutController:
             rec.holdout = None
             return
         arms = {"champion": split.champion_version, "holdout": split.holdout_version}
-        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.holdout_since)
+        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.holdout_since, cache=self._cache)
         users, mean, effect = cumulative_effect(agg.users, self.config)
         rec.holdout = HoldoutView(
             share=split.holdout_share, version=split.holdout_version, users=users, mean=mean, cumulative_effect=effect
