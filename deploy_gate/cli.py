@@ -198,7 +198,7 @@ def rollout(
     Configured by FLYWHEEL_ROLLOUT_* (ramp, alpha, guardrail bounds, holdout_share, metrics_port).
     """
     from deploy_gate.rollout import RolloutController
-    from flywheel.ops import stop_on_signals
+    from flywheel.ops import freeze_startup, stop_on_signals
 
     controller = RolloutController(_gate())
     if once:
@@ -207,6 +207,7 @@ def rollout(
         return
     stop = threading.Event()
     stop_on_signals(stop)
+    freeze_startup()
     controller.run(stop)
 
 

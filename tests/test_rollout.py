@@ -185,3 +185,41 @@ def test_a_person_can_end_the_experiment_and_the_controller_records_it(
     rec = controller.tick()
     assert rec.state == "rolled_back" and rec.timeline[-1].by == "ana"
     assert controller.view().state == "rolled_back"
+
+
+def test_the_controller_runs_as_a_process_with_the_ops_endpoints(
+    gate: DeployGate, settings: Settings, versions: tuple[str, str]
+) -> None:
+    import threading
+
+    import httpx
+
+    from launcher.embedded import free_port
+
+    port = free_port()
+    stop = threading.Event()
+    controller = RolloutController(gate, config(interval_s=0.2), clock=Clock())
+    worker = threading.Thread(target=controller.run, args=(stop,), kwargs={"port": port}, daemon=True)
+    worker.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            stop.wait(0.1)
+        assert httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+        ready = httpx.get(f"{base}/readyz", timeout=1).json()
+        assert ready["status"] == "ready"
+        for _ in range(100):
+            if "flywheel_rollout_ticks_total" in (metrics := httpx.get(f"{base}/metrics", timeout=1).text):
+                break
+            stop.wait(0.1)
+        assert "flywheel_rollout_ticks_total" in metrics
+        split = gate.splits.get()
+        assert split is not None and split.challenger_share == 0.05  # the process took the first ramp step
+    finally:
+        stop.set()
+        worker.join(timeout=10)

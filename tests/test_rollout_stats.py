@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
@@ -81,3 +82,30 @@ def test_aa_under_continuous_monitoring_stays_at_or_below_alpha() -> None:
     naive = sum(o.naive_look is not None for o in outcomes) / len(outcomes)
     assert sequential <= 0.05
     assert naive > 0.1  # peeking inflates the fixed-sample test's false positives
+
+
+def test_a_reward_rise_with_falling_explicit_satisfaction_is_flagged() -> None:
+    import polars as pl
+
+    from deploy_gate.rollout import RolloutConfig
+    from deploy_gate.rollout.analysis import StepContext, analyse
+    from deploy_gate.rollout.data import USER_COLUMNS, Aggregates
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    rows = []
+    for i in range(400):
+        arm = "challenger" if i % 2 else "champion"
+        # The challenger's implicit reward is higher, but its explicit votes are worse.
+        reward, up = (0.7 * 4, 1) if arm == "challenger" else (0.5 * 4, 2)
+        rows.append({"arm": arm, "user_id": f"u{i}", "first_seen": t0, "generations": 4, "reward_n": 4,
+                     "reward_sum": reward + (i % 7) * 0.05, "explicit_n": 2, "thumbs_up": up, "thumbs_down": 2 - up,
+                     "shown": 4, "undone": 0, "empty": 0, "errors": 0, "length_sum": 40.0})  # fmt: skip
+    agg = Aggregates(pl.DataFrame(rows, schema=USER_COLUMNS), {"champion": 50.0, "challenger": 50.0},
+                     {"champion": 800, "challenger": 800}, "rules-v1")  # fmt: skip
+    step = StepContext(index=0, share=0.5, min_users=10, min_seconds=0, entered_at=t0, last=True)
+    view = analyse(agg, step, RolloutConfig(), started_at=t0, now=t0 + timedelta(hours=1))
+    assert view is not None and view.difference is not None and view.difference.estimate > 0
+    assert [f.split(":")[0] for f in view.flags] == ["reward_up_explicit_down"]
+    # ... and the explicit thumbs-up guardrail (a reward-hacking one) stops the promotion.
+    assert {g.name for g in view.guardrails if not g.ok} == {"explicit_up_rate", "thumbs_down_rate"}
+    assert view.decision.action == "rollback"

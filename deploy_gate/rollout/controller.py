@@ -123,7 +123,7 @@ class RolloutController:
             mlflow_dependency,
             redis_dependency,
             run_loop,
-            run_worker,
+            serve_ops,
         )
 
         settings = self.gate.settings
@@ -140,8 +140,20 @@ class RolloutController:
                 _DECISIONS.labels(rec.analysis.decision.action).inc()
             stop.wait(self.config.interval_s)
 
-        run_worker(health, lambda s: run_loop(step, s, health), stop,
-                   port=self.config.metrics_port if port is None else port, host=settings.bind_host)
+        port = self.config.metrics_port if port is None else port
+        # Not run_worker: that freezes the heap (gc.freeze), which the command does, not an in-process caller.
+        server = None
+        if port:
+            try:
+                server = serve_ops(port, health, settings.bind_host)
+            except OSError as exc:  # the port is taken: deciding matters more than being scraped
+                log.error("rollout does not serve /metrics and health: port taken",
+                          extra={"port": port, "detail": str(exc)})
+        try:
+            run_loop(step, stop, health)
+        finally:
+            if server is not None:
+                server.stop()
 
     def tick(self) -> ExperimentRecord:
         """One look: analyse the live experiment and take at most one action."""
