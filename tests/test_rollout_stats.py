@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,3 +110,32 @@ def test_a_reward_rise_with_falling_explicit_satisfaction_is_flagged() -> None:
     # ... and the explicit thumbs-up guardrail (a reward-hacking one) stops the promotion.
     assert {g.name for g in view.guardrails if not g.ok} == {"explicit_up_rate", "thumbs_down_rate"}
     assert view.decision.action == "rollback"
+
+
+def test_the_rollout_reads_the_current_revision_and_each_generation_once(tmp_path: Path) -> None:
+    import json
+
+    import polars as pl
+
+    from deploy_gate.rollout.data import FileCache, load
+    from flywheel.lake.tables import REWARDS
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+
+    def rows(gids: list[str], revision: int, reward: float) -> pl.DataFrame:
+        return pl.DataFrame([{
+            "generation_id": g, "reward_version": "r1", "revision": revision, "reward": reward, "confidence": 1.0,
+            "label_source": "implicit", "signals": json.dumps({"shown": 1.0}), "user_id": "u1", "model_version": "2",
+            "arm": "challenger", "experiment": "default", "window_start": t0, "window_end": t0, "late_events": 0,
+            "emitted_at": t0 + timedelta(seconds=revision),
+        } for g in gids], schema=REWARDS.schema)  # fmt: skip
+
+    where = REWARDS.at(tmp_path)
+    REWARDS.write(where, rows(["a", "b"], 0, 1.0), "first")
+    REWARDS.write(where, rows(["a", "b"], 0, 1.0), "replayed")  # the same rows again
+    cache = FileCache()
+    agg = load(tmp_path, {"challenger": "2"}, cache=cache)
+    assert agg.users.select("reward_n", "reward_sum").row(0) == (2, 2.0)
+    REWARDS.write(where, rows(["a"], 1, -1.0), "revised")  # a late event revises a's reward
+    agg = load(tmp_path, {"challenger": "2"}, cache=cache)
+    assert agg.users.select("reward_n", "reward_sum", "shown").row(0) == (2, 0.0, 2)

@@ -148,7 +148,12 @@ def reward_rows(
         return None, reward_version
     if reward_version is None:
         reward_version = str(df["reward_version"][df["emitted_at"].arg_max() or 0])
-    return REWARDS.latest(df.filter(pl.col("reward_version") == reward_version)), reward_version
+    df = df.filter(pl.col("reward_version") == reward_version)
+    if (df["revision"].max() or 0) == 0:
+        # No generation revised: rows of one key are copies (a replay), any one is the current one,
+        # and skipping `latest`'s sort halves the tick.
+        return df.unique(["generation_id"], keep="any"), reward_version
+    return REWARDS.latest(df), reward_version
 
 
 def load(
