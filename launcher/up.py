@@ -94,7 +94,7 @@ class Running:
 
 
 def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Running]:
-    # Seven processes share the machine: one math thread each avoids oversubscribing the cores.
+    # Eight processes share the machine: one math thread each avoids oversubscribing the cores.
     env = {**os.environ, **settings_env(settings), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **extra_env, "PYTHONUNBUFFERED": "1"}
     logs = settings.data_dir / "logs"
