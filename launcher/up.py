@@ -130,13 +130,18 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
 
 
 # The demo drives a handful of simulated users: a ramp with production minimums (hundreds of users
-# per step) would never move. These apply unless FLYWHEEL_ROLLOUT_* says otherwise.
+# per step) would never move, and no test is significant on eight users. So the demo's ramp is short,
+# the confidence sequence is tuned for small samples (N* = 100) and, at the maximum duration, a
+# challenger no worse than the champion by 0.25 is promoted. These apply unless FLYWHEEL_ROLLOUT_*
+# says otherwise; production keeps the defaults (deploy_gate/rollout/config.py).
 DEMO_ROLLOUT_ENV = {
     "FLYWHEEL_ROLLOUT_RAMP": json.dumps([
         {"share": 0.25, "min_users": 2, "min_seconds": 60},
         {"share": 0.5, "min_users": 3, "min_seconds": 120},
     ]),
-    "FLYWHEEL_ROLLOUT_MAX_DURATION_S": "900",
+    "FLYWHEEL_ROLLOUT_MAX_DURATION_S": "600",
+    "FLYWHEEL_ROLLOUT_TUNING_N": "100",
+    "FLYWHEEL_ROLLOUT_NON_INFERIORITY_MARGIN": "0.25",
     "FLYWHEEL_ROLLOUT_INTERVAL_S": "10",
     "FLYWHEEL_ROLLOUT_SRM_MIN_USERS": "50",
 }
