@@ -275,7 +275,8 @@ class TrafficSplit(BaseModel):
             return "holdout"
         if not self.challenger_version or self.challenger_share <= 0:
             return "champion"
-        return "challenger" if _bucket(f"{self.salt}:{self.experiment}:{user_id}") < self.challenger_share else "champion"
+        bucket = _bucket(f"{self.salt}:{self.experiment}:{user_id}")
+        return "challenger" if bucket < self.challenger_share else "champion"
 
     def in_holdout(self, user_id: str) -> bool:
         return (
