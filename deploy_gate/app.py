@@ -27,6 +27,7 @@ from deploy_gate.dashboard import STATIC_DIR, page
 from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_gate_error
 from deploy_gate.gate import DeployGate
 from deploy_gate.policy import AutoApprove
+from deploy_gate.rollout.api import router as experiment_router
 from deploy_gate.security import SECURITY_HEADERS, add_security_headers
 from flywheel.identity import Authenticator
 from flywheel.ops import ProcessHealth, mlflow_dependency, ops_router, redis_dependency
@@ -142,6 +143,7 @@ def create_app(
 
     app.include_router(read)
     app.include_router(write)
+    app.include_router(experiment_router)
     app.include_router(page)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

@@ -14,6 +14,7 @@ audit log (`flywheel gate audit` shows it).
 from __future__ import annotations
 
 import getpass
+import threading
 from collections.abc import Callable
 from typing import Annotated, NoReturn, cast
 
@@ -202,6 +203,72 @@ def check(
         _refuse(exc)
     if failed:
         raise typer.Exit(1)
+
+
+@app.command()
+def ramp(
+    share: Annotated[float, typer.Argument(help="The challenger's new share of users, e.g. 0.25.")],
+    reason: Reason,
+    freeze: Annotated[bool, typer.Option("--freeze", help="Freeze the ramp at this share.")] = False,
+    by: By = "",
+    yes: Yes = False,
+) -> None:
+    """Set the live challenger's share by hand, freeze the ramp, or resume a frozen one."""
+    state = "paused" if freeze else "running"
+    _plan_and_apply(lambda g, who: g.plan_ramp(share, by=who, reason=reason, state=state), by, yes)
+
+
+@app.command()
+def holdout(
+    version: Annotated[str, typer.Argument(help="The version held-out users stay on; 'none' ends the holdout.")],
+    reason: Reason,
+    share: Annotated[float, typer.Option(help="Share of users held out (at most 0.5).")] = 0.02,
+    by: By = "",
+    yes: Yes = False,
+) -> None:
+    """Keep a share of users on a fixed version across releases (the long-term holdout)."""
+    v = None if version.lower() == "none" else version
+    _plan_and_apply(lambda g, who: g.plan_holdout(v, share, by=who, reason=reason), by, yes)
+
+
+@app.command()
+def unquarantine(version: str, reason: Reason, by: By = "", yes: Yes = False) -> None:
+    """Lift a rolled-back version's quarantine: its served data may be trained on again."""
+    _plan_and_apply(lambda g, who: g.plan_unquarantine(version, by=who, reason=reason), by, yes)
+
+
+@app.command()
+def experiment() -> None:
+    """The rollout: state, ramp, the last analysis and decision (as JSON, as `GET /api/experiment`)."""
+    from deploy_gate.rollout import RolloutController
+
+    try:
+        view = RolloutController(_gate()).view()
+    except Exception as exc:
+        _refuse(exc)
+    console.print_json(view.model_dump_json())
+
+
+@app.command()
+def rollout(
+    once: Annotated[bool, typer.Option("--once", help="Look once, print the experiment and exit.")] = False,
+) -> None:
+    """Run the rollout controller: ramp, analyse per user, freeze on SRM, roll back or promote by itself.
+
+    Configured by FLYWHEEL_ROLLOUT_* (ramp, alpha, guardrail bounds, holdout_share, metrics_port).
+    """
+    from deploy_gate.rollout import RolloutController
+    from flywheel.ops import freeze_startup, stop_on_signals
+
+    controller = RolloutController(_gate())
+    if once:
+        rec = controller.tick()
+        console.print_json(rec.model_dump_json())
+        return
+    stop = threading.Event()
+    stop_on_signals(stop)
+    freeze_startup()
+    controller.run(stop)
 
 
 def _store() -> TokenStore:

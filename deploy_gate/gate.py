@@ -253,8 +253,71 @@ class DeployGate:
                 lambda: self.registry.set_gate_state(version, "rolled_back", by=by, reason=reason),
             ),
             Step("registry: alias challenger removed", lambda: self.registry.delete_alias("challenger")),
+            # Quarantine: what the rolled-back version served is left out of later training
+            # (the trainer skips quarantined versions); an admin can lift it (plan_unquarantine).
+            Step(
+                f"registry: gate state of {version} -> quarantined (its served data is left out of training)",
+                lambda: self.registry.set_gate_state(
+                    version, "quarantined", by=by, reason=f"quarantined on rollback: {reason}"
+                ),
+            ),
         )
         return Plan("rollback", version, by, reason, split, after, steps)
+
+    def plan_ramp(self, share: float, *, by: str, reason: str, state: str = "running") -> Plan:
+        """Change the live challenger's share of traffic (a ramp step), or freeze it (`state="paused"`).
+
+        The salt stays, so users already on the challenger stay there as the share grows.
+        """
+        _require_who_why(by, reason)
+        if not 0 < share <= 1:
+            raise InvalidRequest("a ramp share must be in (0, 1]")
+        if state not in ("running", "paused"):
+            raise InvalidRequest("a ramp leaves the experiment running or paused")
+        split = self.splits.get()
+        if split is None or not _challenger_live(split):
+            raise NoChallenger("no challenger is running; approve a candidate first")
+        after = split.model_copy(
+            update={"challenger_share": share, "state": state, "changed_by": by, "reason": f"ramp: {reason}"}
+        )
+        verb = "freeze at" if state == "paused" else "ramp to"
+        step = Step(
+            f"traffic: {verb} {share:.0%} for challenger {split.challenger_version} "
+            f"(was {split.challenger_share:.0%}, {split.state})",
+            lambda: self._put(after),
+        )
+        return Plan("ramp", split.challenger_version, by, reason, split, after, (step,))
+
+    def plan_holdout(self, version: str | None, share: float, *, by: str, reason: str) -> Plan:
+        """Keep `share` of users on `version` across releases (the long-term holdout); None ends it."""
+        _require_who_why(by, reason)
+        if version is not None:
+            self.registry.gate_state(version)  # UnknownVersion (404) for a version the registry lacks
+        stored, split, steps = self._current_split()
+        after = split.model_copy(
+            update={
+                "holdout_version": version,
+                "holdout_share": share if version else 0.0,
+                "changed_by": by,
+                "reason": f"holdout: {reason}",
+            }
+        )
+        what = f"{share:.1%} of users stay on {version}" if version else "no holdout"
+        steps = [*steps, Step(f"traffic: long-term holdout: {what}", lambda: self._put(after))]
+        return Plan("holdout", version, by, reason, stored, after, tuple(steps))
+
+    def plan_unquarantine(self, version: str, *, by: str, reason: str) -> Plan:
+        """Lift a quarantine: the version's served data may be trained on again (admin only, at the API)."""
+        _require_who_why(by, reason)
+        state = self.registry.gate_state(version)
+        if state != "quarantined":
+            raise InvalidRequest(f"version {version} is {state}, not quarantined")
+        split = self.splits.get()
+        step = Step(
+            f"registry: gate state of {version} quarantined -> rolled_back (its data may be trained on again)",
+            lambda: self.registry.set_gate_state(version, "rolled_back", by=by, reason=f"unquarantine: {reason}"),
+        )
+        return Plan("unquarantine", version, by, reason, split, split, (step,))
 
     def ensure_split(self) -> TrafficSplit:
         """The current split; created with the registry's champion (all traffic) when none exists."""
@@ -339,6 +402,16 @@ class DeployGate:
             return self.plan_reject(plan.version, by=plan.by, reason=plan.reason)
         if plan.action == "promote":
             return self.plan_promote(by=plan.by, reason=plan.reason, verify=False)
+        if plan.action == "ramp":
+            assert plan.split_after is not None
+            after = plan.split_after
+            return self.plan_ramp(after.challenger_share, by=plan.by, reason=plan.reason, state=after.state)
+        if plan.action == "holdout":
+            assert plan.split_after is not None
+            return self.plan_holdout(plan.version, plan.split_after.holdout_share, by=plan.by, reason=plan.reason)
+        if plan.action == "unquarantine":
+            assert plan.version is not None
+            return self.plan_unquarantine(plan.version, by=plan.by, reason=plan.reason)
         return self.plan_rollback(by=plan.by, reason=plan.reason)
 
     def _current_split(self) -> tuple[TrafficSplit | None, TrafficSplit, list[Step]]:

@@ -187,7 +187,7 @@ class GenerationRecord(BaseModel):
     )
     model_version: str
     experiment: str = ""
-    arm: Literal["champion", "challenger"] = "champion"
+    arm: Literal["champion", "challenger", "holdout"] = "champion"
     latency_ms: float = 0.0
     finish_reason: Literal["stop", "length", "declined"] = "stop"
     temperature: float = 1.0
@@ -249,28 +249,64 @@ class TrafficSplit(BaseModel):
     changed_by: str = "system"
     changed_at: datetime = Field(default_factory=utcnow)
     reason: str = ""
+    # Long-term holdout: a fixed share of users stays on an earlier champion across releases. Its salt
+    # never changes with the experiment's, so the same users stay held out release after release.
+    holdout_version: str | None = None
+    holdout_share: float = Field(default=0.0, ge=0.0, le=0.5)
+    holdout_salt: str = "holdout"
 
-    def arm_for(self, user_id: str) -> Literal["champion", "challenger"]:
+    def arm_for(self, user_id: str) -> Literal["champion", "challenger", "holdout"]:
         """Sticky assignment: the same user lands in the same arm while salt and share hold.
+
+        A user's bucket is a hash of (salt, experiment, user) mapped to [0, 1); the challenger takes
+        the buckets below its share, so raising the share during a ramp only moves champion users
+        over, never back. Holdout users are picked first, by their own salt, and never see a challenger.
 
         >>> s = TrafficSplit(champion_version="1", challenger_version="2", challenger_share=0.5, salt="x")
         >>> s.arm_for("alice") == s.arm_for("alice")
         True
         >>> TrafficSplit(champion_version="1").arm_for("alice")
         'champion'
+        >>> h = s.model_copy(update={"holdout_version": "0", "holdout_share": 0.5})
+        >>> sorted({h.arm_for(f"u{i}") for i in range(50)})
+        ['challenger', 'champion', 'holdout']
         """
+        if self.in_holdout(user_id):
+            return "holdout"
         if not self.challenger_version or self.challenger_share <= 0:
             return "champion"
-        import hashlib
-
-        digest = hashlib.sha256(f"{self.salt}:{self.experiment}:{user_id}".encode()).digest()
-        bucket = int.from_bytes(digest[:8], "big") / 2**64
+        bucket = _bucket(f"{self.salt}:{self.experiment}:{user_id}")
         return "challenger" if bucket < self.challenger_share else "champion"
+
+    def in_holdout(self, user_id: str) -> bool:
+        return (
+            bool(self.holdout_version)
+            and self.holdout_share > 0
+            and _bucket(f"{self.holdout_salt}:{user_id}") < self.holdout_share
+        )
 
     def version_for(self, arm: str) -> str:
         if arm == "challenger" and self.challenger_version:
             return self.challenger_version
+        if arm == "holdout" and self.holdout_version:
+            return self.holdout_version
         return self.champion_version
+
+    def versions(self) -> set[str]:
+        """Every version this split serves (serving loads them all before adopting it)."""
+        out = {self.champion_version}
+        if self.challenger_version:
+            out.add(self.challenger_version)
+        if self.holdout_version and self.holdout_share > 0:
+            out.add(self.holdout_version)
+        return out
+
+
+def _bucket(key: str) -> float:
+    """A user's uniform position in [0, 1) from SHA-256 of `key` (first 8 bytes)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
 
 
 def event_json_schema() -> dict[str, Any]:

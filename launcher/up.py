@@ -8,6 +8,7 @@ progress until interrupted.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -42,6 +43,7 @@ COMPONENTS: list[tuple[str, list[str]]] = [
     ("signals", ["signals", "worker"]),
     ("serving", ["serve"]),
     ("gate", ["gate", "serve"]),
+    ("rollout", ["gate", "rollout"]),
     ("trainer", ["trainer", "schedule"]),
     ("lake", ["lake", "compact", "--every", "3600"]),
 ]
@@ -92,7 +94,7 @@ class Running:
 
 
 def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Running]:
-    # Seven processes share the machine: one math thread each avoids oversubscribing the cores.
+    # Eight processes share the machine: one math thread each avoids oversubscribing the cores.
     env = {**os.environ, **settings_env(settings), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **extra_env, "PYTHONUNBUFFERED": "1"}
     logs = settings.data_dir / "logs"
@@ -127,31 +129,41 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
             time.sleep(0.5)
 
 
-def auto_decide(gate: DeployGate) -> list[str]:
-    """Demo mode only (ML ops decide by hand in production): settle the live challenger, approve candidates.
+# The demo drives a handful of simulated users: a ramp with production minimums (hundreds of users
+# per step) would never move, and no test is significant on eight users. So the demo's ramp is short,
+# the confidence sequence is tuned for small samples (N* = 100) and, at the maximum duration, a
+# challenger no worse than the champion by 0.25 is promoted. These apply unless FLYWHEEL_ROLLOUT_*
+# says otherwise; production keeps the defaults (deploy_gate/rollout/config.py).
+DEMO_ROLLOUT_ENV = {
+    "FLYWHEEL_ROLLOUT_RAMP": json.dumps([
+        {"share": 0.25, "min_users": 2, "min_seconds": 60},
+        {"share": 0.5, "min_users": 3, "min_seconds": 120},
+    ]),
+    "FLYWHEEL_ROLLOUT_MAX_DURATION_S": "600",
+    "FLYWHEEL_ROLLOUT_TUNING_N": "100",
+    "FLYWHEEL_ROLLOUT_NON_INFERIORITY_MARGIN": "0.25",
+    "FLYWHEEL_ROLLOUT_INTERVAL_S": "10",
+    "FLYWHEEL_ROLLOUT_SRM_MIN_USERS": "50",
+}
 
-    A live challenger whose mean reward is at least the champion's is promoted, otherwise rolled
-    back, once a newer candidate is waiting; then the newest pending candidate is approved.
+
+def auto_approve(gate: DeployGate) -> list[str]:
+    """Demo mode only: approve the newest pending candidate when no challenger is running.
+
+    Promotion and rollback are the rollout controller's (`flywheel gate rollout`, one of the
+    processes `flywheel up` starts): per-user statistics, minimum users and time per ramp step,
+    guardrails. A running challenger is never settled here, so none is judged before its rewards exist.
     """
-    from deploy_gate import GateError, arm_metrics
+    from deploy_gate import GateError
 
     actor = "flywheel up --auto-approve"
     status = gate.status()
     pending = [v.version for v in status.pending]  # newest first
-    if not pending:
+    if not pending or status.challenger:
         return []
     said = []
     try:
-        if status.challenger:
-            means = {a.model_version: a.mean for a in arm_metrics(gate.settings).arms if a.mean is not None}
-            challenger, champion = means.get(status.challenger), means.get(status.champion or "")
-            if challenger is not None and champion is not None and challenger >= champion:
-                gate.promote(by=actor, reason=f"mean reward {challenger:.3f} >= {champion:.3f}")
-                said.append(f"promoted v{status.challenger}")
-            else:
-                gate.rollback(by=actor, reason=f"mean reward {challenger} < {champion}")
-                said.append(f"rolled back v{status.challenger}")
-        gate.approve(pending[0], by=actor, reason="demo loop")
+        gate.approve(pending[0], by=actor, reason="demo loop: the rollout controller ramps and decides")
         said.append(f"approved v{pending[0]} as challenger")
         for older in pending[1:]:
             gate.reject(older, by=actor, reason=f"superseded by v{pending[0]}")
@@ -160,7 +172,7 @@ def auto_decide(gate: DeployGate) -> list[str]:
     return said
 
 
-def progress_table(sim: UserSimulator, status: GateStatus, started: float) -> Table:
+def progress_table(sim: UserSimulator, status: GateStatus, started: float, experiment: str = "") -> Table:
     table = Table(title=f"Flywheel loop, {time.monotonic() - started:.0f}s")
     table.add_column("arm")
     table.add_column("served", justify="right")
@@ -175,8 +187,19 @@ def progress_table(sim: UserSimulator, status: GateStatus, started: float) -> Ta
             f"champion v{split.champion_version}, challenger v{split.challenger_version or '-'} "
             f"({split.challenger_share:.0%}), state {split.state}; "
             f"versions: {', '.join(f'v{v.version}:{v.gate_state}' for v in status.versions[:6])}"
+            + (f"\nrollout: {experiment}" if experiment else "")
         )
     return table
+
+
+def rollout_line(gate: DeployGate) -> str:
+    """The rollout controller's state and last decision, as it stored them (no lake read here)."""
+    from deploy_gate.rollout import RolloutController
+
+    view = RolloutController(gate).view()
+    decision = view.analysis.decision if view.analysis else None
+    said = f"{decision.action}: {decision.reason}" if decision else "waiting for challenger rewards"
+    return f"{view.state} at {view.share:.0%} ({said})" if view.state != "idle" else ""
 
 
 def run_up(
@@ -196,7 +219,7 @@ def run_up(
     try:
         ensure_topics(s)
         ensure_champion(s, bootstrap_seconds=bootstrap_seconds)
-        running = start_components(s, {})
+        running = start_components(s, {k: v for k, v in DEMO_ROLLOUT_ENV.items() if k not in os.environ})
         base = "http://127.0.0.1"
         wait_healthy({
             "serving": f"{base}:{s.serving_port}/readyz",
@@ -218,9 +241,9 @@ def run_up(
                     if r.proc.poll() is not None:
                         raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
                 if auto_approve_candidates:
-                    for line in auto_decide(gate):
+                    for line in auto_approve(gate):
                         console.print(f"[gate] {line}")
-                live.update(progress_table(sim, gate.status(), started))
+                live.update(progress_table(sim, gate.status(), started, rollout_line(gate)))
                 if duration_s is not None and time.monotonic() - started > duration_s:
                     break
     except KeyboardInterrupt:

@@ -63,7 +63,7 @@ class PolicyPool:
             split = self._split_source()
             if split is None or split == self._split:
                 return False
-            wanted = {split.champion_version} | ({split.challenger_version} if split.challenger_version else set())
+            wanted = split.versions()  # champion, challenger and the long-term holdout's version
             for version in sorted(wanted - set(self._policies)):
                 path = self._checkpoint_source(version)
                 log.info("loading model version %s from %s", version, path)
@@ -75,8 +75,9 @@ class PolicyPool:
                 for stale in set(self._policies) - wanted:
                     del self._policies[stale]
             log.info(
-                "serving split: champion=%s challenger=%s share=%.2f",
+                "serving split: champion=%s challenger=%s share=%.2f holdout=%s (%.2f)",
                 split.champion_version, split.challenger_version, split.challenger_share,
+                split.holdout_version, split.holdout_share,
             )
             return True
 

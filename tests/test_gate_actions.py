@@ -141,7 +141,9 @@ def test_rollback_returns_all_traffic_to_the_champion(
     assert split.champion_version == champion and split.changed_by == "oncall"
     assert {split.arm_for(f"user-{i}") for i in range(400)} == {"champion"}
     assert {split.version_for(split.arm_for(f"user-{i}")) for i in range(400)} == {champion}
-    assert registry.gate_state(candidate) == "rolled_back"
+    # Rolled back, then quarantined: what it served is left out of training.
+    assert [c.state for c in registry.gate_history(candidate)][-2:] == ["rolled_back", "quarantined"]
+    assert registry.gate_state(candidate) == "quarantined"
     assert registry.gate_history(candidate)[-1].by == "oncall"
     assert registry.alias("challenger") is None
     with pytest.raises(NoChallenger):

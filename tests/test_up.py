@@ -76,12 +76,12 @@ def test_a_split_left_in_redis_by_another_registry_is_reset_to_the_champion(
     assert store.get() == split
 
 
-def test_demo_mode_approves_the_newest_candidate_and_rejects_older_ones(
+def test_demo_mode_approves_the_newest_candidate_and_leaves_a_running_one_to_the_controller(
     settings: Settings, tiny_model_dir: Path
 ) -> None:
     from deploy_gate import DeployGate
     from flywheel.contract import ModelLineage
-    from launcher.up import auto_decide, ensure_champion
+    from launcher.up import auto_approve, ensure_champion
     from model_registry import ModelRegistry
 
     champion = ensure_champion(settings.model_copy(update={"model_path": str(tiny_model_dir)}), progress=False)
@@ -89,7 +89,12 @@ def test_demo_mode_approves_the_newest_candidate_and_rejects_older_ones(
     older, newer = (registry.register(tiny_model_dir, ModelLineage(base="t", parent_version=champion))
                     for _ in range(2))  # fmt: skip
     gate = DeployGate.from_settings(settings)
-    assert auto_decide(gate) == [f"approved v{newer} as challenger"]
+    assert auto_approve(gate) == [f"approved v{newer} as challenger"]
     assert registry.gate_state(newer) == "approved" and registry.gate_state(older) == "rejected"
     assert gate.status().challenger == newer
-    assert auto_decide(gate) == []  # nothing pending: nothing changes
+    assert auto_approve(gate) == []  # nothing pending: nothing changes
+    # A newer candidate waits while the challenger runs: the demo no longer settles it on raw means
+    # (which rolled challengers back before any of their rewards existed); the controller decides.
+    newest = registry.register(tiny_model_dir, ModelLineage(base="t", parent_version=champion))
+    assert auto_approve(gate) == []
+    assert gate.status().challenger == newer and registry.gate_state(newest) == "pending"

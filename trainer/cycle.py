@@ -34,7 +34,7 @@ from flywheel.lm import Policy, load_policy
 from flywheel.settings import Settings
 from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
-from trainer.data import Selection, load_selection
+from trainer.data import Selection, load_selection, quarantined_versions
 from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
 from trainer.scoring import scorer_for
 
@@ -107,7 +107,7 @@ def _plan(
     champion = registry.alias("champion")
     if champion is None:
         return (None, None, "no champion: register a model and set the 'champion' alias first"), None
-    quarantined = {v.version for v in registry.versions() if v.gate_state == "quarantined"}
+    quarantined = quarantined_versions(registry)
     mark = watermark(registry)
     policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
     selection = load_selection(

@@ -34,6 +34,7 @@ from flywheel.contract import DataWindow, GenerationRecord
 from flywheel.lake.tables import EVENTS, REWARDS
 from flywheel.settings import Settings
 from flywheel.signing import Untrusted, check_generation
+from model_registry import ModelRegistry
 from trainer.config import TrainerConfig
 from trainer.scrub import scrub
 
@@ -75,6 +76,11 @@ class Selection:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def quarantined_versions(registry: ModelRegistry) -> set[str]:
+    """Versions whose served data is never trained on: quarantined by the gate when rolled back."""
+    return {v.version for v in registry.versions() if v.gate_state == "quarantined"}
 
 
 def load_selection(

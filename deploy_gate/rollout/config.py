@@ -1,0 +1,62 @@
+"""The rollout controller's configuration, from `FLYWHEEL_ROLLOUT_*` environment variables.
+
+Strict: unknown keys are refused and the ramp must grow. Defaults follow common practice (a
+5% -> 25% -> 50% ramp, alpha 0.05, SRM alarm at p < 0.001 as GrowthBook and Statsig use,
+confidence-sequence tuning N* = 5000 as GrowthBook's default).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RampStep(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    share: float = Field(gt=0, le=1, description="The challenger's share of (non-holdout) users.")
+    min_users: int = Field(ge=1, description="Challenger users needed before this step is decided.")
+    min_seconds: float = Field(ge=0, description="Time in this step before it may ramp or promote.")
+
+
+def _default_ramp() -> list[RampStep]:
+    return [RampStep(share=s, min_users=200, min_seconds=600) for s in (0.05, 0.25, 0.5)]
+
+
+class RolloutConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_ROLLOUT_", extra="forbid")
+
+    experiment: str = "default"
+    ramp: list[RampStep] = Field(default_factory=_default_ramp)
+    alpha: float = Field(default=0.05, gt=0, lt=0.5)
+    tuning_n: float = Field(default=5000.0, gt=0, description="N*, where the confidence sequence is tightest.")
+    srm_alpha: float = Field(default=0.001, gt=0, lt=0.1)
+    srm_min_users: int = Field(default=100, ge=2, description="Users in a step before SRM is checked.")
+    max_duration_s: float = Field(default=14 * 86400, gt=0, description="Then decide on non-inferiority.")
+    non_inferiority_margin: float = Field(default=0.02, ge=0, description="Allowed loss in mean reward.")
+    auto_promote: bool = Field(default=True, description="False: hold a winner for a human to promote.")
+    interval_s: float = Field(default=30.0, gt=0, description="Seconds between ticks.")
+    metrics_port: int = Field(default=8005, ge=0, description="/metrics, /healthz, /readyz; 0 = off.")
+    # Guardrail bounds (challenger against champion); rates are shares of generations.
+    latency_p95_ratio: float = Field(default=1.2, gt=1)
+    latency_min_generations: int = Field(default=100, ge=1)
+    error_rate_rise: float = Field(default=0.02, ge=0)
+    undo_rate_rise: float = Field(default=0.05, ge=0)
+    thumbs_down_rate_rise: float = Field(default=0.05, ge=0)
+    # Reward-hacking bounds: suggesting less, empty outputs, length drift, fewer explicit thumbs up.
+    shown_rate_fall: float = Field(default=0.10, ge=0)
+    empty_rate_rise: float = Field(default=0.05, ge=0)
+    length_ratio_low: float = Field(default=0.5, gt=0, lt=1)
+    length_ratio_high: float = Field(default=2.0, gt=1)
+    explicit_up_rate_fall: float = Field(default=0.05, ge=0)
+    # Long-term holdout: this share of users stays on the champion of the day it was set up.
+    holdout_share: float = Field(default=0.0, ge=0, le=0.5)
+
+    @model_validator(mode="after")
+    def _ramp_grows(self) -> RolloutConfig:
+        if not self.ramp:
+            raise ValueError("the ramp needs at least one step")
+        shares = [s.share for s in self.ramp]
+        if shares != sorted(shares) or len(set(shares)) != len(shares):
+            raise ValueError(f"ramp shares must grow step by step, got {shares}")
+        return self

@@ -1,0 +1,287 @@
+"""The rollout controller: each tick reads the split and the lake, analyses, decides, and acts.
+
+Every action goes through the gate's plan-then-apply (`DeployGate.plan_ramp`, `plan_promote`,
+`plan_rollback`), recorded with the controller as the actor, so serving sees each transition
+through the traffic split in Redis and the registry's history says who did it. The experiment's
+ramp, timeline and last analysis live in Redis (`<prefix>rollout:<experiment>`), so a restarted
+controller picks up where it left off and the gate's API answers without reading the lake.
+
+A new experiment starts when the split names a challenger (and salt) the record does not know;
+it ends when the controller or a person promotes or rolls back. A person pausing the split
+freezes the controller; setting it running again resumes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from typing import cast
+
+from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
+
+from deploy_gate.errors import GateError
+from deploy_gate.gate import DeployGate
+from deploy_gate.plan import Plan
+from deploy_gate.rollout import data
+from deploy_gate.rollout.analysis import StepContext, analyse, cumulative_effect
+from deploy_gate.rollout.config import RolloutConfig
+from deploy_gate.rollout.models import (
+    AnalysisView,
+    ExperimentState,
+    ExperimentView,
+    HoldoutView,
+    RampView,
+    TimelineEntry,
+)
+from flywheel.contract import TrafficSplit, utcnow
+
+log = logging.getLogger(__name__)
+
+_TICKS = Counter("flywheel_rollout_ticks", "Rollout controller looks at the experiment")
+_DECISIONS = Counter("flywheel_rollout_decisions", "Decisions per look, by action", ["action"])
+_SHARE = Gauge("flywheel_rollout_challenger_share", "The live challenger's share of users (0: none)")
+
+CONTROLLER_ACTOR = "rollout-controller"
+TIMELINE_MAX = 200
+
+
+class ExperimentRecord(BaseModel):
+    """What the controller keeps in Redis about the current (or last) experiment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    experiment: str = "default"
+    challenger: str | None = None
+    champion: str | None = None
+    salt: str | None = None
+    started_at: datetime | None = None
+    state: ExperimentState = "idle"
+    step: int = 0
+    ramp: list[RampView] = Field(default_factory=list)
+    timeline: list[TimelineEntry] = Field(default_factory=list)
+    analysis: AnalysisView | None = None
+    holdout: HoldoutView | None = None
+    holdout_since: datetime | None = None
+
+    def note(self, at: datetime, event: str, by: str = CONTROLLER_ACTOR) -> None:
+        self.timeline = [*self.timeline, TimelineEntry(at=at, event=event, by=by)][-TIMELINE_MAX:]
+
+
+def challenger_live(split: TrafficSplit | None) -> bool:
+    return bool(
+        split and split.challenger_version and split.challenger_share > 0 and split.state in ("running", "paused")
+    )
+
+
+class RolloutController:
+    def __init__(
+        self, gate: DeployGate, config: RolloutConfig | None = None, *, clock: Callable[[], datetime] = utcnow
+    ) -> None:
+        self.gate = gate
+        self.config = config or RolloutConfig()
+        self.clock = clock
+        self._key = f"{gate.settings.redis_prefix}rollout:{self.config.experiment}"
+        self._cache = data.FileCache()  # each lake file parsed once over the controller's life
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def record(self) -> ExperimentRecord:
+        raw = self.gate._redis.get(self._key)
+        return ExperimentRecord.model_validate_json(raw) if raw else ExperimentRecord(experiment=self.config.experiment)
+
+    def _save(self, rec: ExperimentRecord) -> None:
+        self.gate._redis.set(self._key, rec.model_dump_json())
+
+    def view(self) -> ExperimentView:
+        """The `GET /api/experiment` answer, from the stored record and the split (no lake read)."""
+        rec, split = self.record(), self.gate.splits.get()
+        live = challenger_live(split)
+        return ExperimentView(
+            experiment=rec.experiment,
+            state=rec.state if (live or rec.state in ("promoted", "rolled_back")) else "idle",
+            champion=split.champion_version if split else rec.champion,
+            challenger=split.challenger_version if split and live else rec.challenger,
+            holdout_version=split.holdout_version if split else None,
+            share=split.challenger_share if split and live else 0.0,
+            ramp=rec.ramp,
+            step=rec.step,
+            analysis=rec.analysis,
+            timeline=rec.timeline,
+            holdout=rec.holdout if split and split.holdout_version else None,
+        )
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, *, port: int | None = None) -> None:
+        """Tick every `interval_s` until `stop`, serving /metrics, /healthz and /readyz (`flywheel.ops`)."""
+        from flywheel.ops import (
+            ProcessHealth,
+            lake_dependency,
+            mlflow_dependency,
+            redis_dependency,
+            run_loop,
+            serve_ops,
+        )
+
+        settings = self.gate.settings
+        health = ProcessHealth(
+            "rollout", [redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_dir)]
+        )
+
+        def step() -> None:
+            rec = self.tick()
+            split = self.gate.splits.get()
+            _SHARE.set(split.challenger_share if split and challenger_live(split) else 0.0)
+            _TICKS.inc()
+            if rec.analysis is not None:
+                _DECISIONS.labels(rec.analysis.decision.action).inc()
+            stop.wait(self.config.interval_s)
+
+        port = self.config.metrics_port if port is None else port
+        # Not run_worker: that freezes the heap (gc.freeze), which the command does, not an in-process caller.
+        server = None
+        if port:
+            try:
+                server = serve_ops(port, health, settings.bind_host)
+            except OSError as exc:  # the port is taken: deciding matters more than being scraped
+                log.error("rollout does not serve /metrics and health: port taken",
+                          extra={"port": port, "detail": str(exc)})
+        try:
+            run_loop(step, stop, health)
+        finally:
+            if server is not None:
+                server.stop()
+
+    def tick(self) -> ExperimentRecord:
+        """One look: analyse the live experiment and take at most one action."""
+        now = self.clock()
+        split = self.gate.splits.get()
+        rec = self.record()
+        if split is None:
+            return rec
+        split = self._ensure_holdout(split, rec, now)
+        if not challenger_live(split):
+            if rec.state in ("ramping", "holding", "frozen"):
+                ended: ExperimentState = "promoted" if split.state == "promoted" else "rolled_back"
+                rec.state = ended
+                rec.note(now, f"experiment ended by hand: {split.reason}", by=split.changed_by)
+            self._holdout(split, rec)
+            self._save(rec)
+            return rec
+        if rec.challenger != split.challenger_version or rec.salt != split.salt:
+            rec, split = self._start(split, now)
+        if split.state == "paused" and rec.state == "ramping":
+            rec.state = "frozen"
+            rec.note(now, f"frozen by {split.changed_by}: {split.reason}", by=split.changed_by)
+        elif split.state == "running" and rec.state == "frozen":
+            rec.state = "ramping"
+            rec.note(now, f"resumed at {split.challenger_share:.0%}", by=split.changed_by)
+        assert split.challenger_version is not None
+        arms = {"champion": split.champion_version, "challenger": split.challenger_version}
+        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.started_at, cache=self._cache)
+        step = self._step(rec)
+        assert rec.started_at is not None
+        rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now)
+        if rec.analysis is not None and rec.state == "ramping":
+            self._act(rec, split, step, now)
+        self._holdout(self.gate.splits.get() or split, rec)
+        self._save(rec)
+        return rec
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _start(self, split: TrafficSplit, now: datetime) -> tuple[ExperimentRecord, TrafficSplit]:
+        old = self.record()
+        rec = ExperimentRecord(
+            experiment=self.config.experiment,
+            challenger=split.challenger_version,
+            champion=split.champion_version,
+            salt=split.salt,
+            started_at=now,
+            state="ramping",
+            ramp=[RampView(**s.model_dump()) for s in self.config.ramp],
+            timeline=old.timeline,
+            holdout_since=old.holdout_since,
+        )
+        rec.ramp[0].entered_at = now
+        rec.note(now, f"experiment: challenger {split.challenger_version} against champion {split.champion_version}",
+                 by=split.changed_by)
+        first = self.config.ramp[0].share
+        if abs(split.challenger_share - first) > 1e-9 and self._apply(
+            lambda: self.gate.plan_ramp(first, by=CONTROLLER_ACTOR, reason="ramp step 1")
+        ):
+            rec.note(now, f"ramp to {first:.0%}")
+        return rec, self.gate.splits.get() or split
+
+    def _step(self, rec: ExperimentRecord) -> StepContext:
+        i = min(rec.step, len(rec.ramp) - 1)
+        r = rec.ramp[i]
+        return StepContext(
+            index=i, share=r.share, min_users=r.min_users, min_seconds=r.min_seconds,
+            entered_at=r.entered_at or rec.started_at or self.clock(), last=i == len(rec.ramp) - 1,
+        )
+
+    def _act(self, rec: ExperimentRecord, split: TrafficSplit, step: StepContext, now: datetime) -> None:
+        assert rec.analysis is not None
+        d = rec.analysis.decision
+        if d.action == "freeze":
+            if self._apply(lambda: self.gate.plan_ramp(split.challenger_share, by=CONTROLLER_ACTOR,
+                                                       reason=d.reason, state="paused")):
+                rec.state = "frozen"
+                rec.note(now, f"frozen: {d.reason}")
+        elif d.action == "rollback":
+            if self._apply(lambda: self.gate.plan_rollback(by=CONTROLLER_ACTOR, reason=d.reason)):
+                rec.state = "rolled_back"
+                rec.ramp[step.index].left_at = now
+                rec.note(now, f"rolled back {split.challenger_version}: {d.reason}")
+        elif d.action == "ramp":
+            nxt = rec.ramp[step.index + 1]
+            if self._apply(lambda: self.gate.plan_ramp(nxt.share, by=CONTROLLER_ACTOR, reason=d.reason)):
+                rec.ramp[step.index].left_at = now
+                nxt.entered_at = now
+                rec.step = step.index + 1
+                rec.note(now, f"ramp to {nxt.share:.0%}: {d.reason}")
+        elif d.action == "promote":
+            version = cast(str, split.challenger_version)
+            approved = self.gate.registry.gate_state(version) == "approved"
+            if not (self.config.auto_promote and approved):
+                rec.state = "holding"
+                why = "auto-promotion is off" if approved else f"version {version} is not approved through the gate"
+                rec.note(now, f"holding: promotion recommended ({d.reason}); {why}")
+            elif self._apply(lambda: self.gate.plan_promote(by=CONTROLLER_ACTOR, reason=d.reason)):
+                rec.state = "promoted"
+                rec.ramp[step.index].left_at = now
+                rec.note(now, f"promoted {version}: {d.reason}")
+
+    def _apply(self, make: Callable[[], Plan]) -> bool:
+        try:
+            self.gate.apply(make())
+        except GateError as exc:  # busy, stale or changed by a person meanwhile: look again next tick
+            log.warning("rollout action refused", extra={"detail": str(exc)})
+            return False
+        return True
+
+    def _ensure_holdout(self, split: TrafficSplit, rec: ExperimentRecord, now: datetime) -> TrafficSplit:
+        share = self.config.holdout_share
+        if share <= 0 or (split.holdout_version and abs(split.holdout_share - share) < 1e-9):
+            return split
+        version = split.holdout_version or split.champion_version
+        reason = f"long-term holdout: {share:.1%} of users stay on {version} across releases"
+        if self._apply(lambda: self.gate.plan_holdout(version, share, by=CONTROLLER_ACTOR, reason=reason)):
+            rec.holdout_since = rec.holdout_since or now
+            rec.note(now, reason)
+        return self.gate.splits.get() or split
+
+    def _holdout(self, split: TrafficSplit, rec: ExperimentRecord) -> None:
+        if not split.holdout_version or split.holdout_share <= 0:
+            rec.holdout = None
+            return
+        arms = {"champion": split.champion_version, "holdout": split.holdout_version}
+        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.holdout_since, cache=self._cache)
+        users, mean, effect = cumulative_effect(agg.users, self.config)
+        rec.holdout = HoldoutView(
+            share=split.holdout_share, version=split.holdout_version, users=users, mean=mean, cumulative_effect=effect
+        )

@@ -1,0 +1,231 @@
+"""Per-user aggregates of each arm, from the lake: the unit of analysis is the user.
+
+Users are what the split randomises, so every statistic starts from one row per (arm, user):
+their generations, summed reward and the counts the guardrails need. Rewards (latest revision,
+one reward definition) give reward, explicit thumbs, shown and undo; generation events give
+latency, empty outputs, truncation and length. A row is kept only when its model version is the
+one the split names for its arm, so data of an earlier experiment never leaks in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+
+from flywheel.lake import parquet_files
+from flywheel.lake.tables import EVENTS, REWARDS, Table
+
+USER_COLUMNS = {
+    "arm": pl.String(),
+    "user_id": pl.String(),
+    "first_seen": pl.Datetime("us", "UTC"),
+    "generations": pl.Int64(),
+    "reward_n": pl.Int64(),
+    "reward_sum": pl.Float64(),
+    "explicit_n": pl.Int64(),
+    "thumbs_up": pl.Int64(),
+    "thumbs_down": pl.Int64(),
+    "shown": pl.Int64(),
+    "undone": pl.Int64(),
+    "empty": pl.Int64(),
+    "errors": pl.Int64(),
+    "length_sum": pl.Float64(),
+}
+
+
+@dataclass(frozen=True)
+class Aggregates:
+    users: pl.DataFrame  # USER_COLUMNS, one row per (arm, user)
+    latency_p95_ms: dict[str, float | None]
+    latency_n: dict[str, int]
+    reward_version: str | None
+
+
+def _arm_filter(arm_col: pl.Expr, version_col: pl.Expr, arms: dict[str, str]) -> pl.Expr:
+    conds = [(arm_col == arm) & (version_col == version) for arm, version in arms.items()]
+    out = conds[0]
+    for c in conds[1:]:
+        out = out | c
+    return out
+
+
+GENERATION_PROPS = pl.Struct(
+    {"arm": pl.String(), "model_version": pl.String(), "latency_ms": pl.Float64(), "completion": pl.String(),
+     "finish_reason": pl.String()}
+)  # fmt: skip
+REWARD_SIGNALS = pl.Struct({"thumbs": pl.Float64(), "shown": pl.Float64(), "undone": pl.Float64()})
+
+
+def _slim_generations(lf: pl.LazyFrame) -> pl.LazyFrame:
+    """Generation events reduced to what the guardrails read (JSON parsed once, only the needed keys)."""
+    p = pl.col("properties").str.json_decode(GENERATION_PROPS)
+    completion = p.struct.field("completion").fill_null("")
+    finish = p.struct.field("finish_reason").fill_null("stop")
+    return lf.filter(pl.col("type") == "generation").select(
+        "event_id",
+        "user_id",
+        "ts",
+        p.struct.field("arm").alias("arm"),
+        p.struct.field("model_version").alias("model_version"),
+        p.struct.field("latency_ms").alias("latency_ms"),
+        ((finish == "declined") | (completion.str.len_chars() == 0)).alias("empty"),
+        (finish == "length").alias("truncated"),
+        completion.str.len_chars().alias("length"),
+    )
+
+
+def _slim_rewards(lf: pl.LazyFrame) -> pl.LazyFrame:
+    sig = pl.col("signals").str.json_decode(REWARD_SIGNALS)
+    return lf.select(
+        "generation_id", "reward_version", "revision", "emitted_at", "window_start", "arm", "model_version",
+        "user_id", "reward", "label_source",
+        sig.struct.field("thumbs").alias("thumbs"),
+        sig.struct.field("shown").alias("shown"),
+        sig.struct.field("undone").alias("undone"),
+    )  # fmt: skip
+
+
+class FileCache:
+    """Slim frames of a lake table's files, each file read and parsed once.
+
+    Lake files are immutable once visible (compaction writes new files and retires old ones), so a
+    long-running controller parses only the files that appeared since its last look; a retired file
+    drops out of the cache with the listing.
+    """
+
+    def __init__(self) -> None:
+        self._frames: dict[tuple[str, Path], tuple[float, pl.DataFrame]] = {}
+
+    def frame(self, table: Table, location: Path, slim: Callable[[pl.LazyFrame], pl.LazyFrame]) -> pl.DataFrame | None:
+        files = list(parquet_files(location))
+        if not files:
+            return None
+        keep: dict[tuple[str, Path], tuple[float, pl.DataFrame]] = {}
+        fresh = []
+        for f in files:
+            key = (table.name, f)
+            mtime = f.stat().st_mtime
+            hit = self._frames.get(key)
+            if hit is not None and hit[0] == mtime:
+                keep[key] = hit
+            else:
+                fresh.append((key, mtime, f))
+        for key, mtime, f in fresh:
+            keep[key] = (mtime, slim(table.scan_files([f])).collect())
+        self._frames = {k: v for k, v in self._frames.items() if k[0] != table.name} | keep
+        return pl.concat([v[1] for k, v in keep.items()], how="vertical")
+
+
+def _frame(
+    table: Table, lake_dir: Path, slim: Callable[[pl.LazyFrame], pl.LazyFrame], cache: FileCache | None
+) -> pl.DataFrame | None:
+    if cache is not None:
+        return cache.frame(table, table.at(lake_dir), slim)
+    lf = table.scan(table.at(lake_dir))
+    return None if lf is None else slim(lf).collect()
+
+
+def reward_rows(
+    lake_dir: Path,
+    arms: dict[str, str],
+    *,
+    since: datetime | None,
+    reward_version: str | None,
+    cache: FileCache | None = None,
+) -> tuple[pl.DataFrame | None, str | None]:
+    """The current reward of each generation served by `arms` ({arm: version}) since `since`."""
+    df = _frame(REWARDS, lake_dir, _slim_rewards, cache)
+    if df is None or not arms:
+        return None, reward_version
+    df = df.filter(_arm_filter(pl.col("arm"), pl.col("model_version"), arms))
+    if since is not None:
+        df = df.filter(pl.col("window_start") >= since)
+    if df.is_empty():
+        return None, reward_version
+    if reward_version is None:
+        reward_version = str(df["reward_version"][df["emitted_at"].arg_max() or 0])
+    df = df.filter(pl.col("reward_version") == reward_version)
+    if (df["revision"].max() or 0) == 0:
+        # No generation revised: rows of one key are copies (a replay), any one is the current one,
+        # and skipping `latest`'s sort halves the tick.
+        return df.unique(["generation_id"], keep="any"), reward_version
+    return REWARDS.latest(df), reward_version
+
+
+def load(
+    lake_dir: Path,
+    arms: dict[str, str],
+    *,
+    since: datetime | None = None,
+    reward_version: str | None = None,
+    cache: FileCache | None = None,
+) -> Aggregates:
+    rewards, version = reward_rows(lake_dir, arms, since=since, reward_version=reward_version, cache=cache)
+    per_user: list[pl.DataFrame] = []
+    if rewards is not None and not rewards.is_empty():
+        per_user.append(
+            rewards.group_by("arm", "user_id").agg(
+                pl.col("window_start").min().alias("first_seen_r"),
+                pl.len().cast(pl.Int64).alias("reward_n"),
+                pl.col("reward").sum().alias("reward_sum"),
+                (pl.col("label_source") == "explicit").sum().cast(pl.Int64).alias("explicit_n"),
+                (pl.col("thumbs") > 0).sum().cast(pl.Int64).alias("thumbs_up"),
+                (pl.col("thumbs") < 0).sum().cast(pl.Int64).alias("thumbs_down"),
+                (pl.col("shown") > 0).sum().cast(pl.Int64).alias("shown"),
+                (pl.col("undone") > 0).sum().cast(pl.Int64).alias("undone"),
+            )
+        )
+    gens = generation_rows(lake_dir, arms, since=since, cache=cache)
+    latency_p95: dict[str, float | None] = dict.fromkeys(arms)
+    latency_n: dict[str, int] = dict.fromkeys(arms, 0)
+    if gens is not None and not gens.is_empty():
+        per_user.append(
+            gens.group_by("arm", "user_id").agg(
+                pl.col("ts").min().alias("first_seen_g"),
+                pl.len().cast(pl.Int64).alias("generations"),
+                pl.col("empty").sum().cast(pl.Int64).alias("empty"),
+                pl.col("truncated").sum().cast(pl.Int64).alias("errors"),
+                pl.col("length").sum().cast(pl.Float64).alias("length_sum"),
+            )
+        )
+        lat = gens.group_by("arm").agg(
+            pl.col("latency_ms").quantile(0.95, "linear").alias("p95"), pl.len().alias("n")
+        )
+        for row in lat.iter_rows(named=True):
+            latency_p95[row["arm"]] = row["p95"]
+            latency_n[row["arm"]] = int(row["n"])
+    return Aggregates(_merge(per_user), latency_p95, latency_n, version)
+
+
+def generation_rows(
+    lake_dir: Path, arms: dict[str, str], *, since: datetime | None, cache: FileCache | None = None
+) -> pl.DataFrame | None:
+    """One row per generation event served by `arms`: arm, user, ts, latency, empty, truncated, length."""
+    df = _frame(EVENTS, lake_dir, _slim_generations, cache)
+    if df is None or not arms:
+        return None
+    df = df.filter(_arm_filter(pl.col("arm"), pl.col("model_version"), arms))
+    if since is not None:
+        df = df.filter(pl.col("ts") >= since)
+    return df.unique("event_id", keep="first")
+
+
+def _merge(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    if not parts:
+        return pl.DataFrame(schema=USER_COLUMNS)
+    df = parts[0]
+    for other in parts[1:]:
+        df = df.join(other, on=["arm", "user_id"], how="full", coalesce=True)
+    firsts = [c for c in ("first_seen_r", "first_seen_g") if c in df.columns]
+    df = df.with_columns(pl.min_horizontal(*firsts).alias("first_seen"))
+    missing = {c: t for c, t in USER_COLUMNS.items() if c not in df.columns}
+    df = df.with_columns([pl.lit(None, t).alias(c) for c, t in missing.items()])
+    df = df.select([pl.col(c).cast(t) for c, t in USER_COLUMNS.items()])
+    counts = [c for c, t in USER_COLUMNS.items() if c not in ("arm", "user_id", "first_seen")]
+    df = df.with_columns([pl.col(c).fill_null(0) for c in counts])
+    # A generation whose event is not in the lake yet still counts once its reward is.
+    return df.with_columns(pl.max_horizontal("generations", "reward_n").alias("generations"))

@@ -1,0 +1,92 @@
+"""Simulated users for rollout tests: routed by the real split, their generations and rewards in the lake.
+
+Each batch brings new users (each with a few generations) at the controller's clock time; the
+split in Redis decides each user's arm (`TrafficSplit.arm_for`, as serving routes), and a
+behaviour per arm decides the rewards and signals.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import polars as pl
+
+from flywheel.contract import TrafficSplit
+from flywheel.lake.tables import EVENTS, REWARDS
+from flywheel.settings import Settings
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """How an arm's users fare: P(satisfied) per generation, and the implicit signals around it."""
+
+    p_good: float = 0.5
+    shown: float = 1.0  # P(the suggestion is shown); not shown -> an empty output, reward 0
+    undo: float = 0.05  # P(an accept is undone)
+    thumbs: float = 0.2  # P(a user votes explicitly)
+    latency_ms: float = 50.0
+
+
+Drop = Callable[[str, str], bool]  # (arm, user) -> drop this user's rows (a broken logging path)
+
+
+def write_batch(
+    settings: Settings,
+    split: TrafficSplit,
+    behaviours: dict[str, Behaviour],
+    *,
+    users: int,
+    at: datetime,
+    rng: random.Random,
+    generations: int = 3,
+    drop: Drop | None = None,
+    user_ids: list[str] | None = None,
+) -> dict[str, int]:
+    """Write `users` new users' generations and rewards; returns users per arm."""
+    events, rewards, counts = [], [], {"champion": 0, "challenger": 0, "holdout": 0}
+    ids = user_ids or [f"u-{uuid.uuid4().hex[:10]}" for _ in range(users)]
+    for user in ids:
+        arm = split.arm_for(user)
+        if drop is not None and drop(arm, user):
+            continue
+        counts[arm] += 1
+        b = behaviours[arm]
+        version = split.version_for(arm)
+        for g in range(generations):
+            ts = at + timedelta(seconds=g)
+            gid = f"gen-{uuid.uuid4().hex}"
+            shown = rng.random() < b.shown
+            good = rng.random() < b.p_good
+            signals: dict[str, float] = {}
+            if shown:
+                signals["shown"] = 1.0
+                reward = 1.0 if good else -0.2
+                if good and rng.random() < b.undo:
+                    signals["undone"] = 1.0
+                    reward = -0.1
+                label = "implicit"
+                if rng.random() < b.thumbs:
+                    signals["thumbs"] = 1.0 if good else -1.0
+                    reward, label = signals["thumbs"], "explicit"
+            else:
+                reward, label = 0.0, "default"
+            props = {"arm": arm, "model_version": version, "latency_ms": b.latency_ms * (0.8 + 0.4 * rng.random()),
+                     "completion": " x = 1\n" if shown else "", "finish_reason": "stop" if shown else "declined"}
+            events.append({"event_id": gid + "-e", "type": "generation", "schema_version": 1, "generation_id": gid,
+                           "user_id": user, "session_id": "", "ts": ts, "received_at": ts, "source": "serving",
+                           "properties": json.dumps(props), "kafka_topic": "t", "kafka_partition": 0,
+                           "kafka_offset": 0})
+            rewards.append({"generation_id": gid, "reward_version": "rules-v1", "revision": 0, "reward": reward,
+                            "confidence": 1.0, "label_source": label, "signals": json.dumps(signals, sort_keys=True),
+                            "user_id": user, "model_version": version, "arm": arm, "experiment": split.experiment,
+                            "window_start": ts, "window_end": ts, "late_events": 0, "emitted_at": ts})
+    name = f"sim-{uuid.uuid4().hex[:8]}"
+    if events:
+        EVENTS.write(EVENTS.at(settings.lake_dir), pl.DataFrame(events, schema=EVENTS.schema), name)
+        REWARDS.write(REWARDS.at(settings.lake_dir), pl.DataFrame(rewards, schema=REWARDS.schema), name)
+    return counts

@@ -1,0 +1,225 @@
+"""The rollout controller end to end: real registry (MLflow on SQLite), real Redis, a real lake.
+
+Simulated users are routed by the split in Redis exactly as serving routes them
+(`TrafficSplit.arm_for`); the controller's clock is a fake one, advanced per batch, so minimum
+times are met without waiting.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from deploy_gate.gate import DeployGate
+from deploy_gate.rollout import CONTROLLER_ACTOR, RampStep, RolloutConfig, RolloutController
+from deploy_gate.rollout.controller import ExperimentRecord
+from flywheel.connections import redis_client
+from flywheel.contract import ModelLineage
+from flywheel.settings import Settings
+from model_registry import ModelRegistry
+from tests.rollout_sim import Behaviour, Drop, write_batch
+
+CHAMPION = Behaviour(p_good=0.5)
+
+
+def register(registry: ModelRegistry, tmp_path: Path, parent: str | None = None) -> str:
+    ckpt = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "fake"}')
+    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
+    return registry.register(ckpt, ModelLineage(base="fake", parent_version=parent, sample_count=8))
+
+
+@pytest.fixture
+def registry(settings: Settings) -> ModelRegistry:
+    return ModelRegistry(settings)
+
+
+@pytest.fixture
+def gate(registry: ModelRegistry, settings: Settings) -> DeployGate:
+    return DeployGate(registry, redis_client(settings), settings)
+
+
+@pytest.fixture
+def versions(registry: ModelRegistry, gate: DeployGate, tmp_path: Path) -> tuple[str, str]:
+    """(champion, candidate approved as the challenger)."""
+    champion = register(registry, tmp_path)
+    registry.set_gate_state(champion, "champion", by="bootstrap", reason="first model")
+    registry.set_alias("champion", champion)
+    candidate = register(registry, tmp_path, parent=champion)
+    gate.approve(candidate, by="ana", reason="offline gates pass")
+    return champion, candidate
+
+
+def config(**overrides: object) -> RolloutConfig:
+    ramp = [RampStep(share=s, min_users=40, min_seconds=300) for s in (0.05, 0.25, 0.5)]
+    return RolloutConfig(ramp=ramp, srm_min_users=100, latency_min_generations=50, **overrides)  # type: ignore[arg-type]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = datetime(2026, 11, 25, 10, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def run(
+    gate: DeployGate,
+    settings: Settings,
+    challenger: Behaviour,
+    *,
+    cfg: RolloutConfig | None = None,
+    batches: int = 40,
+    users: int = 400,
+    drop: Drop | None = None,
+    seed: int = 0,
+) -> tuple[ExperimentRecord, list[ExperimentRecord]]:
+    clock = Clock()
+    controller = RolloutController(gate, cfg or config(), clock=clock)
+    rng = random.Random(seed)
+    seen = []
+    rec = controller.tick()
+    for _ in range(batches):
+        split = gate.splits.get()
+        assert split is not None
+        write_batch(settings, split, {"champion": CHAMPION, "challenger": challenger, "holdout": CHAMPION},
+                    users=users, at=clock.now, rng=rng, drop=drop)  # fmt: skip
+        clock.now += timedelta(seconds=120)
+        rec = controller.tick()
+        seen.append(rec)
+        if rec.state in ("promoted", "rolled_back", "frozen", "holding"):
+            break
+    return rec, seen
+
+
+def test_no_decision_before_the_challenger_has_rewards(gate: DeployGate, versions: tuple[str, str]) -> None:
+    clock = Clock()
+    controller = RolloutController(gate, config(), clock=clock)
+    rec = controller.tick()
+    assert rec.state == "ramping" and rec.analysis is None  # no challenger reward yet: nothing decided
+    split = gate.splits.get()
+    assert split is not None and (split.challenger_share, split.changed_by) == (0.05, CONTROLLER_ACTOR)
+    clock.now += timedelta(days=30)
+    assert controller.tick().state == "ramping"  # time alone decides nothing
+    view = controller.view()
+    assert view.analysis is None and view.share == 0.05 and view.ramp[0].entered_at is not None
+
+
+def test_a_worse_challenger_is_rolled_back_within_its_first_step(
+    gate: DeployGate, settings: Settings, registry: ModelRegistry, versions: tuple[str, str]
+) -> None:
+    champion, candidate = versions
+    rec, _ = run(gate, settings, Behaviour(p_good=0.1))
+    assert rec.state == "rolled_back" and rec.step == 0
+    assert rec.analysis is not None and rec.analysis.decision.action == "rollback"
+    split = gate.splits.get()
+    assert split is not None and split.challenger_version is None and split.champion_version == champion
+    assert registry.gate_state(candidate) == "quarantined"  # its served data leaves training
+    assert any(c.by == CONTROLLER_ACTOR and c.state == "rolled_back" for c in registry.gate_history(candidate))
+
+
+def test_a_better_challenger_is_promoted_after_the_whole_ramp(
+    gate: DeployGate, settings: Settings, registry: ModelRegistry, versions: tuple[str, str]
+) -> None:
+    _, candidate = versions
+    rec, seen = run(gate, settings, Behaviour(p_good=0.75))
+    assert rec.state == "promoted", rec.timeline[-1]
+    events = [t.event for t in rec.timeline]
+    assert [e.split(":")[0] for e in events if e.startswith("ramp to")] == ["ramp to 5%", "ramp to 25%", "ramp to 50%"]
+    assert events[-1].startswith(f"promoted {candidate}: significant win")
+    assert all(r.analysis is None or r.analysis.decision.action != "promote" for r in seen[:-1])
+    assert registry.alias("champion") == candidate and registry.gate_state(candidate) == "champion"
+    assert rec.ramp[2].entered_at is not None and rec.ramp[2].left_at is not None
+    diff = rec.analysis.difference if rec.analysis else None
+    assert diff is not None and diff.sequential_ci[0] > 0 and diff.ci[0] >= diff.sequential_ci[0]
+
+
+def test_a_sample_ratio_mismatch_freezes_the_ramp(
+    gate: DeployGate, settings: Settings, versions: tuple[str, str]
+) -> None:
+    # Half of the challenger's users never reach the lake (a broken logging path on one arm).
+    rec, _ = run(gate, settings, CHAMPION, drop=lambda arm, user: arm == "challenger" and user[-1] in "01234567")
+    assert rec.state == "frozen"
+    assert rec.analysis is not None and rec.analysis.srm.alarm and rec.analysis.srm.p_value < 0.001
+    split = gate.splits.get()
+    assert split is not None and split.state == "paused" and split.challenger_share in (0.05, 0.25)
+    frozen_share = split.challenger_share
+    # Frozen stays frozen: more data and time change nothing until a person resumes.
+    controller = RolloutController(gate, config(), clock=lambda: datetime(2027, 1, 1, tzinfo=UTC))
+    assert controller.tick().state == "frozen"
+    after = gate.splits.get()
+    assert after is not None and (after.state, after.challenger_share) == ("paused", frozen_share)
+
+
+@pytest.mark.parametrize(
+    ("hacker", "tripped"),
+    [
+        # Shows only what it is sure of: higher reward per generation, far fewer suggestions.
+        (Behaviour(p_good=0.85, shown=0.45), "shown_rate"),
+        # Users undo much more of what it suggests.
+        (Behaviour(p_good=0.5, undo=0.6), "undo_rate"),
+    ],
+)
+def test_reward_hacking_trips_a_guardrail(
+    gate: DeployGate, settings: Settings, versions: tuple[str, str], hacker: Behaviour, tripped: str
+) -> None:
+    rec, _ = run(gate, settings, hacker)
+    assert rec.state == "rolled_back"
+    assert rec.analysis is not None
+    broken = {g.name for g in rec.analysis.guardrails if not g.ok}
+    assert tripped in broken, rec.analysis.decision.reason
+    assert "guardrail tripped" in rec.analysis.decision.reason
+
+
+def test_a_person_can_end_the_experiment_and_the_controller_records_it(
+    gate: DeployGate, settings: Settings, versions: tuple[str, str]
+) -> None:
+    controller = RolloutController(gate, config(), clock=Clock())
+    controller.tick()
+    gate.rollback(by="ana", reason="looks wrong")
+    rec = controller.tick()
+    assert rec.state == "rolled_back" and rec.timeline[-1].by == "ana"
+    assert controller.view().state == "rolled_back"
+
+
+def test_the_controller_runs_as_a_process_with_the_ops_endpoints(
+    gate: DeployGate, settings: Settings, versions: tuple[str, str]
+) -> None:
+    import threading
+
+    import httpx
+
+    from launcher.embedded import free_port
+
+    port = free_port()
+    stop = threading.Event()
+    controller = RolloutController(gate, config(interval_s=0.2), clock=Clock())
+    worker = threading.Thread(target=controller.run, args=(stop,), kwargs={"port": port}, daemon=True)
+    worker.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            stop.wait(0.1)
+        assert httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+        ready = httpx.get(f"{base}/readyz", timeout=1).json()
+        assert ready["status"] == "ready"
+        for _ in range(100):
+            if "flywheel_rollout_ticks_total" in (metrics := httpx.get(f"{base}/metrics", timeout=1).text):
+                break
+            stop.wait(0.1)
+        assert "flywheel_rollout_ticks_total" in metrics
+        split = gate.splits.get()
+        assert split is not None and split.challenger_share == 0.05  # the process took the first ramp step
+    finally:
+        stop.set()
+        worker.join(timeout=10)

@@ -1,0 +1,80 @@
+"""`flywheel gate ramp|rollout|experiment|unquarantine|holdout`: plan shown, applied when confirmed."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from deploy_gate.cli import app
+from flywheel.connections import redis_client
+from flywheel.contract import ModelLineage
+from flywheel.settings import Settings, get_settings
+from flywheel.traffic import TrafficSplitStore
+from model_registry import ModelRegistry
+
+
+@pytest.fixture
+def env_settings(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    s = settings.model_copy(update={"registered_model_name": f"gate-{uuid.uuid4().hex[:8]}"})
+    for key, value in {
+        "FLYWHEEL_DATA_DIR": str(s.data_dir),
+        "FLYWHEEL_REDIS_URL": s.redis_url,
+        "FLYWHEEL_REDIS_PREFIX": s.redis_prefix,
+        "FLYWHEEL_MLFLOW_TRACKING_URI": s.mlflow_tracking_uri,
+        "FLYWHEEL_REGISTERED_MODEL_NAME": s.registered_model_name,
+        "FLYWHEEL_ROLLOUT_RAMP": json.dumps([{"share": 0.1, "min_users": 5, "min_seconds": 0}]),
+    }.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    yield s
+    get_settings.cache_clear()
+
+
+def register(registry: ModelRegistry, tmp_path: Path, name: str) -> str:
+    ckpt = tmp_path / name
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    return registry.register(ckpt, ModelLineage(base="fake"))
+
+
+def test_rollout_commands(env_settings: Settings, tmp_path: Path) -> None:
+    registry = ModelRegistry(env_settings)
+    champion = register(registry, tmp_path, "a")
+    registry.set_alias("champion", champion)
+    candidate = register(registry, tmp_path, "b")
+    splits = TrafficSplitStore(redis_client(env_settings), env_settings)
+    runner = CliRunner()
+    ok = ["--by", "ana", "--reason", "test", "--yes"]
+    assert runner.invoke(app, ["approve", candidate, *ok]).exit_code == 0
+
+    once = runner.invoke(app, ["rollout", "--once"])
+    assert once.exit_code == 0, once.output
+    assert json.loads(once.output)["state"] == "ramping"
+    assert splits.get().challenger_share == 0.1  # type: ignore[union-attr]
+
+    frozen = runner.invoke(app, ["ramp", "0.1", "--freeze", *ok])
+    assert frozen.exit_code == 0 and "freeze at 10%" in frozen.output
+    assert splits.get().state == "paused"  # type: ignore[union-attr]
+    shown = json.loads(runner.invoke(app, ["experiment"]).output)
+    assert (shown["challenger"], shown["share"]) == (candidate, 0.1)
+
+    bad = runner.invoke(app, ["ramp", "1.5", *ok])
+    assert bad.exit_code == 1 and "a ramp share must be in (0, 1]" in bad.output
+
+    assert runner.invoke(app, ["rollback", *ok]).exit_code == 0
+    assert registry.gate_state(candidate) == "quarantined"
+    lifted = runner.invoke(app, ["unquarantine", candidate, *ok])
+    assert lifted.exit_code == 0, lifted.output
+    assert registry.gate_state(candidate) == "rolled_back"
+    again = runner.invoke(app, ["unquarantine", candidate, *ok])
+    assert again.exit_code == 1 and "not quarantined" in again.output
+
+    held = runner.invoke(app, ["holdout", champion, "--share", "0.05", *ok])
+    assert held.exit_code == 0, held.output
+    split = splits.get()
+    assert split is not None and (split.holdout_version, split.holdout_share) == (champion, 0.05)

@@ -1,0 +1,141 @@
+"""The rollout's statistics: published golden values, the unit of analysis, and A/A under continuous monitoring."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deploy_gate.rollout.calibration import run_many
+from deploy_gate.stats import (
+    RatioStats,
+    RewardStats,
+    check_srm,
+    ratio_difference,
+    sequential_interval,
+    welch_difference,
+)
+
+
+def test_growthbook_golden_values() -> None:
+    assert check_srm([1000, 1200], [0.5, 0.5]) == pytest.approx(2.0079e-05, rel=1e-4)
+    d = welch_difference(RewardStats(3407, 1396.87, 52377.9767), RewardStats(3461, 2422.7, 134698.29))
+    assert d is not None
+    assert d.estimate == pytest.approx(0.29, abs=1e-9)
+    assert d.ci == pytest.approx((0.04538, 0.53462), abs=5e-6)
+    assert d.p_value == pytest.approx(0.02016, abs=5e-6)
+
+
+def test_stats_merge_like_one_pass() -> None:
+    rng = np.random.default_rng(3)
+    units = [(float(k), float(rng.binomial(k, 0.4))) for k in 1 + rng.poisson(2, 300)]
+    whole = RatioStats.of(units)
+    parts = RatioStats.of(units[:100]) + RatioStats.of(units[100:250]) + RatioStats.of(units[250:])
+    assert parts.ratio == pytest.approx(whole.ratio)
+    assert parts.ratio_variance() == pytest.approx(whole.ratio_variance())
+
+
+def test_per_user_interval_is_wider_than_per_generation_when_users_differ() -> None:
+    """Correlated rewards within a user: the per-generation interval understates the uncertainty."""
+    rng = np.random.default_rng(5)
+    k = 1 + rng.poisson(8, 400)
+    p = rng.beta(1, 1, 400)
+    y = rng.binomial(k, p)
+    per_user = RatioStats.of(zip(k.astype(float), y.astype(float), strict=True))
+    rewards = np.concatenate([np.r_[np.ones(int(yi)), np.zeros(int(ki - yi))] for ki, yi in zip(k, y, strict=True)])
+    per_gen = RewardStats.of(rewards.tolist())
+    assert per_user.ratio == pytest.approx(per_gen.mean)
+    var_gen = (per_gen.variance or 0) / per_gen.n
+    assert (per_user.ratio_variance() or 0) > 2 * var_gen
+
+
+def test_delta_method_matches_welch_with_one_generation_per_user() -> None:
+    a = RatioStats.of([(1.0, float(v)) for v in [0, 1, 1, 0, 1, 0, 0, 1, 1, 1]])
+    b = RatioStats.of([(1.0, float(v)) for v in [1, 1, 1, 0, 1, 1, 0, 1, 1, 1]])
+    d = ratio_difference(a, b)
+    assert d is not None
+    assert d.estimate == pytest.approx(0.2)
+    assert d.std_error == pytest.approx(math.sqrt(a.ratio_variance() + b.ratio_variance()))  # type: ignore[operator]
+
+
+def test_sequential_interval_contains_the_fixed_one_and_narrows() -> None:
+    d = ratio_difference(RatioStats.of([(1.0, 0.0), (1.0, 1.0)] * 200), RatioStats.of([(1.0, 0.0), (2.0, 2.0)] * 200))
+    assert d is not None
+    lo, hi = sequential_interval(d, 800)
+    assert lo < d.ci[0] and hi > d.ci[1]
+    widths = []
+    for n in (100, 1000, 10000):
+        se = 1 / math.sqrt(n)
+        dd = type(d)(0.0, (-2 * se, 2 * se), 1.0, se)
+        lo, hi = sequential_interval(dd, n)
+        widths.append(hi - lo)
+    assert widths == sorted(widths, reverse=True)
+
+
+def test_aa_under_continuous_monitoring_stays_at_or_below_alpha() -> None:
+    """150 A/A experiments, each looked at after each of 20 batches: the confidence sequence declares a
+    winner in at most alpha of them; the naive repeated fixed-sample test in far more."""
+    outcomes = run_many(150, effect=0.0, looks=20, users_per_look=200, alpha=0.05, seed=11)
+    sequential = sum(o.sequential_look is not None for o in outcomes) / len(outcomes)
+    naive = sum(o.naive_look is not None for o in outcomes) / len(outcomes)
+    assert sequential <= 0.05
+    assert naive > 0.1  # peeking inflates the fixed-sample test's false positives
+
+
+def test_a_reward_rise_with_falling_explicit_satisfaction_is_flagged() -> None:
+    import polars as pl
+
+    from deploy_gate.rollout import RolloutConfig
+    from deploy_gate.rollout.analysis import StepContext, analyse
+    from deploy_gate.rollout.data import USER_COLUMNS, Aggregates
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    rows = []
+    for i in range(400):
+        arm = "challenger" if i % 2 else "champion"
+        # The challenger's implicit reward is higher, but its explicit votes are worse.
+        reward, up = (0.7 * 4, 1) if arm == "challenger" else (0.5 * 4, 2)
+        rows.append({"arm": arm, "user_id": f"u{i}", "first_seen": t0, "generations": 4, "reward_n": 4,
+                     "reward_sum": reward + (i % 7) * 0.05, "explicit_n": 2, "thumbs_up": up, "thumbs_down": 2 - up,
+                     "shown": 4, "undone": 0, "empty": 0, "errors": 0, "length_sum": 40.0})  # fmt: skip
+    agg = Aggregates(pl.DataFrame(rows, schema=USER_COLUMNS), {"champion": 50.0, "challenger": 50.0},
+                     {"champion": 800, "challenger": 800}, "rules-v1")  # fmt: skip
+    step = StepContext(index=0, share=0.5, min_users=10, min_seconds=0, entered_at=t0, last=True)
+    view = analyse(agg, step, RolloutConfig(), started_at=t0, now=t0 + timedelta(hours=1))
+    assert view is not None and view.difference is not None and view.difference.estimate > 0
+    assert [f.split(":")[0] for f in view.flags] == ["reward_up_explicit_down"]
+    # ... and the explicit thumbs-up guardrail (a reward-hacking one) stops the promotion.
+    assert {g.name for g in view.guardrails if not g.ok} == {"explicit_up_rate", "thumbs_down_rate"}
+    assert view.decision.action == "rollback"
+
+
+def test_the_rollout_reads_the_current_revision_and_each_generation_once(tmp_path: Path) -> None:
+    import json
+
+    import polars as pl
+
+    from deploy_gate.rollout.data import FileCache, load
+    from flywheel.lake.tables import REWARDS
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+
+    def rows(gids: list[str], revision: int, reward: float) -> pl.DataFrame:
+        return pl.DataFrame([{
+            "generation_id": g, "reward_version": "r1", "revision": revision, "reward": reward, "confidence": 1.0,
+            "label_source": "implicit", "signals": json.dumps({"shown": 1.0}), "user_id": "u1", "model_version": "2",
+            "arm": "challenger", "experiment": "default", "window_start": t0, "window_end": t0, "late_events": 0,
+            "emitted_at": t0 + timedelta(seconds=revision),
+        } for g in gids], schema=REWARDS.schema)  # fmt: skip
+
+    where = REWARDS.at(tmp_path)
+    REWARDS.write(where, rows(["a", "b"], 0, 1.0), "first")
+    REWARDS.write(where, rows(["a", "b"], 0, 1.0), "replayed")  # the same rows again
+    cache = FileCache()
+    agg = load(tmp_path, {"challenger": "2"}, cache=cache)
+    assert agg.users.select("reward_n", "reward_sum").row(0) == (2, 2.0)
+    REWARDS.write(where, rows(["a"], 1, -1.0), "revised")  # a late event revises a's reward
+    agg = load(tmp_path, {"challenger": "2"}, cache=cache)
+    assert agg.users.select("reward_n", "reward_sum", "shown").row(0) == (2, 0.0, 2)
