@@ -215,7 +215,9 @@ def ramp(
 ) -> None:
     """Set the live challenger's share by hand, freeze the ramp, or resume a frozen one."""
     state = "paused" if freeze else "running"
-    _plan_and_apply(lambda g, who: g.plan_ramp(share, by=who, reason=reason, state=state), by, yes)
+    _plan_and_apply(
+        "ramp", None, reason, lambda g, who: g.plan_ramp(share, by=who, reason=reason, state=state), by, yes
+    )
 
 
 @app.command()
@@ -228,13 +230,15 @@ def holdout(
 ) -> None:
     """Keep a share of users on a fixed version across releases (the long-term holdout)."""
     v = None if version.lower() == "none" else version
-    _plan_and_apply(lambda g, who: g.plan_holdout(v, share, by=who, reason=reason), by, yes)
+    _plan_and_apply("holdout", v, reason, lambda g, who: g.plan_holdout(v, share, by=who, reason=reason), by, yes)
 
 
 @app.command()
 def unquarantine(version: str, reason: Reason, by: By = "", yes: Yes = False) -> None:
     """Lift a rolled-back version's quarantine: its served data may be trained on again."""
-    _plan_and_apply(lambda g, who: g.plan_unquarantine(version, by=who, reason=reason), by, yes)
+    _plan_and_apply(
+        "unquarantine", version, reason, lambda g, who: g.plan_unquarantine(version, by=who, reason=reason), by, yes
+    )
 
 
 @app.command()
