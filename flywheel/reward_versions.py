@@ -17,6 +17,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
@@ -65,7 +66,7 @@ def write_active(lake_dir: Path, active: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def describe(versions: list[str] | set[str]) -> str:
+def describe(versions: Iterable[str]) -> str:
     """How a reader names the versions it read: sorted and comma-joined (one per surface).
 
     >>> describe({"rules-v1", "chat-rules-v1"})

@@ -148,14 +148,19 @@ class RewardDefinition:
         if "thumbs" in s:
             agrees = s.get("thumbs_comment_sentiment", s["thumbs"]) * s["thumbs"] >= 0
             return Score(s["thumbs"], 1.0 if agrees else 0.8, "explicit", s)
+        return self.score_implicit(s)
+
+    def score_implicit(self, s: dict[str, float]) -> Score:
+        """The reward of extracted signals `s` without the explicit vote (thumbs are not read): what the
+        refit compares with held-out thumbs."""
         implicit = {"shown", "copied", "regenerated", "followup", "edit_distance", "retention", "undone"}
         if not implicit & s.keys():
-            if gen.declined:
+            if s.get("declined"):
                 return Score(self.declined_reward, 1.0, "default", s)
             return Score(self.default_reward, self.default_confidence, "default", s)
         if self.satisfaction is not None:
             p = self.satisfaction.predict_one(s)
-            s["p_satisfied"] = p
+            s = {**s, "p_satisfied": p}
             return Score(2.0 * p - 1.0, max(p, 1.0 - p), "implicit", s)
         return self._rules(s)
 

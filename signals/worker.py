@@ -496,7 +496,8 @@ class SignalsWorker:
         from signals.satisfaction import refit
 
         try:
-            refit(self.settings, self.config)
+            for surface in sorted(self.definitions.active_map()):
+                refit(self.settings, self.config, surface=surface)
         except Exception as exc:  # noqa: BLE001 - a failed refit keeps the current definition; the stream goes on
             dep = self.health.blame(exc)
             if dep is not None:  # an outage: one line per state change, and the next refit retries
