@@ -97,6 +97,7 @@ class RewardDefinition:
     notes: str = ""
     surface: str = DEFAULT_SURFACE
     window_s: float | None = None  # None: the deployment's `reward_window_s`
+    rules_version: str = ""  # with a satisfaction model: the rules definition it was fitted over
 
     def __post_init__(self) -> None:
         if not self.version or any(c in self.version for c in " /:"):
@@ -240,6 +241,7 @@ class RewardDefinition:
             "satisfaction": self.satisfaction.to_json() if self.satisfaction else None,
             "surface": self.surface,
             "window_s": self.window_s,
+            "rules_version": self.rules_version,
         }
 
     @classmethod
@@ -253,8 +255,13 @@ class RewardDefinition:
     def with_satisfaction(self, model: LogisticModel, version: str, notes: str = "") -> RewardDefinition:
         """This definition scored by `model`; its "no signal" default becomes the model's own value
         for a generation with no signal (2 * P(satisfied | nothing) - 1), on the same scale."""
+        if self.satisfaction is not None:
+            raise ValueError(f"{self.version} already has a model; fit over its rules ({self.rules_version})")
         baseline = 2.0 * model.predict_one({}) - 1.0
-        return replace(self, version=version, satisfaction=model, notes=notes, default_reward=baseline)
+        return replace(
+            self, version=version, satisfaction=model, notes=notes, default_reward=baseline,
+            rules_version=self.version,
+        )  # fmt: skip
 
 
 DEFAULT_DEFINITION = RewardDefinition()

@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import polars as pl
@@ -262,8 +262,8 @@ def refit(
         )
     except ValueError as exc:
         return RefitResult(n, surface, reason=str(exc))
-    base = store.active(surface)
-    rules = replace(base, satisfaction=None)
+    active = store.active(surface)
+    rules = store.get(active.rules_version) if active.satisfaction is not None else active
     rules_proba = np.array([(rules.score_implicit(dict(s)).reward + 1.0) / 2.0 for s in fit.test_signals])
     cmp = compare_with_rules(
         fit.test_labels, fit.test_proba, rules_proba, samples=config.bootstrap_samples, seed=config.seed

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -286,6 +286,19 @@ TRUE_COEF = {
 }
 
 
+# Users the rules misjudge: accepting says little (they accept, then rewrite it), what they copy and
+# say next says a lot. A satisfaction model fitted on their thumbs beats the rules by far.
+MISJUDGED_COEF = {
+    "accepted": -0.8,
+    "accepted_fraction": -0.4,
+    "rejected": 0.6,
+    "retention": 0.3,
+    "followup_sentiment": 2.5,
+    "copied": 2.5,
+    "regenerated": -2.0,
+}
+
+
 @dataclass(frozen=True)
 class KnownUser:
     generation_id: str
@@ -297,16 +310,25 @@ class KnownUser:
     gen: GenerationInfo
 
 
-def known_users(n: int, *, seed: int = 0, thumbs_share: float = 0.4) -> list[KnownUser]:
-    """Users who react with implicit signals, are satisfied with a known probability, and sometimes vote."""
-    from signals.reward import DEFAULT_DEFINITION
+def known_users(
+    n: int,
+    *,
+    seed: int = 0,
+    thumbs_share: float = 0.4,
+    coef: Mapping[str, float] | None = None,
+    surface: str = "code-completion",
+) -> list[KnownUser]:
+    """Users who react with implicit signals, are satisfied with a known probability (logit
+    `TRUE_INTERCEPT + sum coef * signal`, `coef` default `TRUE_COEF`), and sometimes vote."""
+    coef = TRUE_COEF if coef is None else coef
+    from signals.reward import builtin_definition
 
     rng = random.Random(seed)
     s = 1_000_000
     out = []
     for i in range(n):
         gid = f"k{seed}-{i:06d}"
-        gen = GenerationInfo(gid, ts_us=0, user_id=f"u{i % 97}", completion_chars=20)
+        gen = GenerationInfo(gid, ts_us=0, user_id=f"u{i % 97}", completion_chars=20, surface=surface)
         evs = [FeedbackEvent(f"{gid}-shown", "shown", s // 10)]
         r = rng.random()
         if r < 0.55:
@@ -338,9 +360,9 @@ def known_users(n: int, *, seed: int = 0, thumbs_share: float = 0.4) -> list[Kno
         for kind in ("copied", "regenerated"):
             if rng.random() < 0.1:
                 evs.append(FeedbackEvent(f"{gid}-{kind}", kind, 3 * s))
-        signals = DEFAULT_DEFINITION.extract(gen, evs, 600 * s)
+        signals = builtin_definition(surface).extract(gen, evs, 600 * s)
         logit = TRUE_INTERCEPT + sum(
-            c * signals.get(k, 0.5 if k == "retention" else 0.0) for k, c in TRUE_COEF.items()
+            c * signals.get(k, 0.5 if k == "retention" else 0.0) for k, c in coef.items()
         )
         true_p = 1.0 / (1.0 + math.exp(-logit))
         satisfied = rng.random() < true_p
