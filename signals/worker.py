@@ -1,19 +1,26 @@
 """The streaming extractor: events in, one reward record per generation window out.
 
-Event-time windows: a generation's window is [ts, ts + reward_window_s]. Each
-partition has a watermark, the largest event clock seen minus
-`allowed_lateness_s`, where an event's clock is max(ts, received_at): the arrival
-time keeps the watermark moving when events carry old timestamps, and it is what
-lets the batch recompute replay the stream exactly from the lake (same
-partition order, same clocks). When the whole stream has been empty for
-`idle_after_s`, watermarks also advance with the wall clock (now - lateness -
+Surfaces: a generation's `surface` property picks the reward definition that scores it (the
+surface's active one when the generation event arrives, pinned in its state) and so its window,
+[ts, ts + the definition's window]. A definition never scores another surface.
+
+Event-time windows. Each partition has a live watermark, the largest event clock seen minus
+`allowed_lateness_s`, where an event's clock is max(ts, received_at): the arrival time keeps the
+watermark moving when events carry old timestamps, and it is what lets the batch recompute replay
+the stream exactly from the lake (same partition order, same clocks). A generation whose event
+arrived more than `backfill_after_s` after its time is history being replayed: its window closes
+by the partition's historical watermark instead (the largest `ts` of such events minus the
+lateness), so a replay in time order gives each generation one final record rather than a
+default on arrival and a revision per later event. When the whole stream has been empty for
+`idle_after_s`, both watermarks also advance with the wall clock (now - lateness -
 `idle_grace_s`), so windows close in a quiet system.
 
-Per event, in partition order: skip it if its id was seen; advance the watermark;
-close every window ending at or before it (record revision 0); then add the event.
-A feedback event in a window already closed is late: it yields a corrected
-record, revision + 1, holding everything seen so far. Feedback timed after its
-window's end is ignored.
+Per event, in partition order: skip it if its id was seen; advance the watermarks; close every
+window ending at or before them (record revision 0); then add the event. A feedback event in a
+window already closed is late: it yields a corrected record, revision + 1, holding everything
+seen so far. Feedback timed after its window's end is ignored. Feedback whose generation has not
+come yet is held; it is orphan once the watermark passes its time plus the longest window.
+Every event's outcome is counted (`signals/metrics.py`) and the unusual ones logged.
 
 Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
