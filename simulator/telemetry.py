@@ -411,8 +411,9 @@ def product_telemetry(
     kept gets retention checks at `RETENTION_CHECKS_S` after the accept, the fraction still present
     falling with time. Chat (`surface` chat): each reply may get a thumbs vote (with a comment now and
     then), a follow-up message, a copy or a regenerate; each chat user's second reply gets its
-    follow-up hours later, past the `window_s` window. Generations of one user are `spacing_s` apart. `orphans` generation ids get
-    feedback and no generation event; `duplicate_share` of events are sent twice (a client retry).
+    follow-up hours later, past the `window_s` window. Generations of one user are `spacing_s`
+    apart. `orphans` generation ids get feedback and no generation event; `duplicate_share` of
+    events are sent twice (a client retry).
     """
     rng = random.Random(seed)
     events: list[Event] = []
