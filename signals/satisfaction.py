@@ -158,7 +158,7 @@ def compare_with_rules(
     """AUC and ECE of the model (`proba`) and the rules (`rules_proba`) on the same `labels`, with
     paired percentile-bootstrap 95% intervals (Efron & Tibshirani, 1993, ch. 13), seeded.
 
-    >>> y = np.array([0, 0, 1, 1] * 10); good = y * 0.8 + 0.1; flat = np.full(40, 0.5)
+    >>> y = np.array([0, 0, 1, 1] * 10); good = y * 0.8 + 0.1; flat = np.full(40, 0.8)
     >>> c = compare_with_rules(y, good, flat, samples=50)
     >>> round(c.auc_model.value, 2), round(c.auc_rules.value, 2), c.beats(0.02)[0]
     (1.0, 0.5, True)

@@ -436,8 +436,9 @@ class SignalsWorker:
 
     def _process(self, records: list[Record]) -> None:
         by_partition: dict[int, list[Event]] = defaultdict(list)
+        longest = self.max_window_us()
         for r in sorted(records, key=lambda r: (r.partition, r.offset)):
-            event = decode_event(r.value, self.max_window_us())
+            event = decode_event(r.value, longest)
             if event is None:  # ingest dead-letters it; here it simply carries no signal
                 self.stats.count("invalid")
                 continue
