@@ -235,7 +235,9 @@ class _Batch:
             self.plan.zadd.append((self.w.keys.open(p, lane), gid, str(st.window_end_us)))
 
     def emit(self, gid: str, st: GenState, revision: int) -> None:
-        assert st.gen is not None and st.window_end_us is not None and st.version is not None
+        assert st.gen is not None and st.window_end_us is not None
+        if st.version is None:  # a state written before versions were pinned on arrival
+            st.version = self.w.definition_for(st.gen.surface).version
         definition = self.w.definitions.get(st.version)
         record = definition.record(
             st.gen, st.events, window_end_us=st.window_end_us, revision=revision, late_events=st.late

@@ -231,3 +231,22 @@ def _active(settings: Settings) -> str:
     from flywheel.reward_versions import describe, read_active
 
     return describe((read_active(settings.lake_dir) or {}).values())
+
+
+def test_orphans_command_lists_feedback_without_a_generation(settings: Settings) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from signals.cli import app
+
+    now = utcnow()
+    tel = product_telemetry(start=now - timedelta(days=1), seed=4, code_users=1, chat_users=1, per_user=2,
+                            orphans=2, duplicate_share=0)  # fmt: skip
+    write_events(settings, tel.events)
+    result = CliRunner().invoke(app, ["orphans"], env={"FLYWHEEL_DATA_DIR": str(settings.data_dir)})
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines()]
+    assert lines[0] == {"orphan_generations": 2, "orphan_events": 2}
+    assert sorted(row["generation_id"] for row in lines[1:]) == sorted(tel.orphan_ids)
+    assert all(row["types"] == ["accepted"] for row in lines[1:])
