@@ -250,3 +250,26 @@ def test_orphans_command_lists_feedback_without_a_generation(settings: Settings)
     assert lines[0] == {"orphan_generations": 2, "orphan_events": 2}
     assert sorted(row["generation_id"] for row in lines[1:]) == sorted(tel.orphan_ids)
     assert all(row["types"] == ["accepted"] for row in lines[1:])
+
+
+def test_a_window_shorter_than_the_latest_check_warns_and_counts_the_checks_out_of_window(
+    settings: Settings, caplog  # noqa: ANN001
+) -> None:
+    settings = settings.model_copy(update={"reward_window_s": 600.0})  # the old default: 10 minutes
+    ensure_topics(settings)
+    tel = product_telemetry(start=utcnow() - timedelta(days=3), seed=5, code_users=2, chat_users=0,
+                            per_user=4, orphans=0, duplicate_share=0)  # fmt: skip
+    send(settings, tel.events)
+    gen_ts = {e.generation_id: e.ts for e in tel.events if str(e.type) == "generation"}
+    past = [e for e in tel.events if str(e.type) != "generation" and e.ts > gen_ts[e.generation_id] + timedelta(
+        seconds=600)]  # fmt: skip
+    assert past and all(str(e.type) == "retained" for e in past)
+    worker = SignalsWorker(settings, CONFIG)
+    with caplog.at_level("WARNING", logger="signals.worker"):
+        try:
+            drain(worker, lambda: worker.stats.records >= len(tel.surfaces))
+        finally:
+            worker.close()
+    assert "shorter than the latest checkpoint" in caplog.text
+    assert worker.stats.out_of_window == len(past) and worker.stats.late_events == 0
+    assert not any("retained_900s" in r.signals for r in streamed(settings))
