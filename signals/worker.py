@@ -316,6 +316,7 @@ class SignalsWorker:
         self._last_data = time.monotonic()
         self._assigned: set[tuple[str, int]] = set()
         self._active: tuple[float, dict[str, RewardDefinition]] | None = None
+        self._warned: set[str] = set()
         self._last_refit = time.monotonic()
 
     @property
@@ -348,7 +349,8 @@ class SignalsWorker:
             self._active = (time.monotonic(), found)
             for surface, d in found.items():
                 window = d.window(self.settings.reward_window_s)
-                if window < d.latest_checkpoint_s:
+                if window < d.latest_checkpoint_s and d.version not in self._warned:
+                    self._warned.add(d.version)  # once per version, not at every re-read
                     log.warning(
                         "the feedback window is shorter than the latest checkpoint its definition reads: "
                         "later checks are counted out-of-window",
