@@ -1,14 +1,17 @@
 """Reward per arm and model version, overall and per time bucket, from the lake's rewards table.
 
 Signals may revise a reward (a late event arrives): only the highest `revision` of each
-(generation_id, reward_version) counts. Only one reward definition is compared at a time,
-by default the one most recently emitted, since rewards from two definitions do not mix.
+(generation_id, reward_version) counts. Only one reward definition per surface is compared at a
+time, by default the active one of each surface (`flywheel.reward_versions`; the one most recently
+emitted on a lake signals never pointed), since rewards from two definitions do not mix; the
+response's `reward_version` says which were read.
 Rewards are bucketed by `window_start`, the time of the generation they judge, so a bucket
 shows how that hour's users fared, whenever their feedback arrived.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from deploy_gate.stats import RewardStats
 from flywheel.contract import utcnow
 from flywheel.lake.tables import REWARDS
+from flywheel.reward_versions import describe, read_active
 from flywheel.settings import Settings
 
 CONFIDENCE = 0.95
@@ -60,20 +64,28 @@ class ArmMetrics(BaseModel):
 
 
 def latest_rewards(
-    table: Path, *, reward_version: str | None = None, since: datetime | None = None
+    table: Path,
+    *,
+    reward_version: str | None = None,
+    since: datetime | None = None,
+    active: Collection[str] = (),
 ) -> tuple[pl.DataFrame | None, str | None]:
     """The rewards that count (latest revision each) in the rewards table at `table`, for one reward
-    definition; (frame, version)."""
+    definition, or else the `active` one of each surface, or else the newest; (frame, version(s) read)."""
     lf = REWARDS.scan(table)
     if lf is None:
         return None, reward_version
-    if reward_version is None:
+    if reward_version is None and active:
+        lf, reward_version = lf.filter(pl.col("reward_version").is_in(sorted(active))), describe(active)
+    elif reward_version is None:
         # arg_max, not a sort: this runs over the whole table on every dashboard load.
         newest = lf.select(pl.col("reward_version").get(pl.col("emitted_at").arg_max())).collect()
         if newest.is_empty() or newest.item() is None:
             return None, None
         reward_version = str(newest.item())
-    lf = lf.filter(pl.col("reward_version") == reward_version)
+        lf = lf.filter(pl.col("reward_version") == reward_version)
+    else:
+        lf = lf.filter(pl.col("reward_version") == reward_version)
     if since is not None:
         lf = lf.filter(pl.col("window_start") >= since)
     columns = [
@@ -99,7 +111,10 @@ def arm_metrics(
     since: datetime | None = None,
 ) -> ArmMetrics:
     """n, mean and 95% interval per arm and model version, overall and per `bucket` (a polars duration)."""
-    df, version = latest_rewards(REWARDS.at(settings.lake_dir), reward_version=reward_version, since=since)
+    active = set((read_active(settings.lake_dir) or {}).values())  # what signals made active, per surface
+    df, version = latest_rewards(
+        REWARDS.at(settings.lake_dir), reward_version=reward_version, since=since, active=active
+    )
     arms: list[ArmSummary] = []
     if df is not None and not df.is_empty():
         df = df.with_columns(

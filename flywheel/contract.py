@@ -188,6 +188,12 @@ class GenerationRecord(BaseModel):
     model_version: str
     experiment: str = ""
     arm: Literal["champion", "challenger", "holdout"] = "champion"
+    surface: str = Field(
+        default="",
+        pattern=r"^$|^[a-z0-9][a-z0-9._-]{0,63}$",
+        description="The product surface (e.g. code-completion, chat) whose reward definition scores it; "
+        "empty: code-completion (flywheel.reward_versions).",
+    )
     latency_ms: float = 0.0
     finish_reason: Literal["stop", "length", "declined"] = "stop"
     temperature: float = 1.0

@@ -110,7 +110,12 @@ class Settings(BaseSettings):
     )
 
     # Loop timing
-    reward_window_s: float = Field(default=600.0, gt=0, description="Feedback window per generation.")
+    reward_window_s: float = Field(
+        default=960.0,
+        gt=0,
+        description="Feedback window per generation, for surfaces whose reward definition names none; "
+        "960 s covers code completion's 15-minute retention check after an accept within a minute.",
+    )
     allowed_lateness_s: float = Field(default=5.0, ge=0)
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)

@@ -35,6 +35,7 @@ from simulator.users import UserSimulator
 
 log = logging.getLogger(__name__)
 console = Console()
+DEMO_REWARD_WINDOW_S = 60.0  # unless FLYWHEEL_REWARD_WINDOW_S says otherwise
 
 # (name, flywheel sub-command) for every long-running component.
 COMPONENTS: list[tuple[str, list[str]]] = [
@@ -212,7 +213,12 @@ def run_up(
     duration_s: float | None,
 ) -> None:
     stack: EmbeddedStack = start_embedded(settings)
-    s = stack.settings.model_copy(update={"train_interval_s": train_interval_s})
+    demo: dict[str, object] = {"train_interval_s": train_interval_s}
+    if "FLYWHEEL_REWARD_WINDOW_S" not in os.environ:
+        # The simulated users' latest check comes 30 s after an accept: a one-minute window covers it, so
+        # the demo's loop turns in minutes, not the 16 a real product's 15-minute retention check needs.
+        demo["reward_window_s"] = DEMO_REWARD_WINDOW_S
+    s = stack.settings.model_copy(update=demo)
     running: list[Running] = []
     user_threads: list[threading.Thread] = []
     stop = threading.Event()

@@ -50,36 +50,50 @@ def recompute(
 
 @app.command()
 def refit(
-    activate: bool = typer.Option(True, help="Make the new definition active when it has enough labels."),
+    surface: str = typer.Option("code-completion", help="The product surface whose thumbs to fit on."),
+    activate: bool = typer.Option(True, help="Activate the new definition if it beats the rules."),
 ) -> None:
-    """Fit the satisfaction model on explicit thumbs; log AUC and ECE to MLflow."""
+    """Fit the surface's satisfaction model on its explicit thumbs; compare it with the rules on held-out
+    labels (AUC and ECE with intervals, logged to MLflow); activate it only if it beats them."""
     from signals.config import SignalsConfig
     from signals.satisfaction import refit as do_refit
 
-    result = do_refit(get_settings(), SignalsConfig(), activate=activate)
+    result = do_refit(get_settings(), SignalsConfig(), surface=surface, activate=activate)
     typer.echo(json.dumps(result.summary(), default=str))
 
 
 @app.command()
 def definitions() -> None:
-    """List reward definition versions; the active one is marked with '*'."""
+    """List reward definition versions with their surface; the active one of each surface is marked '*'."""
     from flywheel.connections import redis_client
     from signals.definitions import DefinitionStore
 
     store = DefinitionStore(get_settings(), redis_client(get_settings()))
-    active = store.active_version()
+    active = set(store.active_map().values())
     for v in store.versions():
-        typer.echo(f"{'*' if v == active else ' '} {v}")
+        typer.echo(f"{'*' if v in active else ' '} {v}\t{store.get(v).surface}")
 
 
 @app.command()
 def activate(version: str) -> None:
-    """Make `version` the definition the stream uses for windows that close from now on."""
+    """Make `version` the active definition of its surface: the stream scores that surface's generations
+    that arrive from now on with it, and the trainer and the dashboard read its records."""
     from flywheel.connections import redis_client
     from signals.definitions import DefinitionStore
 
-    DefinitionStore(get_settings(), redis_client(get_settings())).set_active(version)
-    typer.echo(f"active reward definition: {version}")
+    surface = DefinitionStore(get_settings(), redis_client(get_settings())).set_active(version)
+    typer.echo(f"active reward definition of {surface}: {version}")
+
+
+@app.command()
+def orphans(limit: int = typer.Option(50, min=1, help="Show at most this many generation ids.")) -> None:
+    """Feedback in the lake for generation ids that never had a `generation` event (they score nothing)."""
+    from signals.orphans import orphan_feedback
+
+    df = orphan_feedback(get_settings())
+    typer.echo(json.dumps({"orphan_generations": df.height, "orphan_events": int(df["events"].sum() or 0)}))
+    for row in df.head(limit).iter_rows(named=True):
+        typer.echo(json.dumps(row, default=str))
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """Settings of the signals component that no other component needs.
 
-Read from the environment with the `FLYWHEEL_SIGNALS_` prefix; the window and
-lateness themselves are shared (`Settings.reward_window_s`, `allowed_lateness_s`).
+Read from the environment with the `FLYWHEEL_SIGNALS_` prefix; the default window and the
+lateness are shared (`Settings.reward_window_s`, `allowed_lateness_s`); a reward definition
+may name its own surface's window (`RewardDefinition.window_s`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,22 @@ class SignalsConfig(BaseSettings):
         description="How long a generation's state (so late-event handling) lasts after its last event.",
     )
     min_labels: int = Field(
-        default=200, ge=10, description="Explicit labels needed before the satisfaction model is used."
+        default=200, ge=10, description="Explicit labels of a surface needed before its satisfaction model is used."
+    )
+    auc_margin: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="A refit is activated only if its held-out AUC beats the rules' by this much, the lower "
+        "end of the bootstrap interval of the difference is above 0, and its ECE is no worse than the rules'.",
+    )
+    bootstrap_samples: int = Field(default=400, ge=50, description="Resamples for the AUC and ECE intervals.")
+    seed: int = Field(default=0, description="Seed of the bootstrap (a refit of the same data repeats exactly).")
+    backfill_after_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="An event received more than this long after its time is history being replayed: its "
+        "generation's window closes by event time (one final record), not on arrival.",
     )
     refit_every_s: float = Field(
         default=900.0,

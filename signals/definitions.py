@@ -1,9 +1,12 @@
-"""Where reward definitions live: every version ever used, and which one is active.
+"""Where reward definitions live: every version ever used, and which one is active per surface.
 
-Redis holds them for the workers (hash `<prefix>signals:definitions`, key
-`<prefix>signals:active`); each is also written as JSON beside the lake
-(`<lake>/reward_definitions/<version>.json`) so a recompute can find a version
-after Redis is gone. The built-in `rules-v1` always exists.
+Redis holds the definitions for the workers (hash `<prefix>signals:definitions`); each is also
+written as JSON beside the lake (`<lake>/reward_definitions/<version>.json`) so a recompute can
+find a version after Redis is gone. Which version is active for each product surface is the
+lake's pointer file (`flywheel.reward_versions`), the one place the trainer and the deploy gate
+read too: activating a version is the only thing that changes what they read. The built-in rules
+of every surface (`rules-v1` for code completion, `chat-rules-v1`, ...) always exist; a surface
+with no pointer yet uses its built-in rules.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import cast
 import redis
 
 from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
+from flywheel.reward_versions import read_active, surface_of, write_active
 from flywheel.settings import Settings
-from signals.reward import DEFAULT_DEFINITION, RewardDefinition
+from signals.reward import BUILTIN_SURFACES, DEFAULT_DEFINITION, RewardDefinition, builtin_definition
 
 
 class UnknownRewardVersion(KeyError):
@@ -26,18 +30,22 @@ class UnknownRewardVersion(KeyError):
 class DefinitionStore:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self._r = client
+        self._lake = settings.lake_dir
         self._hash = f"{settings.redis_prefix}signals:definitions"
-        self._active = f"{settings.redis_prefix}signals:active"
         self._dir = settings.lake_dir / REWARD_DEFINITIONS_PATH
-        self._cache: dict[str, RewardDefinition] = {DEFAULT_DEFINITION.version: DEFAULT_DEFINITION}
+        builtins = [builtin_definition(s) for s in BUILTIN_SURFACES]
+        self._cache: dict[str, RewardDefinition] = {d.version: d for d in builtins}
 
     def put(self, definition: RewardDefinition) -> None:
         """Store a new version. A version is immutable: storing a different spec under it is refused."""
         spec = json.dumps(definition.to_spec(), sort_keys=True)
-        # The client is made without decode_responses, so replies are bytes (the stubs say bytes | str).
-        existing = cast(bytes | None, self._r.hget(self._hash, definition.version))
+        builtin = builtin_definition(definition.surface)
+        if definition.version == builtin.version and definition != builtin:
+            raise ValueError(f"{definition.version} is built in; give your definition a new version")
         if definition.version == DEFAULT_DEFINITION.version and definition != DEFAULT_DEFINITION:
             raise ValueError(f"{definition.version} is built in; give your definition a new version")
+        # The client is made without decode_responses, so replies are bytes (the stubs say bytes | str).
+        existing = cast(bytes | None, self._r.hget(self._hash, definition.version))
         if existing is not None and existing.decode() != spec:
             raise ValueError(
                 f"reward version {definition.version} already exists with another spec; pick a new version"
@@ -63,16 +71,34 @@ class DefinitionStore:
     def versions(self) -> list[str]:
         stored = {k.decode() for k in cast(list[bytes], self._r.hkeys(self._hash))}
         if self._dir.exists():
-            stored |= {p.stem for p in self._dir.glob("*.json")}
-        return sorted(stored | {DEFAULT_DEFINITION.version})
+            stored |= {p.stem for p in self._dir.glob("*.json") if p.stem != "active"}
+        return sorted(stored | {builtin_definition(s).version for s in BUILTIN_SURFACES})
 
-    def active_version(self) -> str:
-        raw = cast(bytes | None, self._r.get(self._active))
-        return raw.decode() if raw else DEFAULT_DEFINITION.version
+    def active_map(self) -> dict[str, str]:
+        """`{surface: active version}` for every surface with a pointer or a built-in."""
+        active = {s: builtin_definition(s).version for s in BUILTIN_SURFACES}
+        active.update(read_active(self._lake) or {})
+        return active
 
-    def active(self) -> RewardDefinition:
-        return self.get(self.active_version())
+    def ensure_pointer(self) -> None:
+        """Write the pointer if this lake has none yet, so readers follow it from the first record on
+        (rather than falling back to the version written last, which a backfill could change)."""
+        if read_active(self._lake) is None:
+            write_active(self._lake, self.active_map())
 
-    def set_active(self, version: str) -> None:
-        self.get(version)  # refuse unknown versions
-        self._r.set(self._active, version)
+    def active_version(self, surface: str) -> str:
+        return self.active_map().get(surface_of(surface)) or builtin_definition(surface).version
+
+    def active(self, surface: str) -> RewardDefinition:
+        version = self.active_version(surface)
+        if version == builtin_definition(surface).version:
+            return builtin_definition(surface)
+        return self.get(version)
+
+    def set_active(self, version: str) -> str:
+        """Make `version` active for its own surface; returns that surface."""
+        definition = self.get(version)  # refuse unknown versions
+        active = self.active_map()
+        active[definition.surface] = version
+        write_active(self._lake, active)
+        return definition.surface

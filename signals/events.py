@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from flywheel.contract import LATEST_TIME, Event, EventType, InvalidEvent
+from flywheel.reward_versions import DEFAULT_SURFACE, surface_of
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class GenerationInfo:
     experiment: str = ""
     finish_reason: str = "stop"
     completion_chars: int = 0
+    surface: str = DEFAULT_SURFACE
 
     @property
     def declined(self) -> bool:
@@ -111,6 +113,7 @@ class GenerationInfo:
             experiment=str(props.get("experiment", "")),
             finish_reason=str(props.get("finish_reason", "stop")),
             completion_chars=len(str(props.get("completion", ""))),
+            surface=surface_of(props.get("surface")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -123,6 +126,7 @@ class GenerationInfo:
             "experiment": self.experiment,
             "finish_reason": self.finish_reason,
             "completion_chars": self.completion_chars,
+            "surface": self.surface,
         }
 
     @classmethod

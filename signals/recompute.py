@@ -1,13 +1,19 @@
 """Batch recompute: the stream's records, from the lake's events table, with polars.
 
 It replays the worker's rules (signals/worker.py) per Kafka partition in offset
-order: the first copy of each event id counts; the watermark is the running
-maximum of max(ts, received_at) minus the allowed lateness; a generation's window
-closes at the first row at or after its `generation` event where the watermark
-reaches its end; in-window feedback before that row makes revision 0 and each one
-from that row on makes one more revision. Windows the events never close are
-closed if the wall clock has passed them (as the idle worker does), else left open.
-So for the same events and version it produces the same records, up to `emitted_at`.
+order: the first copy of each event id counts; the live watermark is the running
+maximum of max(ts, received_at) minus the allowed lateness, and the historical one the
+running maximum of `ts` over events received more than `backfill_after_s` after their
+time; a generation's window (its definition's `window_s`) closes, by the watermark of
+its generation event's lane, at the first row at or after that event where the
+watermark reaches its end; in-window feedback before that row makes revision 0 and each
+one from that row on makes one more revision. Windows the events never close are closed
+if the wall clock has passed them (as the idle worker does), else left open. A definition
+scores only generations of its own surface. So for the same events and version it
+produces the same records, up to `emitted_at`.
+
+`backfill` writes one final record per generation instead (every in-window event,
+revision 0): history replayed from the lake is never a default followed by revisions.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import polars as pl
 from flywheel.connections import redis_client
 from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import EVENTS, REWARDS, rewards_frame
+from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
@@ -58,11 +65,20 @@ def load_events(table: Path, topic: str) -> pl.DataFrame | None:
 
 
 def plan_windows(
-    events: pl.DataFrame, *, window_s: float, lateness_s: float, idle_grace_s: float, now: datetime
+    events: pl.DataFrame,
+    *,
+    window_s: float,
+    lateness_s: float,
+    idle_grace_s: float,
+    now: datetime,
+    surface: str = DEFAULT_SURFACE,
+    backfill_after_s: float = 3600.0,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(Generations to emit with their window; in-window feedback with late_rank: 0 on time, k: k-th late)."""
+    """(Generations of `surface` to emit with their window; in-window feedback with late_rank: 0 on
+    time, k: k-th late)."""
     window_us = int(round(window_s * 1e6))
     lateness_us = int(round(lateness_s * 1e6))
+    backfill_after_us = int(round(backfill_after_s * 1e6))
     df = (
         events.sort("kafka_partition", "kafka_offset")
         .unique(list(EVENTS.key), keep="first", maintain_order=True)
@@ -73,12 +89,34 @@ def plan_windows(
             ),
         )
         .with_columns(
-            (pl.col("clock").cum_max().over("kafka_partition") - lateness_us).alias("wm"),
+            ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us)
+            .cast(pl.Int8)
+            .alias("lane"),
+        )
+        .with_columns(
+            (pl.col("clock").cum_max().over("kafka_partition") - lateness_us).alias("wm0"),
+            (
+                pl.when(pl.col("lane") == 1)
+                .then(pl.col("ts_us"))
+                .otherwise(None)
+                .cum_max()
+                .forward_fill()
+                .over("kafka_partition")
+                - lateness_us
+            ).alias("wm1"),
             pl.int_range(pl.len()).over("kafka_partition").alias("pos"),
         )
     )
-    # the first row of each partition at which the watermark reaches a value
-    steps = df.group_by("kafka_partition", "wm").agg(pl.col("pos").min().alias("first_pos")).sort("wm")
+    # per lane, the first row of each partition at which its watermark reaches a value
+    steps = pl.concat(
+        [
+            df.filter(pl.col(f"wm{lane}").is_not_null())
+            .group_by("kafka_partition", pl.col(f"wm{lane}").alias("wm"))
+            .agg(pl.col("pos").min().alias("first_pos"))
+            .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
+            for lane in (0, 1)
+        ]
+    ).sort("wm")
     idle_wm = to_us(now) - lateness_us - int(round(idle_grace_s * 1e6))
     gens = (
         df.filter(pl.col("type") == "generation")
@@ -94,13 +132,16 @@ def plan_windows(
             _prop("finish_reason", "stop"),
             _prop("completion", "").str.len_chars().alias("completion_chars"),
             (pl.col("ts_us") + window_us).alias("window_end"),
+            "lane",
+            _prop("surface", "").replace("", DEFAULT_SURFACE).alias("surface"),
         )
+        .filter(pl.col("surface") == surface)
         .sort("window_end")
         .join_asof(
             steps,
             left_on="window_end",
             right_on="wm",
-            by="kafka_partition",
+            by=["kafka_partition", "lane"],
             strategy="forward",
             check_sortedness=False,
         )  # sorted above; polars cannot check it with `by`
@@ -111,7 +152,7 @@ def plan_windows(
             .alias("close_pos")
         )
         .filter(pl.col("close_pos").is_not_null())
-        .drop("wm", "first_pos")
+        .drop("wm", "first_pos", "lane")
     )
     feedback = (
         df.filter(pl.col("type") != "generation")
@@ -140,8 +181,10 @@ def recompute_records(
     *,
     config: SignalsConfig | None = None,
     now: datetime | None = None,
+    final_only: bool = False,
 ) -> list[RewardRecord]:
-    """Every record the stream would emit for `events` (default: the lake's) under `definition`."""
+    """Every record the stream would emit for `events` (default: the lake's) under `definition`;
+    `final_only`: one record per generation, its final one (every in-window event, revision 0)."""
     config = config or SignalsConfig()
     if events is None:
         events = load_events(EVENTS.at(settings.lake_dir), settings.events_topic)
@@ -150,10 +193,12 @@ def recompute_records(
     now = now or utcnow()
     gens, feedback = plan_windows(
         events,
-        window_s=settings.reward_window_s,
+        window_s=definition.window(settings.reward_window_s),
         lateness_s=settings.allowed_lateness_s,
         idle_grace_s=config.idle_grace_s,
         now=now,
+        surface=definition.surface,
+        backfill_after_s=config.backfill_after_s,
     )
     on_time: dict[str, list[FeedbackEvent]] = defaultdict(list)
     late: dict[str, list[FeedbackEvent]] = defaultdict(list)
@@ -172,8 +217,13 @@ def recompute_records(
             row["experiment"],
             row["finish_reason"],
             row["completion_chars"],
+            row["surface"],
         )
         evs = on_time.get(gid, [])
+        if final_only:  # one record holding every in-window event, as if none had been late
+            evs = [*evs, *late.get(gid, [])]
+            out.append(definition.record(gen, evs, window_end_us=window_end, emitted_at=now))
+            continue
         out.append(definition.record(gen, evs, window_end_us=window_end, emitted_at=now))
         for k, fe in enumerate(late.get(gid, []), start=1):
             evs = [*evs, fe]
@@ -195,12 +245,16 @@ def recompute_rewards(settings: Settings, version: str, **kwargs: object) -> pl.
 
 
 def backfill(settings: Settings, version: str) -> tuple[int, int]:
-    """Write the version's records missing from the lake; returns (written, already present)."""
-    records = recompute_records(settings, _definition(settings, version))
+    """Write the version's final record of every generation that has none in the lake yet (one record
+    per generation, never a default followed by revisions); returns (written, already present).
+    Activating the version is a separate step (`flywheel signals activate`): until then the trainer
+    and the gate do not read it."""
+    DefinitionStore(settings, redis_client(settings)).ensure_pointer()
+    records = recompute_records(settings, _definition(settings, version), final_only=True)
     table = REWARDS.at(settings.lake_dir)
     existing = read_rewards(table).filter(pl.col("reward_version") == version)
-    have = set(zip(existing["generation_id"].to_list(), existing["revision"].to_list(), strict=True))
-    missing = [r for r in records if (r.generation_id, r.revision) not in have]
+    have = set(existing["generation_id"].to_list())
+    missing = [r for r in records if r.generation_id not in have]
     if missing:
         write_rewards(table, missing, f"recompute-{version}-{utcnow():%Y%m%dT%H%M%S%f}")
     return len(missing), len(records) - len(missing)

@@ -11,8 +11,18 @@ How a reward is decided, in order:
    not suggesting is an outcome we know, not missing data.
 3. Implicit signals (shown, accept, undo, retention, ...): the rule-based reward
    below, or, when the definition carries a fitted satisfaction model, its
-   expected explicit label 2 * P(satisfied) - 1. Label "implicit".
-4. Nothing at all: `default_reward`, label "default", low confidence.
+   expected explicit label 2 * P(satisfied) - 1: the scale of thumbs (+1 / -1) and of the
+   rules (clipped to [-1, 1]). Label "implicit".
+4. Nothing at all: `default_reward`, label "default", low confidence. A definition with a
+   model sets it to what the model says of a generation without any signal
+   (`with_satisfaction`), so having some signal is never worth +0.5 by itself.
+
+A definition belongs to one product surface (`surface`, from the generation event's
+`surface` property) and scores only that surface's generations: a model fitted on chat
+thumbs never scores a code suggestion. Its feedback window is `window_s` (None: the
+deployment's `reward_window_s`); it must cover the latest retention checkpoint the
+definition reads (`latest_checkpoint_s`), or those checks fall outside the window and are
+counted out-of-window by the worker (it warns at start).
 
 The rule-based reward follows the published Cursor Tab reward (+0.75 accept,
 -0.25 reject), scaled by the accepted fraction and by how much of it survived.
@@ -26,6 +36,7 @@ from datetime import datetime
 from typing import Any
 
 from flywheel.contract import LabelSource, RewardRecord, utcnow
+from flywheel.reward_versions import DEFAULT_SURFACE, surface_of
 from signals import features
 from signals.events import FeedbackEvent, GenerationInfo, from_us
 from signals.logistic import LogisticModel
@@ -84,16 +95,31 @@ class RewardDefinition:
     sentiment_name: str = "lexicon-v1"
     satisfaction: LogisticModel | None = None
     notes: str = ""
+    surface: str = DEFAULT_SURFACE
+    window_s: float | None = None  # None: the deployment's `reward_window_s`
+    rules_version: str = ""  # with a satisfaction model: the rules definition it was fitted over
 
     def __post_init__(self) -> None:
         if not self.version or any(c in self.version for c in " /:"):
             raise ValueError(f"reward version {self.version!r} must be non-empty, without spaces, '/' or ':'")
+        surface_of(self.surface)  # a valid name
+        if self.window_s is not None and not self.window_s > 0:
+            raise ValueError(f"window_s must be positive; got {self.window_s}")
         if self.sentiment_name not in _SENTIMENTS:
             raise ValueError(f"unknown sentiment {self.sentiment_name!r}; known: {sorted(_SENTIMENTS)}")
 
     @property
     def sentiment(self) -> Sentiment:
         return _SENTIMENTS[self.sentiment_name]
+
+    @property
+    def latest_checkpoint_s(self) -> float:
+        """The latest time after a generation at which a signal this definition reads is measured."""
+        return float(max(features.RETENTION_CHECKPOINTS_S))
+
+    def window(self, default_s: float) -> float:
+        """This surface's feedback window in seconds (`default_s`: the deployment's `reward_window_s`)."""
+        return self.window_s if self.window_s is not None else default_s
 
     # ------------------------------------------------------------------ scoring
 
@@ -123,14 +149,19 @@ class RewardDefinition:
         if "thumbs" in s:
             agrees = s.get("thumbs_comment_sentiment", s["thumbs"]) * s["thumbs"] >= 0
             return Score(s["thumbs"], 1.0 if agrees else 0.8, "explicit", s)
+        return self.score_implicit(s)
+
+    def score_implicit(self, s: dict[str, float]) -> Score:
+        """The reward of extracted signals `s` without the explicit vote (thumbs are not read): what the
+        refit compares with held-out thumbs."""
         implicit = {"shown", "copied", "regenerated", "followup", "edit_distance", "retention", "undone"}
         if not implicit & s.keys():
-            if gen.declined:
+            if s.get("declined"):
                 return Score(self.declined_reward, 1.0, "default", s)
             return Score(self.default_reward, self.default_confidence, "default", s)
         if self.satisfaction is not None:
             p = self.satisfaction.predict_one(s)
-            s["p_satisfied"] = p
+            s = {**s, "p_satisfied": p}
             return Score(2.0 * p - 1.0, max(p, 1.0 - p), "implicit", s)
         return self._rules(s)
 
@@ -171,6 +202,11 @@ class RewardDefinition:
         late_events: int = 0,
         emitted_at: datetime | None = None,
     ) -> RewardRecord:
+        if gen.surface != self.surface:
+            raise ValueError(
+                f"reward definition {self.version} scores surface {self.surface!r}, "
+                f"not generation {gen.generation_id} of surface {gen.surface!r}"
+            )
         sc = self.score(gen, events, window_end_us)
         return RewardRecord(
             generation_id=gen.generation_id,
@@ -203,6 +239,9 @@ class RewardDefinition:
             "sentiment_name": self.sentiment_name,
             "notes": self.notes,
             "satisfaction": self.satisfaction.to_json() if self.satisfaction else None,
+            "surface": self.surface,
+            "window_s": self.window_s,
+            "rules_version": self.rules_version,
         }
 
     @classmethod
@@ -214,7 +253,31 @@ class RewardDefinition:
         return cls(**raw)
 
     def with_satisfaction(self, model: LogisticModel, version: str, notes: str = "") -> RewardDefinition:
-        return replace(self, version=version, satisfaction=model, notes=notes)
+        """This definition scored by `model`; its "no signal" default becomes the model's own value
+        for a generation with no signal (2 * P(satisfied | nothing) - 1), on the same scale."""
+        if self.satisfaction is not None:
+            raise ValueError(f"{self.version} already has a model; fit over its rules ({self.rules_version})")
+        baseline = 2.0 * model.predict_one({}) - 1.0
+        return replace(
+            self, version=version, satisfaction=model, notes=notes, default_reward=baseline,
+            rules_version=self.version,
+        )  # fmt: skip
 
 
 DEFAULT_DEFINITION = RewardDefinition()
+"""The built-in rules of the default surface (code completion)."""
+
+
+def builtin_definition(surface: str) -> RewardDefinition:
+    """The built-in rules of a surface: `rules-v1` for code completion, `<surface>-rules-v1` for others.
+
+    >>> builtin_definition("chat").version, builtin_definition("chat").surface
+    ('chat-rules-v1', 'chat')
+    """
+    surface = surface_of(surface)
+    if surface == DEFAULT_SURFACE:
+        return DEFAULT_DEFINITION
+    return RewardDefinition(version=f"{surface}-rules-v1", surface=surface)
+
+
+BUILTIN_SURFACES: tuple[str, ...] = (DEFAULT_SURFACE, "chat")

@@ -3,8 +3,11 @@
 Keys (all under `settings.redis_prefix`):
 - `signals:gen:<generation_id>`: JSON of `GenState` (the generation, its feedback so far,
   the event ids seen, the last revision emitted), expiring `state_ttl_s` after its last change;
-- `signals:open:<topic>:<partition>`: sorted set of open windows scored by window end (µs);
-- `signals:wm:<topic>`: hash partition -> watermark (µs);
+- `signals:open:<topic>:<partition>` (live lane) and `signals:openh:<topic>:<partition>` (historical
+  lane): sorted sets of open windows scored by window end (µs);
+- `signals:pending:<topic>:<partition>[h]`: generation ids that have feedback but no `generation`
+  event yet, scored by the watermark at which their feedback becomes orphan;
+- `signals:wm:<topic>`: hash `<partition>` (live) and `h<partition>` (historical) -> watermark (µs);
 - `signals:emitted:<version>:<generation_id>:<revision>`: the emitted marker;
 - `signals:outbox:<topic>:<partition>`: records committed but not yet on Kafka and in the lake.
 
@@ -36,6 +39,8 @@ class GenState:
     revision: int = NOT_EMITTED
     late: int = 0
     version: str | None = None
+    lane: int = 0  # 0: live, 1: historical (its generation event arrived long after its time)
+    orphaned: bool = False  # its feedback outlived any window its generation could have had
 
     def to_json(self) -> str:
         return json.dumps(
@@ -48,6 +53,8 @@ class GenState:
                 "rev": self.revision,
                 "late": self.late,
                 "ver": self.version,
+                "lane": self.lane,
+                "orph": self.orphaned,
             },
             separators=(",", ":"),
         )
@@ -64,6 +71,8 @@ class GenState:
             revision=d["rev"],
             late=d["late"],
             version=d["ver"],
+            lane=d.get("lane", 0),
+            orphaned=d.get("orph", False),
         )
 
 
@@ -76,8 +85,11 @@ class Keys:
     def gen(self, generation_id: str) -> str:
         return f"{self.prefix}gen:{generation_id}"
 
-    def open(self, partition: int) -> str:
-        return f"{self.prefix}open:{self.topic}:{partition}"
+    def open(self, partition: int, lane: int = 0) -> str:
+        return f"{self.prefix}open{'h' if lane else ''}:{self.topic}:{partition}"
+
+    def pending(self, partition: int, lane: int = 0) -> str:
+        return f"{self.prefix}pending:{self.topic}:{partition}{'h' if lane else ''}"
 
     def marker(self, version: str, generation_id: str, revision: int) -> str:
         return f"{self.prefix}emitted:{version}:{generation_id}:{revision}"
@@ -142,18 +154,30 @@ class StateStore:
         return int(self._commit(args=[plan.payload()]))
 
     def load(
-        self, keys: Keys, bounds: dict[int, int], generation_ids: set[str]
-    ) -> tuple[dict[int, int], dict[int, list[tuple[str, int]]], dict[str, GenState]]:
-        """Watermarks, open windows ending at or before each partition's bound, and states."""
+        self, keys: Keys, bounds: dict[tuple[int, int], int], generation_ids: set[str]
+    ) -> tuple[
+        dict[tuple[int, int], int],
+        dict[tuple[int, int], list[tuple[int, int, str]]],
+        dict[str, GenState],
+    ]:
+        """Watermarks per (partition, lane), what is due at or before each bound (window ends, kind 0,
+        and orphan deadlines, kind 1, as (score, kind, generation id)), and the states involved."""
         pipe = self._r.pipeline(transaction=False)
         pipe.hgetall(keys.wm)
-        parts = sorted(bounds)
-        for p in parts:
-            pipe.zrangebyscore(keys.open(p), "-inf", bounds[p], withscores=True)
+        lanes = sorted(bounds)
+        for p, lane in lanes:
+            pipe.zrangebyscore(keys.open(p, lane), "-inf", bounds[(p, lane)], withscores=True)
+            pipe.zrangebyscore(keys.pending(p, lane), "-inf", bounds[(p, lane)], withscores=True)
         res = pipe.execute()
-        wms = {int(k): int(v) for k, v in res[0].items()}
-        due = {p: [(m.decode(), int(s)) for m, s in rows] for p, rows in zip(parts, res[1:], strict=True)}
-        ids = sorted(generation_ids | {g for rows in due.values() for g, _ in rows})
+        wms: dict[tuple[int, int], int] = {}
+        for k, v in res[0].items():
+            name = k.decode()
+            wms[(int(name[1:]), 1) if name.startswith("h") else (int(name), 0)] = int(v)
+        due: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+        for i, key in enumerate(lanes):
+            windows, pending = res[1 + 2 * i], res[2 + 2 * i]
+            due[key] = [(int(s), 0, m.decode()) for m, s in windows] + [(int(s), 1, m.decode()) for m, s in pending]
+        ids = sorted(generation_ids | {g for rows in due.values() for _, _, g in rows})
         states: dict[str, GenState] = {}
         if ids:
             for gid, raw in zip(ids, self._r.mget([keys.gen(g) for g in ids]), strict=True):

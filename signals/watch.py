@@ -11,6 +11,7 @@ from __future__ import annotations
 import polars as pl
 
 from flywheel.lake.tables import REWARDS
+from flywheel.reward_versions import read_active
 from flywheel.settings import Settings
 from signals.sink import read_rewards
 
@@ -71,12 +72,19 @@ def trends_of(rewards: pl.DataFrame, *, every: str = "1h") -> pl.DataFrame:
 
 def signal_trends(settings: Settings, *, every: str = "1h", version: str | None = None) -> pl.DataFrame:
     """Per time bucket (of generation time), arm and model version: shares and rates of the signals
-    and the mean reward, for one reward version (default: the one most recently emitted)."""
+    and the mean reward, for one reward version (default: the active one of each surface; on a lake
+    signals never pointed, the one most recently emitted)."""
     rewards = read_rewards(REWARDS.at(settings.lake_dir), latest_only=True)
     if rewards.is_empty():
         return pl.DataFrame(schema=TREND_SCHEMA)
-    version = version or rewards.sort("emitted_at")["reward_version"][-1]
-    return trends_of(rewards.filter(pl.col("reward_version") == version), every=every)
+    active = read_active(settings.lake_dir)
+    if version is not None:
+        versions = [version]
+    elif active is not None:
+        versions = sorted(set(active.values()))
+    else:
+        versions = [rewards.sort("emitted_at")["reward_version"][-1]]
+    return trends_of(rewards.filter(pl.col("reward_version").is_in(versions)), every=every)
 
 
 def gaming_alerts(

@@ -1,19 +1,26 @@
 """The streaming extractor: events in, one reward record per generation window out.
 
-Event-time windows: a generation's window is [ts, ts + reward_window_s]. Each
-partition has a watermark, the largest event clock seen minus
-`allowed_lateness_s`, where an event's clock is max(ts, received_at): the arrival
-time keeps the watermark moving when events carry old timestamps, and it is what
-lets the batch recompute replay the stream exactly from the lake (same
-partition order, same clocks). When the whole stream has been empty for
-`idle_after_s`, watermarks also advance with the wall clock (now - lateness -
+Surfaces: a generation's `surface` property picks the reward definition that scores it (the
+surface's active one when the generation event arrives, pinned in its state) and so its window,
+[ts, ts + the definition's window]. A definition never scores another surface.
+
+Event-time windows. Each partition has a live watermark, the largest event clock seen minus
+`allowed_lateness_s`, where an event's clock is max(ts, received_at): the arrival time keeps the
+watermark moving when events carry old timestamps, and it is what lets the batch recompute replay
+the stream exactly from the lake (same partition order, same clocks). A generation whose event
+arrived more than `backfill_after_s` after its time is history being replayed: its window closes
+by the partition's historical watermark instead (the largest `ts` of such events minus the
+lateness), so a replay in time order gives each generation one final record rather than a
+default on arrival and a revision per later event. When the whole stream has been empty for
+`idle_after_s`, both watermarks also advance with the wall clock (now - lateness -
 `idle_grace_s`), so windows close in a quiet system.
 
-Per event, in partition order: skip it if its id was seen; advance the watermark;
-close every window ending at or before it (record revision 0); then add the event.
-A feedback event in a window already closed is late: it yields a corrected
-record, revision + 1, holding everything seen so far. Feedback timed after its
-window's end is ignored.
+Per event, in partition order: skip it if its id was seen; advance the watermarks; close every
+window ending at or before them (record revision 0); then add the event. A feedback event in a
+window already closed is late: it yields a corrected record, revision + 1, holding everything
+seen so far. Feedback timed after its window's end is ignored. Feedback whose generation has not
+come yet is held; it is orphan once the watermark passes its time plus the longest window.
+Every event's outcome is counted (`signals/metrics.py`) and the unusual ones logged.
 
 Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
@@ -36,7 +43,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -79,17 +86,44 @@ _Part = TypeVar("_Part", Consumer, Producer)
 
 @dataclass
 class WorkerStats:
+    """What became of every event read (the outcomes add up to `events` + `invalid`, once every
+    feedback event's generation is known or orphaned) and of every record emitted."""
+
     events: int = 0
     duplicates: int = 0
     invalid: int = 0
+    generations: int = 0
+    on_time: int = 0
     out_of_window: int = 0
     late_events: int = 0
+    orphans: int = 0
     records: int = 0
     revisions: int = 0
+
+    def count(self, outcome: str, n: int = 1) -> None:
+        attr = _OUTCOME_ATTR[outcome]
+        setattr(self, attr, getattr(self, attr) + n)
+        metrics.EVENTS.labels(outcome).inc(n)
+
+
+_OUTCOME_ATTR = {
+    "duplicate": "duplicates",
+    "invalid": "invalid",
+    "generation": "generations",
+    "on_time": "on_time",
+    "out_of_window": "out_of_window",
+    "late": "late_events",
+    "orphan": "orphans",
+}
 
 
 def event_clock_us(e: Event) -> int:
     return max(to_us(e.ts), to_us(e.received_at))
+
+
+def event_lane(e: Event, backfill_after_us: int) -> int:
+    """1 (historical) for an event received more than `backfill_after_us` after its time, else 0 (live)."""
+    return 1 if to_us(e.received_at) - to_us(e.ts) > backfill_after_us else 0
 
 
 class _Batch:
@@ -98,30 +132,44 @@ class _Batch:
     def __init__(
         self,
         worker: SignalsWorker,
-        wms: dict[int, int],
-        due: dict[int, list[tuple[str, int]]],
+        wms: dict[tuple[int, int], int],
+        due: dict[tuple[int, int], list[tuple[int, int, str]]],
         states: dict[str, GenState],
     ) -> None:
         self.w = worker
         self.wms = wms
         self.states = states
-        self.heaps: dict[int, list[tuple[int, str]]] = {
-            p: sorted((end, g) for g, end in rows) for p, rows in due.items()
-        }
+        self.heaps: dict[tuple[int, int], list[tuple[int, int, str]]] = {k: sorted(v) for k, v in due.items()}
         self.dirty: set[str] = set()
         self.plan = CommitPlan()
         self.emitted: dict[int, list[RewardRecord]] = defaultdict(list)
         self.now_us = to_us(_now())
+        self.outcomes: Counter[str] = Counter()
 
-    def advance(self, p: int, wm: int) -> None:
-        if wm > self.wms.get(p, -(2**62)):
-            self.wms[p] = wm
-        heap = self.heaps.setdefault(p, [])
-        while heap and heap[0][0] <= self.wms[p]:
-            end, gid = heapq.heappop(heap)
+    def count(self, outcome: str, n: int = 1) -> None:
+        if n:
+            self.w.stats.count(outcome, n)
+            self.outcomes[outcome] += n
+
+    def advance(self, p: int, lane: int, wm: int) -> None:
+        key = (p, lane)
+        if wm > self.wms.get(key, -(2**62)):
+            self.wms[key] = wm
+        heap = self.heaps.setdefault(key, [])
+        while heap and heap[0][0] <= self.wms[key]:
+            end, kind, gid = heapq.heappop(heap)
             st = self.states.get(gid)
-            if st is None:  # state expired: nothing left to score
-                self.plan.zrem.append((self.w.keys.open(p), gid))
+            if kind == 1:
+                self.plan.zrem.append((self.w.keys.pending(p, lane), gid))
+                if st is not None and st.gen is None and not st.orphaned:
+                    # no generation event came for as long as any window could last: the feedback is orphan
+                    st.orphaned = True
+                    self.dirty.add(gid)
+                    self.count("orphan", len(st.events))
+                    log.warning("orphan feedback: no generation event", extra={
+                        "generation_id": gid, "events": len(st.events)})
+            elif st is None:  # state expired: nothing left to score
+                self.plan.zrem.append((self.w.keys.open(p, lane), gid))
             elif st.revision == NOT_EMITTED and st.window_end_us == end:
                 self.emit(gid, st, 0)
 
@@ -130,38 +178,67 @@ class _Batch:
         if st is None:
             st = self.states[e.generation_id] = GenState(partition=p)
         if e.event_id in st.seen:
-            self.w.stats.duplicates += 1
-            metrics.EVENTS.labels("duplicate").inc()
+            self.count("duplicate")
             return
         st.seen.add(e.event_id)
         self.dirty.add(e.generation_id)
-        self.advance(p, event_clock_us(e) - self.w.lateness_us)
+        lane = event_lane(e, self.w.backfill_after_us)
+        self.advance(p, 0, event_clock_us(e) - self.w.lateness_us)
+        if lane:
+            self.advance(p, 1, to_us(e.ts) - self.w.lateness_us)
         if e.type == EventType.GENERATION:
-            if st.gen is None:
-                st.gen = GenerationInfo.from_event(e)
-                st.window_end_us = st.gen.ts_us + self.w.window_us
-                if st.window_end_us <= self.wms[p]:
-                    self.emit(e.generation_id, st, 0)
-                else:
-                    heapq.heappush(self.heaps[p], (st.window_end_us, e.generation_id))
-                    self.plan.zadd.append((self.w.keys.open(p), e.generation_id, str(st.window_end_us)))
+            if st.gen is not None:  # another generation event for the same id: the first one counts
+                self.count("duplicate")
+                return
+            self.count("generation")
+            self._open(p, lane, e.generation_id, st, GenerationInfo.from_event(e))
             return
         fe = FeedbackEvent.from_event(e)
-        if st.window_end_us is not None and fe.ts_us > st.window_end_us:
-            self.w.stats.out_of_window += 1
-            metrics.EVENTS.labels("out_of_window").inc()
+        if st.gen is None:  # its generation may still come: hold it, and watch for an orphan
+            st.events.append(fe)
+            if st.orphaned:
+                self.count("orphan")
+            elif len(st.events) == 1:
+                deadline = fe.ts_us + self.w.max_window_us()
+                heapq.heappush(self.heaps.setdefault((p, lane), []), (deadline, 1, e.generation_id))
+                self.plan.zadd.append((self.w.keys.pending(p, lane), e.generation_id, str(deadline)))
+            return
+        assert st.window_end_us is not None
+        if fe.ts_us > st.window_end_us:
+            self.count("out_of_window")
             return
         st.events.append(fe)
         if st.revision != NOT_EMITTED:
             st.late += 1
-            self.w.stats.late_events += 1
+            self.count("late")
             metrics.LATE_EVENTS.inc()
             self.emit(e.generation_id, st, st.revision + 1)
+        else:
+            self.count("on_time")
+
+    def _open(self, p: int, lane: int, gid: str, st: GenState, gen: GenerationInfo) -> None:
+        """The generation is known: pin its surface's active definition and window, sort out the
+        feedback that came before it, and close the window now if the watermark is already past it."""
+        definition = self.w.definition_for(gen.surface)
+        st.gen, st.version, st.lane = gen, definition.version, lane
+        st.window_end_us = gen.ts_us + self.w.window_us(definition)
+        early, st.events = st.events, [fe for fe in st.events if fe.ts_us <= st.window_end_us]
+        if not st.orphaned:
+            self.count("on_time", len(st.events))
+            self.count("out_of_window", len(early) - len(st.events))
+            if early:
+                self.plan.zrem.append((self.w.keys.pending(p, lane), gid))
+        if st.window_end_us <= self.wms.get((p, lane), -(2**62)):
+            self.emit(gid, st, 0)
+        else:
+            heapq.heappush(self.heaps.setdefault((p, lane), []), (st.window_end_us, 0, gid))
+            self.plan.zadd.append((self.w.keys.open(p, lane), gid, str(st.window_end_us)))
 
     def emit(self, gid: str, st: GenState, revision: int) -> None:
         assert st.gen is not None and st.window_end_us is not None
-        definition = self.w.definition(st.version)
-        st.version = definition.version
+        if st.version is None:  # a state written before versions were pinned on arrival
+            st.version = self.w.definition_for(st.gen.surface).version
+        definition = self.w.definitions.get(st.version)
         record = definition.record(
             st.gen, st.events, window_end_us=st.window_end_us, revision=revision, late_events=st.late
         )
@@ -169,7 +246,7 @@ class _Batch:
         self.dirty.add(gid)
         self.emitted[st.partition].append(record)
         if revision == 0:
-            self.plan.zrem.append((self.w.keys.open(st.partition), gid))
+            self.plan.zrem.append((self.w.keys.open(st.partition, st.lane), gid))
             lag_s = (self.now_us - st.window_end_us - self.w.lateness_us) / 1e6
             metrics.CLOSE_LAG.observe(max(0.0, lag_s))
 
@@ -177,8 +254,8 @@ class _Batch:
         ttl = int(self.w.config.state_ttl_s)
         for gid in sorted(self.dirty):
             self.plan.states.append((self.w.keys.gen(gid), self.states[gid].to_json(), ttl))
-        for p, wm in self.wms.items():
-            self.plan.wm.append((self.w.keys.wm, str(p), str(wm)))
+        for (p, lane), wm in self.wms.items():
+            self.plan.wm.append((self.w.keys.wm, f"h{p}" if lane else str(p), str(wm)))
         for p, records in self.emitted.items():
             entry_id = f"{p}-{uuid.uuid4().hex}"
             pairs = [
@@ -186,7 +263,14 @@ class _Batch:
                 for r in records
             ]
             self.plan.outbox.append((self.w.keys.outbox(p), entry_id, ttl, pairs))
+        noted = {k: v for k, v in self.outcomes.items() if k in _NOTED}
+        if noted:
+            log.info("signals batch: events outside the normal path", extra=noted)
         return self.plan
+
+
+# Outcomes worth a log line (the counters have them all).
+_NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan"})
 
 
 def _now():  # noqa: ANN202 - a seam for reading the clock in one place
@@ -214,9 +298,10 @@ class SignalsWorker:
         self.redis = redis_client(settings)
         self.store = StateStore(self.redis)
         self.definitions = DefinitionStore(settings, self.redis)
+        self.definitions.ensure_pointer()
         self.keys = Keys(settings.redis_prefix, settings.events_topic)
-        self.window_us = int(round(settings.reward_window_s * 1e6))
         self.lateness_us = int(round(settings.allowed_lateness_s * 1e6))
+        self.backfill_after_us = int(round(self.config.backfill_after_s * 1e6))
         self.group_id = self.config.group_id or f"flywheel-signals.{settings.events_topic}"
         # Made on first use (`consumer`, `producer`): a worker started while Kafka is down waits for it.
         self._consumer = consumer
@@ -230,7 +315,8 @@ class SignalsWorker:
         self.stats = WorkerStats()
         self._last_data = time.monotonic()
         self._assigned: set[tuple[str, int]] = set()
-        self._active: tuple[float, RewardDefinition] | None = None
+        self._active: tuple[float, dict[str, RewardDefinition]] | None = None
+        self._warned: set[str] = set()
         self._last_refit = time.monotonic()
 
     @property
@@ -256,13 +342,36 @@ class SignalsWorker:
         except Exception as exc:  # the client libraries raise their own errors while a broker starts
             raise BrokerUnavailable(f"cannot connect to Kafka: {describe(exc)}") from exc
 
-    def definition(self, version: str | None) -> RewardDefinition:
-        """The pinned version of a generation, else the active one (re-read at most every 5 s)."""
-        if version is not None:
-            return self.definitions.get(version)
+    def active_definitions(self) -> dict[str, RewardDefinition]:
+        """The active definition of each surface (re-read at most every 5 s)."""
         if self._active is None or time.monotonic() - self._active[0] > 5.0:
-            self._active = (time.monotonic(), self.definitions.active())
+            found = {s: self.definitions.active(s) for s in self.definitions.active_map()}
+            self._active = (time.monotonic(), found)
+            for surface, d in found.items():
+                window = d.window(self.settings.reward_window_s)
+                if window < d.latest_checkpoint_s and d.version not in self._warned:
+                    self._warned.add(d.version)  # once per version, not at every re-read
+                    log.warning(
+                        "the feedback window is shorter than the latest checkpoint its definition reads: "
+                        "later checks are counted out-of-window",
+                        extra={"surface": surface, "version": d.version, "window_s": window,
+                               "latest_checkpoint_s": d.latest_checkpoint_s},
+                    )
         return self._active[1]
+
+    def definition_for(self, surface: str) -> RewardDefinition:
+        """The active definition of `surface` (its built-in rules if none was ever activated)."""
+        active = self.active_definitions()
+        if surface not in active:
+            active[surface] = self.definitions.active(surface)
+        return active[surface]
+
+    def window_us(self, definition: RewardDefinition) -> int:
+        return int(round(definition.window(self.settings.reward_window_s) * 1e6))
+
+    def max_window_us(self) -> int:
+        """The longest window of any active definition: feedback whose generation has not come by then is orphan."""
+        return max(self.window_us(d) for d in self.active_definitions().values())
 
     # ------------------------------------------------------------------ loop
 
@@ -331,17 +440,19 @@ class SignalsWorker:
 
     def _process(self, records: list[Record]) -> None:
         by_partition: dict[int, list[Event]] = defaultdict(list)
+        longest = self.max_window_us()
         for r in sorted(records, key=lambda r: (r.partition, r.offset)):
-            event = decode_event(r.value, self.window_us)
+            event = decode_event(r.value, longest)
             if event is None:  # ingest dead-letters it; here it simply carries no signal
-                self.stats.invalid += 1
-                metrics.EVENTS.labels("invalid").inc()
+                self.stats.count("invalid")
                 continue
             by_partition[r.partition].append(event)
         self.stats.events += sum(len(v) for v in by_partition.values())
-        bounds = {
-            p: max(event_clock_us(e) for e in evs) - self.lateness_us for p, evs in by_partition.items()
-        }
+        bounds: dict[tuple[int, int], int] = {}
+        for p, evs in by_partition.items():
+            bounds[(p, 0)] = max(event_clock_us(e) for e in evs) - self.lateness_us
+            historical = [to_us(e.ts) for e in evs if event_lane(e, self.backfill_after_us)]
+            bounds[(p, 1)] = (max(historical) - self.lateness_us) if historical else -(2**62)
         gids = {e.generation_id for evs in by_partition.values() for e in evs}
         batch = _Batch(self, *self.store.load(self.keys, bounds, gids))
         for p, evs in by_partition.items():
@@ -354,9 +465,10 @@ class SignalsWorker:
         if not assigned:
             return
         wm = to_us(_now()) - self.lateness_us - int(self.config.idle_grace_s * 1e6)
-        batch = _Batch(self, *self.store.load(self.keys, dict.fromkeys(assigned, wm), set()))
-        for p in assigned:
-            batch.advance(p, wm)
+        lanes = {(p, lane): wm for p in assigned for lane in (0, 1)}
+        batch = _Batch(self, *self.store.load(self.keys, lanes, set()))
+        for p, lane in lanes:
+            batch.advance(p, lane, wm)
         self._commit(batch)
 
     def _commit(self, batch: _Batch) -> None:
@@ -396,7 +508,8 @@ class SignalsWorker:
         from signals.satisfaction import refit
 
         try:
-            refit(self.settings, self.config)
+            for surface in sorted(self.definitions.active_map()):
+                refit(self.settings, self.config, surface=surface)
         except Exception as exc:  # noqa: BLE001 - a failed refit keeps the current definition; the stream goes on
             dep = self.health.blame(exc)
             if dep is not None:  # an outage: one line per state change, and the next refit retries

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -286,6 +286,19 @@ TRUE_COEF = {
 }
 
 
+# Users the rules misjudge: accepting says little (they accept, then rewrite it), what they copy and
+# say next says a lot. A satisfaction model fitted on their thumbs beats the rules by far.
+MISJUDGED_COEF = {
+    "accepted": -0.8,
+    "accepted_fraction": -0.4,
+    "rejected": 0.6,
+    "retention": 0.3,
+    "followup_sentiment": 2.5,
+    "copied": 2.5,
+    "regenerated": -2.0,
+}
+
+
 @dataclass(frozen=True)
 class KnownUser:
     generation_id: str
@@ -297,16 +310,25 @@ class KnownUser:
     gen: GenerationInfo
 
 
-def known_users(n: int, *, seed: int = 0, thumbs_share: float = 0.4) -> list[KnownUser]:
-    """Users who react with implicit signals, are satisfied with a known probability, and sometimes vote."""
-    from signals.reward import DEFAULT_DEFINITION
+def known_users(
+    n: int,
+    *,
+    seed: int = 0,
+    thumbs_share: float = 0.4,
+    coef: Mapping[str, float] | None = None,
+    surface: str = "code-completion",
+) -> list[KnownUser]:
+    """Users who react with implicit signals, are satisfied with a known probability (logit
+    `TRUE_INTERCEPT + sum coef * signal`, `coef` default `TRUE_COEF`), and sometimes vote."""
+    coef = TRUE_COEF if coef is None else coef
+    from signals.reward import builtin_definition
 
     rng = random.Random(seed)
     s = 1_000_000
     out = []
     for i in range(n):
         gid = f"k{seed}-{i:06d}"
-        gen = GenerationInfo(gid, ts_us=0, user_id=f"u{i % 97}", completion_chars=20)
+        gen = GenerationInfo(gid, ts_us=0, user_id=f"u{i % 97}", completion_chars=20, surface=surface)
         evs = [FeedbackEvent(f"{gid}-shown", "shown", s // 10)]
         r = rng.random()
         if r < 0.55:
@@ -338,9 +360,9 @@ def known_users(n: int, *, seed: int = 0, thumbs_share: float = 0.4) -> list[Kno
         for kind in ("copied", "regenerated"):
             if rng.random() < 0.1:
                 evs.append(FeedbackEvent(f"{gid}-{kind}", kind, 3 * s))
-        signals = DEFAULT_DEFINITION.extract(gen, evs, 600 * s)
+        signals = builtin_definition(surface).extract(gen, evs, 600 * s)
         logit = TRUE_INTERCEPT + sum(
-            c * signals.get(k, 0.5 if k == "retention" else 0.0) for k, c in TRUE_COEF.items()
+            c * signals.get(k, 0.5 if k == "retention" else 0.0) for k, c in coef.items()
         )
         true_p = 1.0 / (1.0 + math.exp(-logit))
         satisfied = rng.random() < true_p
@@ -351,3 +373,147 @@ def known_users(n: int, *, seed: int = 0, thumbs_share: float = 0.4) -> list[Kno
             )
         out.append(KnownUser(gid, signals, true_p, satisfied, thumbs, evs, gen))
     return out
+
+
+# ---------------------------------------------------------------- product telemetry, as products send it
+
+# When a code-completion product checks how much of an accepted suggestion is still there (seconds after the
+# accept): from 15 s to 15 minutes, as in published studies of completion retention.
+RETENTION_CHECKS_S: tuple[int, ...] = (15, 30, 120, 300, 600, 900)
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    events: list[Event]  # in event-time order (duplicates included, right after their original)
+    surfaces: dict[str, str]  # generation id -> surface, for every generation event
+    decisions: dict[str, str]  # code-completion generation id -> accepted | rejected | ignored
+    orphan_ids: list[str]  # generation ids that get feedback but no generation event
+    out_of_window: int  # feedback events deliberately timed after their generation's window
+    duplicates: int  # events sent twice
+
+
+def product_telemetry(
+    *,
+    start: datetime,
+    code_users: int = 6,
+    chat_users: int = 4,
+    per_user: int = 8,
+    seed: int = 0,
+    spacing_s: float = 45.0,
+    window_s: float = 960.0,
+    orphans: int = 3,
+    duplicate_share: float = 0.02,
+) -> Telemetry:
+    """Code-completion and chat users as their products would report them, from `start` on.
+
+    Code completion (`surface` code-completion): each suggestion is shown, then accepted (some
+    partially, some undone within seconds, some edited), rejected or ignored; an accepted one that is
+    kept gets retention checks at `RETENTION_CHECKS_S` after the accept, the fraction still present
+    falling with time. Chat (`surface` chat): each reply may get a thumbs vote (with a comment now and
+    then), a follow-up message, a copy or a regenerate; each chat user's second reply gets its
+    follow-up hours later, past the `window_s` window. Generations of one user are `spacing_s`
+    apart. `orphans` generation ids get feedback and no generation event; `duplicate_share` of
+    events are sent twice (a client retry).
+    """
+    rng = random.Random(seed)
+    events: list[Event] = []
+    surfaces: dict[str, str] = {}
+    decisions: dict[str, str] = {}
+    out_of_window = 0
+
+    def at(t0: datetime, s: float) -> datetime:
+        return t0 + timedelta(seconds=s)
+
+    for u in range(code_users):
+        user = f"coder{u}"
+        for k in range(per_user):
+            gid = f"cc-{seed}-{u}-{k}"
+            t0 = start + timedelta(seconds=(u * per_user + k) * spacing_s + rng.uniform(0, 1))
+            surfaces[gid] = "code-completion"
+            events.append(_generation(gid, t0, user, "code-completion", "    return sorted(items)\n"))
+            events.append(feedback_event(gid, "shown", at(t0, 0.05), user_id=user))
+            roll = rng.random()
+            decide = at(t0, rng.uniform(0.3, 4.0))
+            if roll < 0.55:
+                decisions[gid] = "accepted"
+                total = 26
+                part = total if rng.random() < 0.7 else rng.randint(8, 25)
+                events.append(feedback_event(gid, "accepted", decide, user_id=user, accepted_chars=part,
+                                             total_chars=total))  # fmt: skip
+                if rng.random() < 0.15:
+                    events.append(
+                        feedback_event(gid, "undone", at(decide, 3.0), user_id=user, seconds_after_accept=3.0)
+                    )
+                    continue
+                if rng.random() < 0.3:
+                    events.append(feedback_event(gid, "edited", at(decide, 8.0), user_id=user,
+                                                 edit_distance=rng.randint(1, 10)))  # fmt: skip
+                present = 1.0
+                for check in RETENTION_CHECKS_S:
+                    present = max(0.0, present - rng.choice([0.0, 0.0, 0.1, 0.3]))
+                    fraction = round(present, 2)
+                    events.append(feedback_event(gid, "retained", at(decide, check), user_id=user,
+                                                 seconds_after_accept=check, fraction_present=fraction))  # fmt: skip
+            elif roll < 0.85:
+                decisions[gid] = "rejected"
+                events.append(feedback_event(gid, "rejected", decide, user_id=user))
+            else:
+                decisions[gid] = "ignored"
+                events.append(feedback_event(gid, "ignored", decide, user_id=user))
+
+    comments = ["", "", "great, exactly right", "wrong answer", "thanks"]
+    followups = ["thanks, that works", "no, that is broken", "can you explain more?", "perfect"]
+    for u in range(chat_users):
+        user = f"chatter{u}"
+        for k in range(per_user):
+            gid = f"chat-{seed}-{u}-{k}"
+            t0 = start + timedelta(seconds=(u * per_user + k) * spacing_s + rng.uniform(0, 1))
+            surfaces[gid] = "chat"
+            events.append(_generation(gid, t0, user, "chat", "Sort the list with sorted(items)."))
+            if rng.random() < 0.5:
+                value, comment = rng.choice(["up", "up", "down"]), rng.choice(comments)
+                events.append(feedback_event(gid, "thumbs", at(t0, rng.uniform(5, 60)), user_id=user,
+                                             value=value, comment=comment))  # fmt: skip
+            late = k == 1  # each chat user's second reply gets its follow-up hours later
+            if late or rng.random() < 0.6:
+                delay = window_s + 3600 if late else rng.uniform(10, 120)
+                out_of_window += late
+                events.append(feedback_event(gid, "followup", at(t0, delay), user_id=user, text=rng.choice(followups)))
+            if rng.random() < 0.2:
+                events.append(feedback_event(gid, rng.choice(["copied", "regenerated"]), at(t0, 20), user_id=user))
+
+    orphan_ids = [f"orphan-{seed}-{i}" for i in range(orphans)]
+    for i, gid in enumerate(orphan_ids):
+        events.append(feedback_event(gid, "accepted", start + timedelta(seconds=100 + i), user_id="coder0"))
+
+    events.sort(key=lambda e: (e.ts, e.event_id))
+    out: list[Event] = []
+    duplicates = 0
+    for e in events:
+        out.append(e)
+        if rng.random() < duplicate_share:
+            out.append(e)
+            duplicates += 1
+    return Telemetry(out, surfaces, decisions, orphan_ids, out_of_window, duplicates)
+
+
+def _generation(gid: str, ts: datetime, user: str, surface: str, completion: str) -> Event:
+    event = generation_event(gid, ts, user_id=user, completion=completion)
+    return event.model_copy(update={"properties": {**event.properties, "surface": surface}})
+
+
+def segment_batches(events: Sequence[Event], *, size: int = 100) -> list[dict[str, object]]:
+    """`events` as Segment `/v1/batch` bodies, in order: `messageId` = event id, the event time as
+    `timestamp` and no `sentAt`, so history keeps its own times (the collector stamps `received_at`)."""
+    messages = [
+        {
+            "type": "track",
+            "event": str(e.type),
+            "messageId": e.event_id,
+            "userId": e.user_id,
+            "timestamp": e.ts.isoformat(),
+            "properties": {**e.properties, "generation_id": e.generation_id},
+        }
+        for e in events
+    ]
+    return [{"batch": messages[i : i + size]} for i in range(0, len(messages), size)]

@@ -182,3 +182,46 @@ def test_spec_round_trip_and_validation() -> None:
         RuleWeights(undone=-0.5)
     with pytest.raises(ValueError, match="version"):
         RewardDefinition(version="a b")
+
+
+def test_retention_checks_at_10_and_15_minutes_change_the_reward_within_the_default_window() -> None:
+    """The deployment's default window (16 minutes) holds the 10- and 15-minute checks of a suggestion
+    accepted a few seconds in; each lowers the reward as the rules say (credit scaled by
+    retention_floor + (1 - retention_floor) * the latest fraction present)."""
+    from flywheel.settings import Settings
+
+    window_end = int(DEFAULT_DEFINITION.window(Settings.model_fields["reward_window_s"].default) * S)
+    assert window_end >= (3 + DEFAULT_DEFINITION.latest_checkpoint_s) * S
+
+    def accepted_then(*checks: tuple[int, float]) -> float:
+        evs = [ev(1, "shown"), ev(3, "accepted")]
+        evs += [ev(3 + c, "retained", seconds_after_accept=c, fraction_present=f) for c, f in checks]
+        sc = DEFAULT_DEFINITION.score(GEN, evs, window_end_us=window_end)
+        if checks:
+            assert sc.signals[f"retained_{checks[-1][0]}s"] == checks[-1][1]
+        return sc.reward
+
+    w = DEFAULT_DEFINITION.weights
+    five = accepted_then((300, 1.0))
+    ten = accepted_then((300, 1.0), (600, 0.5))
+    fifteen = accepted_then((300, 1.0), (600, 0.5), (900, 0.0))
+    assert five == pytest.approx(w.accept)
+    assert ten == pytest.approx(w.accept * (w.retention_floor + (1 - w.retention_floor) * 0.5))
+    assert fifteen == pytest.approx(w.accept * w.retention_floor)
+    assert five > ten > fifteen
+
+    # the 10-minute window this used to be would have dropped both checks: they must not be ignored
+    short = DEFAULT_DEFINITION.score(
+        GEN, [ev(3, "accepted"), ev(903, "retained", seconds_after_accept=900, fraction_present=0.0)],
+        window_end_us=600 * S,
+    )
+    assert short.reward == pytest.approx(w.accept) != fifteen
+
+
+def test_a_definition_scores_only_its_own_surface() -> None:
+    from signals.reward import builtin_definition
+
+    chat = GenerationInfo("c1", ts_us=0, completion_chars=20, surface="chat")
+    assert builtin_definition("chat").record(chat, [ev(2, "thumbs", value="up")], window_end_us=9 * S).reward == 1.0
+    with pytest.raises(ValueError, match="scores surface 'code-completion'"):
+        DEFAULT_DEFINITION.record(chat, [], window_end_us=S)

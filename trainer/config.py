@@ -33,7 +33,7 @@ class TrainerConfig:
         exact_check_samples: samples (served by the champion) re-scored per sample before training
             to check serving and trainer agree exactly (`exact_mismatch_*` metrics; 0 = skip).
     Data
-        reward_version: train on this reward definition ("" = the most recently emitted one).
+        reward_version: train on this reward definition ("" = the active one of each surface).
         min_samples: skip the cycle below this many eligible samples (None = settings.min_train_samples).
         max_samples: newest samples kept when more arrived (0 = all).
         replay_fraction: add up to this fraction of older (already trained on) samples.

@@ -1,7 +1,8 @@
 """What a cycle trains on: rewards since the watermark joined with their generation records.
 
 Read with polars from the lake (`flywheel.lake.tables`): `rewards` (latest revision per generation
-for one reward definition) joined on generation_id with the `generation` events of `events`,
+of the active reward version of each surface, `flywheel.reward_versions`, or `config.reward_version`)
+joined on generation_id with the `generation` events of `events`,
 whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-probs, model version).
 Eligibility is applied here, before anything reaches the model:
 - consent: only users whose latest event carrying `config.consent_property` set it true;
@@ -32,6 +33,8 @@ import polars as pl
 
 from flywheel.contract import DataWindow, GenerationRecord
 from flywheel.lake.tables import EVENTS, REWARDS
+from flywheel.reward_versions import describe as describe_versions
+from flywheel.reward_versions import read_active
 from flywheel.settings import Settings
 from flywheel.signing import Untrusted, check_generation
 from model_registry import ModelRegistry
@@ -95,11 +98,12 @@ def load_selection(
     rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
     if rewards is None:
         return Selection(samples=[], window=None)
-    reward_version = config.reward_version or _newest_reward_version(rewards)
-    if reward_version is None:
+    versions = [config.reward_version] if config.reward_version else _read_reward_versions(settings, rewards)
+    if not versions:
         return Selection(samples=[], window=None)
+    reward_version = describe_versions(versions)  # said in the data window, so in the lineage
     latest = (
-        REWARDS.latest(rewards.filter(pl.col("reward_version") == reward_version))
+        REWARDS.latest(rewards.filter(pl.col("reward_version").is_in(versions)))
         .select("generation_id", "reward", "user_id", "emitted_at")
         .collect()
     )
@@ -143,6 +147,16 @@ def load_selection(
         generation_ids_sha256=hashlib.sha256(ids).hexdigest(),
     )
     return selection
+
+
+def _read_reward_versions(settings: Settings, rewards: pl.LazyFrame) -> list[str]:
+    """The active reward version of each surface (a backfill of another changes nothing until it is
+    activated); on a lake signals never pointed, the version written last."""
+    active = read_active(settings.lake_dir)
+    if active is not None:
+        return sorted(set(active.values()))
+    newest = _newest_reward_version(rewards)
+    return [] if newest is None else [newest]
 
 
 def _newest_reward_version(rewards: pl.LazyFrame) -> str | None:

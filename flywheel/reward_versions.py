@@ -1,0 +1,75 @@
+"""Which reward definition version is active, per product surface: the one pointer every reader shares.
+
+Signals owns the definitions (`signals/definitions.py`); the trainer and the deploy gate only need to
+know which versions count. The pointer is a small JSON file beside the lake
+(`<lake>/reward_definitions/active.json`, `{surface: version}`), replaced atomically, so every
+reader sees one whole mapping and a backfill of another version changes nothing until someone
+activates it. A lake without the file has never been touched by signals (a simulator wrote its
+rewards); readers then fall back to the version written last, as before surfaces existed.
+
+A surface is named by the `surface` property of a `generation` event (`DEFAULT_SURFACE` when it
+is empty): lower-case letters, digits, `.`, `_` and `-`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
+
+DEFAULT_SURFACE = "code-completion"
+SURFACE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+_SURFACE = re.compile(SURFACE_PATTERN)
+ACTIVE_FILE = "active.json"
+
+
+def surface_of(value: object) -> str:
+    """The surface a generation's `surface` property names; empty or missing: `DEFAULT_SURFACE`.
+
+    >>> surface_of(""), surface_of("chat")
+    ('code-completion', 'chat')
+    """
+    text = str(value or "")
+    if not text:
+        return DEFAULT_SURFACE
+    if not _SURFACE.match(text):
+        raise ValueError(f"surface {text!r} must match {SURFACE_PATTERN}")
+    return text
+
+
+def active_path(lake_dir: Path) -> Path:
+    return lake_dir / REWARD_DEFINITIONS_PATH / ACTIVE_FILE
+
+
+def read_active(lake_dir: Path) -> dict[str, str] | None:
+    """`{surface: active version}`, or None when signals never wrote the pointer for this lake."""
+    path = active_path(lake_dir)
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    return {str(k): str(v) for k, v in json.loads(raw).items()}
+
+
+def write_active(lake_dir: Path, active: dict[str, str]) -> None:
+    """Replace the pointer atomically (a reader never sees half a file)."""
+    path = active_path(lake_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".active-", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(dict(sorted(active.items())), f)
+    os.replace(tmp, path)
+
+
+def describe(versions: Iterable[str]) -> str:
+    """How a reader names the versions it read: sorted and comma-joined (one per surface).
+
+    >>> describe({"rules-v1", "chat-rules-v1"})
+    'chat-rules-v1,rules-v1'
+    """
+    return ",".join(sorted(versions))
