@@ -81,7 +81,8 @@ class Event(BaseModel):
     ts: datetime = Field(default_factory=utcnow, description="Event time.")
     received_at: datetime = Field(default_factory=utcnow)
     source: str = Field(default="native", max_length=128)
-    properties: dict[str, Any] = Field(default_factory=dict)
+    # Validated when absent too: a type with a required property must not pass without it.
+    properties: dict[str, Any] = Field(default_factory=dict, validate_default=True)
 
     @field_validator("schema_version")
     @classmethod
