@@ -29,9 +29,8 @@ from flywheel.contract import LabelSource, RewardRecord, utcnow
 from signals import features
 from signals.events import FeedbackEvent, GenerationInfo, from_us
 from signals.logistic import LogisticModel
-from signals.sentiment import Sentiment, lexicon_sentiment
-
-_SENTIMENTS: dict[str, Sentiment] = {"lexicon-v1": lexicon_sentiment}
+from signals.sentiment import SENTIMENTS as _SENTIMENTS
+from signals.sentiment import Sentiment
 
 
 @dataclass(frozen=True)
