@@ -6,7 +6,10 @@ ordinary, so `validate_batch` first decodes each one with a msgspec struct that 
 only the plain, unambiguous form of the envelope (every field present and of its exact
 JSON type, a known type and version, lengths within the contract), then checks the rest
 column-wise in polars (times in plain UTC RFC 3339 with at most microseconds, properties
-already in the lake's JSON spelling). Whatever that plain path does not take goes to
+already in the lake's JSON spelling), and each type's properties against the contract's table
+(flywheel/event_properties.py: one msgspec decode per type of the whole batch's properties, into a
+struct derived from the table; a text it does not take is judged by the contract's own check, and
+refused ones go on to pydantic for the reason). Whatever that plain path does not take goes to
 `Event.from_bytes`, which either accepts it or refuses it with today's reason. So the
 plain path never refuses anything itself, and the row it builds is the one pydantic would
 have built (tests/test_ingest_fast_validate.py checks both on edge cases).
@@ -25,7 +28,6 @@ import polars as pl
 import pyarrow as pa
 
 from flywheel.bus import Record, RecordBatch
-from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, properties_of, property_problems
 from flywheel.contract import (
     MAX_EVENT_BYTES,
     MAX_PROPERTIES_DEPTH,
@@ -35,6 +37,7 @@ from flywheel.contract import (
     InvalidEvent,
     check_properties,
 )
+from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, properties_of, property_problems
 from flywheel.lake.tables import EVENTS
 from ingest.compact_json import compact_json_encoder
 from ingest.lake_sink import rows_frame
@@ -211,9 +214,11 @@ def _struct_type(prop: Prop) -> Any:
     if prop.choices:
         return Literal[prop.choices]  # type: ignore[valid-type]  # built from the contract's table
     base: Any = {"string": str, "integer": int, "number": float, "boolean": bool}[prop.kind]
-    meta = {"ge": prop.minimum, "le": prop.maximum, "max_length": prop.max_length}
-    given = {k: v for k, v in meta.items() if v is not None}
-    return Annotated[base, msgspec.Meta(**given)] if given else base
+    if prop.max_length is not None:
+        return Annotated[base, msgspec.Meta(max_length=prop.max_length)]
+    if prop.minimum is not None or prop.maximum is not None:
+        return Annotated[base, msgspec.Meta(ge=prop.minimum, le=prop.maximum)]
+    return base
 
 
 _PROPERTY_DECODERS = {
