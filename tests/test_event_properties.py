@@ -11,8 +11,11 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import settings as settings_for_fuzz
+from hypothesis import strategies as st
 
-from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.bus import Outgoing, RecordBatch, ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, InvalidEvent
 from flywheel.event_properties import FEEDBACK_PROPERTIES, property_problems
@@ -20,6 +23,7 @@ from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
+from ingest.fast_validate import validate_batch
 from ingest.worker import IngestWorker
 
 AUTH = {"Authorization": "Basic " + base64.b64encode(b"dev-write-key:").decode()}
@@ -154,3 +158,37 @@ def test_ingest_worker_dead_letters_them_straight_off_the_topic(settings: Settin
     for i, (_, _, reason) in enumerate(REFUSED):
         assert reason in letters[f"bad{i}"], letters[f"bad{i}"]
     assert "thumbs.value is required" in letters["no-props"]
+
+
+_NAMES = sorted({n for spec in FEEDBACK_PROPERTIES.values() for n in spec} | {"surface", "training_consent"})
+_VALUES = st.none() | st.booleans() | st.integers(-3, 50) | st.floats(-1, 2, allow_nan=False)
+_VALUES = _VALUES | st.sampled_from(["up", "down", "3", ""])
+
+
+@settings_for_fuzz(max_examples=300, deadline=None)
+@given(
+    batch=st.lists(
+        st.tuples(
+            st.sampled_from(sorted(FEEDBACK_PROPERTIES)),
+            st.dictionaries(st.sampled_from([*_NAMES, "chars_accepted", "Value", "lang", "x"]), _VALUES, max_size=4),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_fast_path_and_pydantic_accept_the_same_properties(batch: list[tuple[str, dict]]) -> None:
+    base = {"generation_id": "g", "user_id": "u", "ts": "2026-01-01T00:00:00Z", "received_at": "2026-01-01T00:00:00Z"}
+    values = [
+        json.dumps({**base, "event_id": f"e{i}", "type": t, "properties": p}).encode() for i, (t, p) in enumerate(batch)
+    ]
+    n = len(values)
+    valid, refused = validate_batch(RecordBatch(["t"] * n, [0] * n, list(range(n)), values))
+    expected = []
+    for i, raw in enumerate(values):
+        try:
+            Event.from_bytes(raw)
+            expected.append(i)
+        except InvalidEvent:
+            pass
+    assert valid["_i"].to_list() == expected
+    assert sorted([i for i, _ in refused] + expected) == list(range(len(values)))
