@@ -29,8 +29,8 @@ from flywheel.contract import LabelSource, RewardRecord, utcnow
 from signals import features
 from signals.events import FeedbackEvent, GenerationInfo, from_us
 from signals.logistic import LogisticModel
+from signals.sentiment import DEFAULT_SENTIMENT, Sentiment
 from signals.sentiment import SENTIMENTS as _SENTIMENTS
-from signals.sentiment import Sentiment
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class RewardDefinition:
     default_reward: float = 0.0
     default_confidence: float = 0.05
     declined_reward: float = 0.0
-    sentiment_name: str = "lexicon-v1"
+    sentiment_name: str = DEFAULT_SENTIMENT
     satisfaction: LogisticModel | None = None
     notes: str = ""
 
@@ -216,4 +216,5 @@ class RewardDefinition:
         return replace(self, version=version, satisfaction=model, notes=notes)
 
 
-DEFAULT_DEFINITION = RewardDefinition()
+# The built-in version keeps the sentiment it was defined with: a version's scores never change under its id.
+DEFAULT_DEFINITION = RewardDefinition(sentiment_name="lexicon-v1")

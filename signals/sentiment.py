@@ -1,11 +1,12 @@
 """Sentiment of a follow-up message or thumbs comment, in [-1, 1].
 
-The default is VADER (Hutto & Gilbert 2014, "VADER: A Parsimonious Rule-based Model for Sentiment
-Analysis of Social Media Text"): a 7,500-entry human-rated lexicon with rules for negation, intensifiers,
-"but", capitals and punctuation, shipped in the `vaderSentiment` package (lexicon in the wheel, no
-download), deterministic, ~40 us a message. Its compound score is already in [-1, 1]. The older
-55-word `lexicon_sentiment` stays for definitions that name it. Measured against thumbs on a self-made
-labelled set of follow-ups: bench/sentiment_auc.py (README, "Benchmarks").
+New reward definitions use VADER (`DEFAULT_SENTIMENT`; Hutto & Gilbert 2014, "VADER: A Parsimonious
+Rule-based Model for Sentiment Analysis of Social Media Text"): a 7,500-entry human-rated lexicon with
+rules for negation, intensifiers, "but", capitals and punctuation, shipped in the `vaderSentiment`
+package (lexicon in the wheel, no download), deterministic, ~40 us a message. Its compound score is
+already in [-1, 1]. The older 55-word `lexicon_sentiment` stays for the definitions that name it (the
+built-in `rules-v1` among them). Measured against thumbs on a self-made labelled set of follow-ups:
+bench/sentiment_auc.py (README, "Benchmarks").
 
 Anything with the `Sentiment` call signature can be registered in `SENTIMENTS`; a `RewardDefinition`
 names the one it uses (`sentiment_name`), so a recompute scores with the same one. A name is tied to
