@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deploy_gate.metrics import arm_metrics
 from flywheel.contract import Event, GenerationRecord, RewardRecord
 from flywheel.lake.tables import EVENTS
 from flywheel.lm import load_policy
@@ -78,6 +79,11 @@ def test_text_only_generation_is_kept_in_the_lake_and_scored(lake: Settings) -> 
     assert {"text-0", "text-1", "text-2", "text-3"} <= records.keys()
     assert all(records[f"text-{i}"].model_version == "acme-coder-7b" for i in range(4))
     assert records["text-0"].label_source == "implicit" and records["text-0"].reward > records["text-1"].reward
+    # The dashboard shows them under their model's version (the unsigned one sent arm "champion").
+    write_rewards(lake, list(records.values()))
+    arms = {(a.arm, a.model_version): a.n for a in arm_metrics(lake).arms}
+    # Not an arm of Flywheel's experiment unless it says so: its own row, never mixed into the champion's.
+    assert arms[("unknown", "acme-coder-7b")] == 4
 
 
 def _rewards(settings: Settings) -> None:
