@@ -13,7 +13,17 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from flywheel.event_properties import FEEDBACK_PROPERTIES, properties_json_schema, property_problems
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
@@ -71,7 +81,8 @@ class Event(BaseModel):
     ts: datetime = Field(default_factory=utcnow, description="Event time.")
     received_at: datetime = Field(default_factory=utcnow)
     source: str = Field(default="native", max_length=128)
-    properties: dict[str, Any] = Field(default_factory=dict)
+    # Validated when absent too: a type with a required property must not pass without it.
+    properties: dict[str, Any] = Field(default_factory=dict, validate_default=True)
 
     @field_validator("schema_version")
     @classmethod
@@ -87,8 +98,14 @@ class Event(BaseModel):
 
     @field_validator("properties")
     @classmethod
-    def _storable(cls, v: dict[str, Any]) -> dict[str, Any]:
+    def _storable(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         check_properties(v)
+        # `type` is validated first (declared first); absent when it failed, and that is the reason given.
+        event_type = info.data.get("type")
+        if event_type is not None:
+            problems = property_problems(event_type.value, v)
+            if problems:
+                raise ValueError("; ".join(problems))
         return v
 
     @model_validator(mode="after")
@@ -174,18 +191,33 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 
 class GenerationRecord(BaseModel):
-    """What serving logs about one generation (the `properties` of a `generation` event)."""
+    """What a `generation` event carries (its `properties`), in one of two forms.
+
+    - Sampled by Flywheel's serving: token ids in the policy's tokenizer and the behaviour log-prob of
+      each completion token, signed (`signature`, flywheel.signing). The trainer may learn from it
+      off-policy (importance ratios against `behaviour_logprobs`).
+    - Text only, from a product's own model: `prompt`, `completion`, `model_version` (and optionally
+      arm, experiment, finish reason, surface), with the three token fields left out or null. It is
+      scored and kept like any other; the trainer can use it only as text, re-tokenised under the
+      current policy, with an objective that needs no behaviour log-probs (trainer/objectives.py).
+
+    The token fields come together or not at all: ids without their log-probs (or the reverse) say
+    nothing the trainer could use and are refused rather than half-kept.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None = Field(default=None, description="Prompt tokens; absent: text only.")
     completion: str
-    completion_token_ids: list[int]
-    behaviour_logprobs: list[float] = Field(
-        description="Log-prob of each completion token under the policy that sampled it."
+    completion_token_ids: list[int] | None = Field(
+        default=None, description="Completion tokens (a final end-of-text when it stopped); absent: text only."
     )
-    model_version: str
+    behaviour_logprobs: list[float] | None = Field(
+        default=None,
+        description="Log-prob of each completion token under the policy that sampled it; absent: text only.",
+    )
+    model_version: str = Field(description="The model (and version) that wrote the completion.")
     experiment: str = ""
     arm: Literal["champion", "challenger", "holdout"] = "champion"
     surface: str = Field(
@@ -205,9 +237,21 @@ class GenerationRecord(BaseModel):
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationRecord:
-        if len(self.behaviour_logprobs) != len(self.completion_token_ids):
+        tokens = (self.prompt_token_ids, self.completion_token_ids, self.behaviour_logprobs)
+        given = sum(t is not None for t in tokens)
+        if given not in (0, 3):
+            raise ValueError(
+                "prompt_token_ids, completion_token_ids and behaviour_logprobs come together: all three (a"
+                " sample of Flywheel's own policy) or none (text only, e.g. from your own inference server)"
+            )
+        if self.behaviour_logprobs is not None and len(self.behaviour_logprobs) != len(self.completion_token_ids or []):
             raise ValueError("behaviour_logprobs must have one entry per completion token")
         return self
+
+    @property
+    def text_only(self) -> bool:
+        """No token ids or log-probs: usable for training only as text (see the class doc)."""
+        return self.completion_token_ids is None
 
 
 LabelSource = Literal["explicit", "implicit", "default"]
@@ -321,7 +365,20 @@ def event_json_schema() -> dict[str, Any]:
     schema["$id"] = f"https://flywheel.local/schemas/event/v{SCHEMA_VERSION}.json"
     schema["title"] = f"Flywheel event envelope v{SCHEMA_VERSION}"
     schema.setdefault("$defs", {})["GenerationRecord"] = GenerationRecord.model_json_schema()
+    schema["x-event-properties"] = event_properties_schema()
     return schema
+
+
+def event_properties_schema() -> dict[str, Any]:
+    """Each event type's `properties`: a JSON Schema per type (flywheel.event_properties; `generation`:
+    the `GenerationRecord`)."""
+    out: dict[str, Any] = {t: properties_json_schema(t) for t in FEEDBACK_PROPERTIES}
+    out[EventType.GENERATION.value] = GenerationRecord.model_json_schema()
+    return out
+
+
+# Every feedback type has its properties declared, and no declaration is for a type that does not exist.
+assert set(FEEDBACK_PROPERTIES) == {t.value for t in EventType} - {EventType.GENERATION.value}
 
 
 class DataWindow(BaseModel):

@@ -3,7 +3,8 @@
 - `POST /v1/events`: the native contract, `{"events": [<Event>...]}`.
 - `POST /v1/track`, `POST /v1/batch`: Segment's HTTP Tracking API (what the Segment and
   RudderStack libraries send: gzip bodies, write key as HTTP basic auth user name).
-- `GET /v1/schema`: the published JSON Schema of the envelope.
+- `GET /v1/schema`: the published JSON Schema of the envelope, with each event type's properties under
+  `x-event-properties` (flywheel/event_properties.py: names, types, ranges, required or not).
 - `/healthz`, `/readyz`, `/metrics` (`flywheel.ops`: the body every process answers; ready while Kafka answers).
 
 Credentials come first: a write key in the Authorization header is checked before the

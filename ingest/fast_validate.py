@@ -6,7 +6,10 @@ ordinary, so `validate_batch` first decodes each one with a msgspec struct that 
 only the plain, unambiguous form of the envelope (every field present and of its exact
 JSON type, a known type and version, lengths within the contract), then checks the rest
 column-wise in polars (times in plain UTC RFC 3339 with at most microseconds, properties
-already in the lake's JSON spelling). Whatever that plain path does not take goes to
+already in the lake's JSON spelling), and each type's properties against the contract's table
+(flywheel/event_properties.py: one msgspec decode per type of the whole batch's properties, into a
+struct derived from the table; a text it does not take is judged by the contract's own check, and
+refused ones go on to pydantic for the reason). Whatever that plain path does not take goes to
 `Event.from_bytes`, which either accepts it or refuses it with today's reason. So the
 plain path never refuses anything itself, and the row it builds is the one pydantic would
 have built (tests/test_ingest_fast_validate.py checks both on edge cases).
@@ -34,6 +37,7 @@ from flywheel.contract import (
     InvalidEvent,
     check_properties,
 )
+from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, properties_of, property_problems
 from flywheel.lake.tables import EVENTS
 from ingest.compact_json import compact_json_encoder
 from ingest.lake_sink import rows_frame
@@ -194,6 +198,74 @@ def _repeat_a_key(canonical_texts: pl.Series) -> pl.Series:
     return repeated
 
 
+def _property_struct(event_type: str) -> type[msgspec.Struct]:
+    """A msgspec struct that takes exactly the properties of `event_type` the contract accepts, less what it
+    cannot say (names it does not know, which may still be fine; numbers past 64 bits): those go to
+    `property_problems`, the contract's own check. So the struct never takes what the contract refuses."""
+    fields: list[tuple[str, Any, Any] | tuple[str, Any]] = []
+    for name, prop in properties_of(event_type).items():
+        kind = _struct_type(prop)
+        fields.append((name, kind) if prop.required else (name, kind | None, None))
+    fields.sort(key=len)  # msgspec: required fields first
+    return msgspec.defstruct(f"{event_type}_properties", fields, forbid_unknown_fields=True, gc=False)
+
+
+def _struct_type(prop: Prop) -> Any:
+    if prop.choices:
+        return Literal[prop.choices]  # type: ignore[valid-type]  # built from the contract's table
+    base: Any = {"string": str, "integer": int, "number": float, "boolean": bool}[prop.kind]
+    if prop.max_length is not None:
+        return Annotated[base, msgspec.Meta(max_length=prop.max_length)]
+    if prop.minimum is not None or prop.maximum is not None:
+        return Annotated[base, msgspec.Meta(ge=prop.minimum, le=prop.maximum)]
+    return base
+
+
+_PROPERTY_DECODERS = {
+    t: (msgspec.json.Decoder(list[_property_struct(t)]), msgspec.json.Decoder(_property_struct(t)))  # type: ignore[misc]
+    for t in FEEDBACK_PROPERTIES
+}
+# An empty object fits every type without a required property.
+_EMPTY_FITS = frozenset(t for t, spec in FEEDBACK_PROPERTIES.items() if not any(p.required for p in spec.values()))
+
+
+def _property_misfits(frame: pl.DataFrame) -> list[int]:
+    """The `_i` of rows whose properties (compact JSON) the contract refuses for their type (pydantic then
+    says why). Each type's texts are decoded at once into its struct; a type with a text the struct does
+    not take is looked at text by text, and a text no struct takes is judged by `property_problems`."""
+    misfits: list[int] = []
+    for (event_type,), group in frame.select("type", "properties", "_i").partition_by("type", as_dict=True).items():
+        texts = group["properties"]
+        if event_type in _EMPTY_FITS and (texts == "{}").all():
+            continue
+        many, one = _PROPERTY_DECODERS[str(event_type)]
+        try:
+            decoded = many.decode(("[" + texts.str.join(",").item() + "]").encode())
+            checked = None
+        except _UNDECODABLE:
+            decoded, checked = [], []
+            for text in texts.to_list():
+                try:
+                    decoded.append(one.decode(text))
+                    checked.append(True)
+                except _UNDECODABLE:
+                    decoded.append(None)
+                    checked.append(not property_problems(str(event_type), _PROPERTIES_DECODER.decode(text)))
+        rows = group["_i"].to_list()
+        for k, props in enumerate(decoded):
+            if props is None:
+                if checked is not None and not checked[k]:
+                    misfits.append(rows[k])
+            elif event_type == "accepted" and _more_taken_than_shown(props):
+                misfits.append(rows[k])
+    return misfits
+
+
+def _more_taken_than_shown(props: Any) -> bool:
+    taken, total = props.accepted_chars, props.total_chars
+    return taken is not None and total is not None and taken > total
+
+
 def _is_utf8(text: bytes) -> bool:
     try:
         text.decode()
@@ -283,6 +355,10 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
             if gone.height:
                 slow.extend(gone["_i"].to_list())
                 df = df.filter(pl.col("properties").is_not_null())
+        misfits = _property_misfits(df)
+        if misfits:
+            slow.extend(misfits)
+            df = df.filter(~pl.col("_i").is_in(misfits))
         frames.append(df.select(*EVENTS.schema, "_i"))
 
     refused: list[tuple[int, str]] = []

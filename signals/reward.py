@@ -40,9 +40,8 @@ from flywheel.reward_versions import DEFAULT_SURFACE, surface_of
 from signals import features
 from signals.events import FeedbackEvent, GenerationInfo, from_us
 from signals.logistic import LogisticModel
-from signals.sentiment import Sentiment, lexicon_sentiment
-
-_SENTIMENTS: dict[str, Sentiment] = {"lexicon-v1": lexicon_sentiment}
+from signals.sentiment import DEFAULT_SENTIMENT, Sentiment
+from signals.sentiment import SENTIMENTS as _SENTIMENTS
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ class RewardDefinition:
     default_reward: float = 0.0
     default_confidence: float = 0.05
     declined_reward: float = 0.0
-    sentiment_name: str = "lexicon-v1"
+    sentiment_name: str = DEFAULT_SENTIMENT
     satisfaction: LogisticModel | None = None
     notes: str = ""
     surface: str = DEFAULT_SURFACE
@@ -264,7 +263,8 @@ class RewardDefinition:
         )  # fmt: skip
 
 
-DEFAULT_DEFINITION = RewardDefinition()
+# The built-in version keeps the sentiment it was defined with: a version's scores never change under its id.
+DEFAULT_DEFINITION = RewardDefinition(sentiment_name="lexicon-v1")
 """The built-in rules of the default surface (code completion)."""
 
 

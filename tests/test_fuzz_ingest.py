@@ -18,9 +18,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given
+from hypothesis import HealthCheck, assume, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
@@ -228,6 +229,15 @@ def test_collector_never_answers_5xx_and_everything_lands_once_or_is_dead_letter
 # ---------------------------------------------------------------- straight onto the topic
 
 
+# What the types with a required property need to be valid (flywheel/event_properties.py).
+REQUIRED_PROPERTIES: dict[str, dict[str, Any]] = {
+    "edited": {"edit_distance": 2},
+    "retained": {"seconds_after_accept": 30.0, "fraction_present": 0.5},
+    "thumbs": {"value": "down"},
+    "followup": {"text": "that fails"},
+}
+
+
 @st.composite
 def record_values(draw: st.DrawFn) -> bytes | None:
     kind = draw(st.sampled_from(["event", "event", "mutated", "mutated", "junk", "tombstone", "corrupt"]))
@@ -235,13 +245,18 @@ def record_values(draw: st.DrawFn) -> bytes | None:
         return None
     if kind == "junk":
         return draw(st.binary(max_size=40))
-    good = Event(
-        type=draw(st.sampled_from([t.value for t in EventType if t != EventType.GENERATION])),
-        generation_id=draw(st.text(min_size=1, max_size=8)),
-        user_id=draw(st.text(min_size=1, max_size=8)),
-        ts=draw(st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30), timezones=offsets)),
-        properties=draw(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3)),
-    )
+    event_type = draw(st.sampled_from([t.value for t in EventType if t != EventType.GENERATION]))
+    extra = draw(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3))
+    try:
+        good = Event(
+            type=event_type,
+            generation_id=draw(st.text(min_size=1, max_size=8)),
+            user_id=draw(st.text(min_size=1, max_size=8)),
+            ts=draw(st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30), timezones=offsets)),
+            properties={**extra, **REQUIRED_PROPERTIES.get(event_type, {})},
+        )
+    except ValidationError:  # an extra name that reads as a misspelling of a declared one (rare)
+        assume(False)
     if kind == "event":
         return good.to_bytes()
     if kind == "corrupt":

@@ -97,7 +97,7 @@ def test_clock_skew_is_corrected_with_sent_at(client, settings):
 
 
 def test_native_endpoint_partial_acceptance(client, settings):
-    good = Event(type="thumbs", generation_id="g1", user_id="u1", properties={"up": True})
+    good = Event(type="thumbs", generation_id="g1", user_id="u1", properties={"value": "up"})
     body = {
         "events": [
             json.loads(good.to_bytes()),

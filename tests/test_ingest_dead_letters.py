@@ -32,8 +32,10 @@ def test_list_then_replay_after_a_fix_produces_only_what_passes_now(settings, mo
         "generation_id": "g1",
         "user_id": "u",
         "schema_version": 2,
+        "properties": {"value": "up"},
     }
-    broken = {"event_id": "broken", "type": "thumbs", "user_id": "u"}  # no generation_id: stays invalid
+    # No generation_id: stays invalid.
+    broken = {"event_id": "broken", "type": "thumbs", "user_id": "u", "properties": {"value": "up"}}
     with TestClient(create_app(settings)) as client:
         r = client.post("/v1/events", json={"events": [v2, broken]}, headers=AUTH)
     assert [x["event_id"] for x in r.json()["refused"]] == ["v2-event", "broken"]

@@ -42,7 +42,7 @@ def _config(path: Path | None, objective: str | None, lr: float | None, device: 
 @app.command("run-once")
 def run_once(
     config: Path | None = _CONFIG_OPTION,
-    objective: str | None = typer.Option(None, help="pg or kto"),
+    objective: str | None = typer.Option(None, help="pg, kto or rwl (kto and rwl need no behaviour log-probs)"),
     lr: float | None = typer.Option(None, "--lr", help="Learning rate."),
     device: str | None = typer.Option(None, help="cpu, cuda or cuda:N"),
     dtype: str | None = typer.Option(None, help="float32 or bfloat16"),

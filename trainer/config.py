@@ -14,8 +14,10 @@ class TrainerConfig:
     """How a cycle selects data and updates the policy.
 
     Objective
-        objective: "pg" (off-policy policy gradient, one logged sample per prompt) or "kto"
-            (unpaired good / bad labels, e.g. thumbs).
+        objective: "pg" (off-policy policy gradient, one logged sample per prompt; needs serving's
+            behaviour log-probs), "kto" (unpaired good / bad labels, e.g. thumbs) or "rwl"
+            (reward-weighted likelihood: advantage-weighted regression). "kto" and "rwl" need no
+            behaviour log-probs, so they alone can learn from text-only generations.
         correction: for "pg": "ppo_clip" (clip the per-token ratio to [1-clip_eps, 1+clip_eps]) or
             "tis" (truncated importance sampling, ratio capped at is_cap).
         kl_coef: weight of the per-token KL penalty to the champion the cycle started from.
@@ -24,6 +26,11 @@ class TrainerConfig:
         loss_aggregation: "sequence" (every sample weighs the same) or "token" (every token does).
         kto_beta, kto_lambda_desirable, kto_lambda_undesirable, kto_threshold: KTO's beta, class
             weights, and the reward above which a sample counts as desirable.
+        rwl_beta, rwl_max_weight: "rwl" weighs each sample's log-likelihood by exp(advantage / rwl_beta),
+            capped at rwl_max_weight.
+        text_generations: also learn from generations known only as text (a product's own model, or
+            unsigned): tokenised by the current policy, trained without behaviour log-probs. Needs
+            objective "kto" or "rwl"; off (the default), they are left out with their reason.
     Optimisation
         learning_rate, weight_decay, batch_size (per process), epochs, max_steps (0 = no cap),
         grad_clip (0 = off), seed, device ("cpu", "cuda", "cuda:1"), dtype ("float32", "bfloat16").
@@ -42,7 +49,7 @@ class TrainerConfig:
         mismatch_threshold: |trainer - serving| log-prob difference counted as a mismatch.
     """
 
-    objective: Literal["pg", "kto"] = "pg"
+    objective: Literal["pg", "kto", "rwl"] = "pg"
     correction: Literal["ppo_clip", "tis"] = "ppo_clip"
     clip_eps: float = 0.2
     is_cap: float = 2.0
@@ -54,6 +61,9 @@ class TrainerConfig:
     kto_lambda_desirable: float = 1.0
     kto_lambda_undesirable: float = 1.0
     kto_threshold: float = 0.0
+    rwl_beta: float = 1.0
+    rwl_max_weight: float = 20.0
+    text_generations: bool = False
 
     learning_rate: float = 1e-5
     weight_decay: float = 0.0
@@ -77,8 +87,17 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         errors = []
-        if self.objective not in ("pg", "kto"):
-            errors.append(f"objective={self.objective!r}: use 'pg' (policy gradient) or 'kto'")
+        if self.objective not in ("pg", "kto", "rwl"):
+            errors.append(
+                f"objective={self.objective!r}: use 'pg' (policy gradient), 'kto' or 'rwl' (reward-weighted likelihood)"
+            )
+        if self.text_generations and self.objective == "pg":
+            errors.append(
+                "text_generations=True with objective='pg': text-only generations have no behaviour log-probs,"
+                " so no importance ratio; use objective 'kto' or 'rwl'"
+            )
+        if self.rwl_beta <= 0 or self.rwl_max_weight <= 0:
+            errors.append("rwl_beta and rwl_max_weight must be > 0")
         if self.correction not in ("ppo_clip", "tis"):
             errors.append(f"correction={self.correction!r}: use 'ppo_clip' or 'tis'")
         if not 0.0 < self.clip_eps < 1.0:

@@ -36,6 +36,7 @@ from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
 from trainer.data import Selection, load_selection, quarantined_versions
 from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
+from trainer.retokenize import text_encoder
 from trainer.scoring import scorer_for
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def _plan(
     policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
     selection = load_selection(
         settings, config, watermark=mark, quarantined=quarantined,
-        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1),
+        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1), encode_text=text_encoder(policy),
     )  # fmt: skip
     minimum = config.min_samples if config.min_samples is not None else settings.min_train_samples
     if len(selection.samples) < minimum:
@@ -149,7 +150,7 @@ def _train_and_register(
     mismatch = mismatch_report(samples, reference, champion, config.mismatch_threshold)
     # Serving's own scoring function, per sample, must reproduce the logged numbers exactly;
     # anything else means a different device, dtype, kernel or checkpoint between the two.
-    checked = [s for s in samples if s.model_version == champion and not s.prompt_redacted]
+    checked = [s for s in samples if s.model_version == champion and not s.prompt_redacted and not s.text_only]
     checked = checked[: config.exact_check_samples]
     exact = mismatch_report(
         checked, score_samples(policy.model, checked, scorer_for(True), policy.pad_id, config.batch_size),

@@ -7,11 +7,16 @@ whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-prob
 Eligibility is applied here, before anything reaches the model:
 - consent: only users whose latest event carrying `config.consent_property` set it true;
 - quarantine: nothing served by a version the gate quarantined;
-- provenance: only generations serving signed (flywheel.signing) are learned from; a generation
-  anyone else posted (a product's own model, or a forgery through the collector with a write key)
-  may still be scored by signals, but its token ids and log-probs never reach an objective. When
-  several generation events share an id, the first one that verifies is used, so an unsigned
-  copy posted first cannot hide serving's own;
+- provenance: only generations serving signed (flywheel.signing) are learned from off-policy; a
+  generation anyone else posted (a product's own model, or a forgery through the collector with a
+  write key) may still be scored by signals, but its token ids and log-probs never reach an
+  objective. When several generation events share an id, the first one that verifies is used, so
+  an unsigned copy posted first cannot hide serving's own;
+- text: a text-only generation (no token ids or log-probs: a product's own model) and an unsigned
+  one are left out with their reason, unless `config.text_generations` is on (which needs an
+  objective without behaviour log-probs, "kto" or "rwl"): their prompt and completion text are then
+  tokenised by the current policy (trainer/retokenize.py) and the sample has no behaviour log-probs.
+  A generation whose signature fails is never used, not even as text: it claims to be serving's;
 - scrubbing: a completion containing secrets or personal data is dropped (we must not teach the
   policy to emit it; its tokens cannot be edited without voiding the behaviour log-probs); a prompt
   containing them is redacted and re-tokenised, and left out of the mismatch report.
@@ -39,9 +44,13 @@ from flywheel.settings import Settings
 from flywheel.signing import Untrusted, check_generation
 from model_registry import ModelRegistry
 from trainer.config import TrainerConfig
+from trainer.retokenize import TextEncoder
 from trainer.scrub import scrub
 
 _TRUE = ("true", "1", "yes")
+# Why a generation known only as text is left out (a `Selection.dropped` reason).
+TEXT_ONLY = "text only (no token ids or log-probs): no off-policy ratio without serving's log-probs"
+TEXT_KEPT = "text generations tokenised by the policy (kept, no behaviour log-probs)"
 
 
 @dataclass(frozen=True)
@@ -52,12 +61,17 @@ class Sample:
     user_id: str
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
-    behaviour_logprobs: list[float]
+    behaviour_logprobs: list[float] | None  # None: known only as text; never given an importance ratio
     reward: float
     model_version: str
     emitted_at: datetime
     replay: bool = False
     prompt_redacted: bool = False
+
+    @property
+    def text_only(self) -> bool:
+        """Tokenised from text by the trainer: usable only by objectives that need no behaviour log-probs."""
+        return self.behaviour_logprobs is None
 
 
 @dataclass
@@ -93,8 +107,13 @@ def load_selection(
     watermark: datetime | None,
     quarantined: set[str],
     encode_prompt: Callable[[str], list[int]],
+    encode_text: TextEncoder | None = None,
 ) -> Selection:
-    """Eligible samples whose reward was emitted after `watermark` (plus an optional replay share)."""
+    """Eligible samples whose reward was emitted after `watermark` (plus an optional replay share).
+
+    `encode_text` tokenises text-only and unsigned generations; needed when `config.text_generations` is on."""
+    if config.text_generations and encode_text is None:
+        raise ValueError("config.text_generations needs encode_text (trainer.retokenize.text_encoder)")
     rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
     if rewards is None:
         return Selection(samples=[], window=None)
@@ -129,9 +148,12 @@ def load_selection(
         if isinstance(found, str):
             selection.dropped[found] += 1
             continue
-        record, event_user = found
+        record, event_user, trusted = found
+        if not trusted and not config.text_generations:
+            selection.dropped[TEXT_ONLY if record.text_only else Untrusted.UNSIGNED.value] += 1
+            continue
         sample = _eligible(row, record, event_user, config, quarantined, consenting, encode_prompt,
-                           selection.dropped)  # fmt: skip
+                           selection.dropped, None if trusted else encode_text)  # fmt: skip
         if sample is not None:
             samples.append(sample)
     if config.max_samples and len(samples) > config.max_samples:
@@ -182,11 +204,14 @@ def _generation_events(table: Path, generation_ids: list[str]) -> dict[str, list
 
 def _trusted_generation(
     generation_id: str, candidates: list[tuple[str, str]], key: str
-) -> tuple[GenerationRecord, str] | str:
-    """The first candidate serving signed, with its user; otherwise why the generation is left out."""
+) -> tuple[GenerationRecord, str, bool] | str:
+    """(record, user, True) for the first candidate serving signed; else (record, user, False) for the first
+    unsigned one (text only, or token ids nobody vouches for: usable only as text); else why the generation
+    is left out."""
     if not candidates:
         return "without a generation event"
     reasons = []
+    unsigned: tuple[GenerationRecord, str, bool] | None = None
     for properties, user in candidates:
         try:
             record = GenerationRecord.model_validate_json(properties)
@@ -195,11 +220,15 @@ def _trusted_generation(
             continue
         untrusted = check_generation(key, generation_id, user, record)
         if untrusted is None:
-            return record, user
+            return record, user, True
+        if untrusted == Untrusted.UNSIGNED and unsigned is None:
+            unsigned = (record, user, False)
         reasons.append(untrusted.value)
     # A copy whose signature fails says more (tampering) than one that was never signed.
     worst = [r for r in reasons if r != Untrusted.UNSIGNED]
-    return (worst or reasons)[0]
+    if worst:
+        return worst[0]
+    return unsigned if unsigned is not None else reasons[0]
 
 
 def _consenting_users(table: Path, config: TrainerConfig) -> set[str]:
@@ -231,7 +260,10 @@ def _eligible(
     consenting: set[str] | None,
     encode_prompt: Callable[[str], list[int]],
     dropped: Counter[str],
+    encode_text: TextEncoder | None,
 ) -> Sample | None:
+    """The sample of one reward row, or None (counted in `dropped`); `encode_text` given: the record is
+    used as text only, tokenised by the policy, without behaviour log-probs."""
     user = event_user or row["user_id"] or ""
     if consenting is not None and user not in consenting:
         dropped["without consent"] += 1
@@ -239,7 +271,7 @@ def _eligible(
     if record.model_version in quarantined:
         dropped["from quarantined versions"] += 1
         return None
-    if record.temperature != 1.0:
+    if encode_text is None and record.temperature != 1.0:
         # Serving logs log-probs of the untempered policy; a sample drawn at another temperature
         # came from a different behaviour distribution, so its importance ratio would be wrong.
         dropped["sampled at a temperature other than 1"] += 1
@@ -247,10 +279,24 @@ def _eligible(
     if scrub(record.completion)[1]:
         dropped["with secrets or personal data in the completion"] += 1
         return None
-    prompt_ids = record.prompt_token_ids
     clean_prompt, found = scrub(record.prompt)
+    if encode_text is not None or record.completion_token_ids is None or record.prompt_token_ids is None:
+        if encode_text is None:  # unreachable by construction (text-only records are never trusted)
+            dropped[TEXT_ONLY] += 1
+            return None
+        encoded = encode_text(clean_prompt, record.completion, record.finish_reason)
+        if encoded is None:
+            dropped["text generations longer than the policy's context"] += 1
+            return None
+        prompt_ids, completion_ids = encoded
+        behaviour: list[float] | None = None
+        dropped[TEXT_KEPT] += 1
+    else:
+        prompt_ids, completion_ids = record.prompt_token_ids, record.completion_token_ids
+        behaviour = record.behaviour_logprobs
+        if found:
+            prompt_ids = encode_prompt(clean_prompt)
     if found:
-        prompt_ids = encode_prompt(clean_prompt)
         dropped["prompts redacted (kept)"] += 1
     if not prompt_ids:
         dropped["with an empty prompt"] += 1
@@ -259,8 +305,8 @@ def _eligible(
         generation_id=row["generation_id"],
         user_id=user,
         prompt_token_ids=prompt_ids,
-        completion_token_ids=record.completion_token_ids,
-        behaviour_logprobs=record.behaviour_logprobs,
+        completion_token_ids=completion_ids,
+        behaviour_logprobs=behaviour,
         reward=float(row["reward"]),
         model_version=record.model_version,
         emitted_at=row["emitted_at"],

@@ -16,7 +16,13 @@ from torch import Tensor
 
 from trainer.config import TrainerConfig
 from trainer.data import Sample
-from trainer.objectives import advantages, kl_k3, kto_loss, policy_gradient_loss
+from trainer.objectives import (
+    advantages,
+    kl_k3,
+    kto_loss,
+    policy_gradient_loss,
+    reward_weighted_likelihood_loss,
+)
 from trainer.scoring import Scorer
 
 
@@ -87,7 +93,7 @@ def mismatch_report(
     """
     diffs: list[float] = []
     for s, lp in zip(samples, recomputed, strict=True):
-        if s.model_version == served_by and not s.prompt_redacted:
+        if s.behaviour_logprobs is not None and s.model_version == served_by and not s.prompt_redacted:
             diffs.extend(abs(a - b) for a, b in zip(lp, s.behaviour_logprobs, strict=True))
     if not diffs:
         return MismatchReport(0, math.nan, math.nan, math.nan, threshold)
@@ -128,6 +134,13 @@ def train_policy(
     """
     if not samples:
         raise ValueError("no samples to train on")
+    text_only = sum(s.behaviour_logprobs is None for s in samples)
+    if text_only and config.objective == "pg":
+        # trainer.data never selects them for "pg"; this keeps any other caller from computing a ratio.
+        raise ValueError(
+            f"{text_only} samples have no behaviour log-probs (text-only generations): the off-policy"
+            " objective 'pg' cannot use them; use objective 'kto' or 'rwl'"
+        )
     device = next(model.parameters()).device
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -147,13 +160,18 @@ def train_policy(
             logprobs, mask = scorer(
                 model, [s.prompt_token_ids for s in batch], [s.completion_token_ids for s in batch], pad_id
             )  # (B, T) each
-            behaviour = _pad([s.behaviour_logprobs for s in batch], width, device)  # (B, T)
             ref = _pad([reference[i] for i in idx], width, device)  # (B, T)
             if config.objective == "pg":
+                behaviour = _pad([s.behaviour_logprobs or [] for s in batch], width, device)  # (B, T)
                 loss, stats = policy_gradient_loss(
                     logprobs, behaviour, ref, mask, adv_all[idx].to(device),
                     correction=config.correction, clip_eps=config.clip_eps,
                     is_cap=config.is_cap, kl_coef=config.kl_coef, aggregation=config.loss_aggregation,
+                )  # fmt: skip
+            elif config.objective == "rwl":
+                loss, stats = reward_weighted_likelihood_loss(
+                    logprobs, ref, mask, adv_all[idx].to(device), beta=config.rwl_beta,
+                    max_weight=config.rwl_max_weight, kl_coef=config.kl_coef, aggregation=config.loss_aggregation,
                 )  # fmt: skip
             else:
                 desirable = (rewards[idx] > config.kto_threshold).to(device)

@@ -131,6 +131,41 @@ def policy_gradient_loss(
     return loss, stats
 
 
+def reward_weighted_likelihood_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    adv: Tensor,
+    *,
+    beta: float,
+    max_weight: float,
+    kl_coef: float,
+    aggregation: str,
+) -> tuple[Tensor, LossStats]:
+    """Advantage-weighted regression (Peng et al. 2019, "Advantage-Weighted Regression", eq. 7; reward-
+    weighted regression, Peters & Schaal 2007): L = -w * log pi_theta(y_t | x, y_<t) + kl_coef * k3 per
+    token, w = min(exp(A / beta), max_weight) per sample (not back-propagated).
+
+    It needs no behaviour log-probs: weighted maximum likelihood on samples from any policy moves toward
+    the better of them, which is what makes it valid for generations known only as text (a product's own
+    model, re-tokenised). The cap bounds one sample's pull (AWR clips its weights the same way).
+    """
+    weight = torch.exp(adv / beta).clamp(max=max_weight).detach()[:, None].to(logprobs.dtype)  # (B, 1)
+    kl = kl_k3(logprobs, ref_logprobs)  # (B, T)
+    loss = aggregate(-weight * logprobs + kl_coef * kl, mask, aggregation)
+    with torch.no_grad():
+        n = int(mask.sum().item())
+        stats = LossStats(
+            loss=float(loss.item()),
+            kl=float(masked_mean(kl, mask).item()),
+            ratio_mean=1.0,
+            ratio_max=1.0,
+            clip_fraction=float((weight >= max_weight).float().mean().item()) if weight.numel() else 0.0,
+            tokens=n,
+        )
+    return loss, stats
+
+
 def kto_loss(
     logprobs: Tensor,
     ref_logprobs: Tensor,

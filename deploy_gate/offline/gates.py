@@ -197,9 +197,13 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -
     try:
         with torch.no_grad():
             for i, s in enumerate(samples):
-                ids = [s.record.prompt_token_ids], [s.record.completion_token_ids]
-                lp, _ = token_logprobs(candidate.model, *ids, candidate.pad_id)
-                log_w[i] = float(lp.sum()) - sum(s.record.behaviour_logprobs)
+                r = s.record
+                # `logged` keeps only records with token ids and behaviour log-probs (never text-only ones).
+                assert r.prompt_token_ids is not None and r.completion_token_ids is not None
+                assert r.behaviour_logprobs is not None
+                prompt, completion = [r.prompt_token_ids], [r.completion_token_ids]
+                lp, _ = token_logprobs(candidate.model, prompt, completion, candidate.pad_id)
+                log_w[i] = float(lp.sum()) - sum(r.behaviour_logprobs)
     except (RuntimeError, IndexError, ValueError) as exc:  # token ids outside its vocabulary, shapes
         why = f"cannot score the champion's logged completions: {type(exc).__name__}: {exc}"
         return OfflineGateResult(name, "failed", None, "scores logged traffic", why)
@@ -211,7 +215,7 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -
     # The direct-method term: the candidate completes logged prompts (one seeded sample each), as
     # long as serving let the champion write (the longest logged completion).
     dm = samples[: max(1, config.ope_dm_prompts)]
-    max_tokens = max(len(s.record.completion_token_ids) for s in samples)
+    max_tokens = max(len(s.record.completion_token_ids or []) for s in samples)
     gens = sample(candidate, [s.record.prompt for s in dm], max_tokens, config.seed).generations
     est = ope.estimate(
         rewards,

@@ -108,7 +108,8 @@ def _signed_generations(settings: Settings, generation_ids: list[str]) -> dict[s
         if gid in found:
             continue
         record = _parse(properties)
-        if record is not None and check_generation(key, gid, user or "", record) is None:
+        # Text-only records (a product's own model) carry no behaviour log-probs to weigh by.
+        if record is not None and not record.text_only and check_generation(key, gid, user or "", record) is None:
             found[gid] = record
     return found
 
