@@ -11,8 +11,9 @@ What must hold:
   swap finishes on the weights it was routed to, and its event names that version;
 - every submitted request's future is settled: with its result, or with the error its own request
   raised; a batch that fails is retried one request at a time, so one bad request fails alone;
-- one thread calls `generate_batch`: forward passes on one device run one at a time anyway, and a
-  back end need not be thread-safe.
+- one thread calls `generate_batch` (`workers=1`, the default): forward passes on one device run one
+  at a time anyway, and the in-process back end need not be thread-safe. A back end that batches
+  continuously itself (a vLLM server) takes `workers>1` and `max_wait_s=0`: several batches in flight.
 """
 
 from __future__ import annotations
@@ -39,42 +40,50 @@ class _Pending:
 
 
 class Batcher:
-    """Queue requests per generator and answer them in shared batches on one worker thread."""
+    """Queue requests per generator and answer them in shared batches on worker threads (one by default)."""
 
     def __init__(
         self,
         *,
         max_batch: int = 16,
         max_wait_s: float = 0.002,
+        workers: int = 1,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
+        self.workers = workers
         self._on_batch = on_batch or (lambda _: None)
         self._queue: deque[_Pending] = deque()
         self._ready = threading.Condition()
         self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
         with self._ready:
-            if self._thread is not None:
+            if self._threads:
                 return
             self._stopped = False
-            self._thread = threading.Thread(target=self._run, name="generation-batcher", daemon=True)
-            self._thread.start()
+            self._threads = [
+                threading.Thread(target=self._run, name=f"generation-batcher-{i}", daemon=True)
+                for i in range(self.workers)
+            ]
+            for thread in self._threads:
+                thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Finish what is queued, then end the worker."""
         with self._ready:
             self._stopped = True
             self._ready.notify_all()
-            thread, self._thread = self._thread, None
-        if thread is not None:
+            threads, self._threads = self._threads, []
+        for thread in threads:
             thread.join(timeout=timeout_s)
 
     def submit(self, generator: Generator, requests: Sequence[GenerationRequest]) -> list[Future[Generation]]:

@@ -92,6 +92,19 @@ def test_a_failing_request_fails_alone() -> None:
     batcher.stop()
 
 
+def test_with_two_workers_a_slow_batch_does_not_hold_up_another() -> None:
+    # For back ends that batch continuously themselves (a vLLM server): several batches in flight.
+    gate = threading.Event()
+    slow, fast = Recorder(gate=gate), Recorder()
+    batcher = Batcher(max_batch=8, max_wait_s=0.0, workers=2)
+    held = batcher.submit(slow, [GenerationRequest("slow")])
+    assert batcher.submit(fast, [GenerationRequest("fast")])[0].result(timeout=30).completion == "fast"
+    assert not held[0].done(), "the slow batch is still running"
+    gate.set()
+    assert held[0].result(timeout=30).completion == "slow"
+    batcher.stop()
+
+
 def make_app(settings: Settings, tiny_model_dir: Path, **batching: Any) -> TestClient:
     ensure_topics(settings)
     store = TrafficSplitStore(redis_client(settings), settings)
