@@ -7,8 +7,10 @@ Hugging Face `generate` loop on the same model, in the same process.
   posting over HTTP with httpx; every completion is scored for its behaviour log-probs, signed and
   logged to the embedded Kafka broker before it is answered, as in production. The split is a fixed
   one (champion only), so Redis and MLflow are not involved.
-Completions are one line (serving stops at a newline), the bare loop runs to `max_new_tokens`, so
-both count only the tokens actually produced. Also prints the mean batch size serving formed.
+Also `Policy.generate_batch` in process, one request at a time and `--clients` at a time, to show what
+the HTTP server and the logging cost. Completions are one line (serving stops at a newline), the
+bare loop runs to `max_new_tokens`, so both count only the tokens actually produced. Also prints
+the mean batch size serving formed.
 
     python bench/serving_throughput.py [--path DIR] [--requests 96] [--max-tokens 32] [--clients 16] [--threads 1]
 
@@ -34,6 +36,7 @@ import uvicorn
 from flywheel.bus import ensure_topics, make_producer
 from flywheel.contract import TrafficSplit
 from flywheel.lm import Policy, bootstrap_model, load_policy
+from flywheel.lm.policy import GenerationRequest
 from flywheel.settings import Settings
 from launcher.embedded import free_port, start_broker
 from serving.app import create_app
@@ -62,6 +65,18 @@ def bare_generate(policy: Policy, n: int, max_tokens: int) -> tuple[float, int]:
         )
         tokens += out.shape[1] - ids.shape[1]
     return tokens / (time.perf_counter() - started), tokens
+
+
+def in_process(policy: Policy, n: int, max_tokens: int, batch: int) -> float:
+    """Tokens/s of `Policy.generate_batch` in batches of `batch` (no HTTP, no logging)."""
+    requests = [GenerationRequest(PROMPTS[i % len(PROMPTS)], max_tokens, seed=i) for i in range(n)]
+    started = time.perf_counter()
+    tokens = sum(
+        len(g.completion_token_ids)
+        for k in range(0, n, batch)
+        for g in policy.generate_batch(requests[k : k + batch])
+    )
+    return tokens / (time.perf_counter() - started)
 
 
 def serve(policy_dir: Path, settings: Settings) -> tuple[uvicorn.Server, str]:
@@ -131,6 +146,8 @@ def main() -> None:
             ensure_topics(settings)
             bare_generate(policy, 4, args.max_tokens)  # warm-up
             bare_rate, bare_tokens = bare_generate(policy, args.requests, args.max_tokens)
+            alone_rate = in_process(policy, args.requests, args.max_tokens, 1)
+            batched_rate = in_process(policy, args.requests, args.max_tokens, args.clients)
             server, url = serve(path, settings)
             load(url, 1, 4, args.max_tokens)  # warm-up (loads the model, connects to Kafka)
             warm = batch_sizes(url)
@@ -146,6 +163,8 @@ def main() -> None:
     print(f"model: {n_params / 1e6:.1f}M parameters, CPU threads {torch.get_num_threads()}, "
           f"{args.requests} requests, max_tokens {args.max_tokens}")  # fmt: skip
     print(f"bare HF generate loop:      {bare_rate:8.1f} tokens/s ({bare_tokens} tokens)")
+    print(f"generate_batch, 1 at a time:{alone_rate:8.1f} tokens/s (in process: no HTTP, no logging)")
+    print(f"generate_batch, {args.clients} at a time:{batched_rate:7.1f} tokens/s")
     print(f"serving, 1 client:          {one_rate:8.1f} tokens/s ({one_tokens} tokens, "
           f"mean latency {one_latency * 1000:.0f} ms, mean batch {(mid[1] - warm[1]) / (mid[0] - warm[0]):.1f})")
     print(f"serving, {args.clients} clients:        {many_rate:8.1f} tokens/s ({many_tokens} tokens, "
