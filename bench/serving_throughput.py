@@ -13,6 +13,7 @@ bare loop runs to `max_new_tokens`, so both count only the tokens actually produ
 the mean batch size serving formed.
 
     python bench/serving_throughput.py [--path DIR] [--requests 96] [--max-tokens 32] [--clients 16] [--threads 1]
+        [--wait-ms 2]
 
 Without --path a default-preset model (the embedded one's shape) is bootstrapped for a few seconds:
 its weights barely matter to throughput.
@@ -79,9 +80,9 @@ def in_process(policy: Policy, n: int, max_tokens: int, batch: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def serve(policy_dir: Path, settings: Settings) -> tuple[uvicorn.Server, str]:
+def serve(policy_dir: Path, settings: Settings, wait_s: float) -> tuple[uvicorn.Server, str]:
     pool = PolicyPool(lambda: TrafficSplit(champion_version="1"), lambda _: str(policy_dir))
-    app = create_app(pool, make_producer(settings), settings.events_topic,
+    app = create_app(pool, make_producer(settings), settings.events_topic, max_batch_wait_s=wait_s,
                      signing_key=settings.serving_key.get_secret_value())  # fmt: skip
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -128,6 +129,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--wait-ms", type=float, default=2.0, help="serving's max_batch_wait_s, in ms")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: steadiest on a shared CPU, where extra threads spin)")
     args = parser.parse_args()
@@ -148,7 +150,7 @@ def main() -> None:
             bare_rate, bare_tokens = bare_generate(policy, args.requests, args.max_tokens)
             alone_rate = in_process(policy, args.requests, args.max_tokens, 1)
             batched_rate = in_process(policy, args.requests, args.max_tokens, args.clients)
-            server, url = serve(path, settings)
+            server, url = serve(path, settings, args.wait_ms / 1000)
             load(url, 1, 4, args.max_tokens)  # warm-up (loads the model, connects to Kafka)
             warm = batch_sizes(url)
             one_rate, one_tokens, one_latency = load(url, 1, args.requests, args.max_tokens)
@@ -161,7 +163,7 @@ def main() -> None:
             broker.wait(timeout=10)
 
     print(f"model: {n_params / 1e6:.1f}M parameters, CPU threads {torch.get_num_threads()}, "
-          f"{args.requests} requests, max_tokens {args.max_tokens}")  # fmt: skip
+          f"{args.requests} requests, max_tokens {args.max_tokens}, batch wait {args.wait_ms} ms")  # fmt: skip
     print(f"bare HF generate loop:      {bare_rate:8.1f} tokens/s ({bare_tokens} tokens)")
     print(f"generate_batch, 1 at a time:{alone_rate:8.1f} tokens/s (in process: no HTTP, no logging)")
     print(f"generate_batch, {args.clients} at a time:{batched_rate:7.1f} tokens/s")
