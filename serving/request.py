@@ -3,10 +3,11 @@
 What must hold: nothing a client sends makes serving answer 5xx. A body over the cap is a 413;
 a body that is not strict JSON (NaN, Infinity, overflowing numbers, bad UTF-8) or not an
 object is a 400; a field of the wrong type or out of range is a 422 naming the field.
-Every OpenAI completions parameter is declared: the ones serving honours take effect, the
-others are accepted only at the value that means "off" and refused otherwise with a 400 that
-names the parameter, and an unknown field is refused the same way, so no request is ever
-answered as if a parameter it sent had been applied.
+Every OpenAI completions parameter is declared: the ones serving honours take effect (`n`,
+`stop`, `logprobs`, `stream`, `stream_options`, `seed` among them), the others are accepted only
+at the value that means "off" and refused otherwise with a 400 that names the parameter, and an
+unknown field is refused the same way, so no request is ever answered as if a parameter it sent
+had been applied.
 
 `model` is accepted and not used to route: the traffic split picks the version (sticky per
 `user`) and the answer's `model` names the version that served.
@@ -14,19 +15,32 @@ answered as if a parameter it sent had been applied.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import Request
 
 from flywheel.contract import describe_validation_error
 from serving.errors import BodyTooLarge, InvalidField, InvalidRequest, UnsupportedParameter
+from serving.generator import GenerationRequest
 
 MAX_BODY_BYTES = 128 * 1024  # a 20k-character prompt, JSON-escaped, fits with room to spare
 MAX_SEED = 2**63 - 1  # torch's generator takes a 64-bit seed
+MAX_N = 16  # choices per request; each is a generation of its own
+MAX_LOGPROBS = 5  # OpenAI's own limit for completions
+MAX_STOP = 4  # stop sequences per request, as OpenAI allows
+
+StopSequence = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = Field(default=False, description="A last chunk with the request's usage.")
 
 
 class CompletionRequest(BaseModel):
@@ -41,6 +55,20 @@ class CompletionRequest(BaseModel):
     session_id: str = Field(default="", max_length=256)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     model: str | None = Field(default=None, max_length=256, description="Informational: the split routes.")
+    n: int = Field(default=1, ge=1, le=MAX_N, strict=True,
+                   description="Choices to sample; each is logged as a generation of its own.")
+    stop: list[StopSequence] | None = Field(
+        default=None, max_length=MAX_STOP,
+        description="Up to 4 strings; the text shown ends before the first one. A completion also ends "
+                    "at the end of its line.",
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, strict=True,
+        description="Return each sampled token's behaviour log-prob (the logged one) and the k likeliest.",
+    )
+    stream: bool = Field(default=False, strict=True,
+                         description="Server-sent events in OpenAI's format, sent once the choices are logged.")
+    stream_options: StreamOptions | None = None
 
     @field_validator("prompt", "user", "session_id", "model")
     @classmethod
@@ -52,6 +80,38 @@ class CompletionRequest(BaseModel):
             except UnicodeEncodeError:
                 raise ValueError("must be valid Unicode text (no lone surrogates)") from None
         return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_is_a_list_of_one(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    def generation_requests(self) -> list[GenerationRequest]:
+        """One request per choice. Choice 0 samples with `seed` itself, choice i with a seed derived from
+        (seed, i), so a seeded request is reproducible choice by choice and its choices differ."""
+        return [
+            GenerationRequest(
+                prompt=self.prompt,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                seed=choice_seed(self.seed, i),
+                stop=self.stop_sequences,
+                top_logprobs=self.logprobs or 0,
+            )
+            for i in range(self.n)
+        ]
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice `index` samples with (None: a fresh random one)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"flywheel.choice:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & MAX_SEED
 
 
 def _is(*allowed: Any) -> Callable[[Any], bool]:
@@ -65,13 +125,8 @@ def _empty(v: Any) -> bool:
 
 # Parameter -> (is the value one that asks for nothing, why other values are refused).
 _OFF_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_is(1), "one completion per request: send n=1 or leave it out"),
-    "best_of": (_is(1), "best_of is not supported: send 1 or leave it out"),
-    "stream": (_is(False), "streaming is not supported: send stream=false or leave it out"),
-    "stream_options": (_empty, "streaming is not supported"),
-    "logprobs": (lambda v: False, "logprobs are not returned: leave logprobs out"),
+    "best_of": (_is(1), "best_of is not supported: send 1 or leave it out (n samples several choices)"),
     "echo": (_is(False), "echo is not supported: send echo=false or leave it out"),
-    "stop": (_empty, "stop sequences are not supported: a completion ends at the end of its line"),
     "suffix": (_empty, "suffix (fill-in-the-middle) is not supported"),
     "top_p": (_is(1, 1.0), "nucleus sampling is not supported: send top_p=1 or leave it out"),
     "presence_penalty": (_is(0, 0.0), "presence_penalty is not supported: send 0 or leave it out"),
@@ -120,11 +175,14 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
         raise InvalidRequest(f"the body must be a JSON object, not {type(doc).__name__}")
     refuse_unsupported(doc)
     try:
-        return CompletionRequest.model_validate(doc)
+        req = CompletionRequest.model_validate(doc)
     except ValidationError as exc:
         # The reason names the field and the rule, never echoes the value back.
         first = exc.errors()[0]["loc"]
         raise InvalidField(describe_validation_error(exc), param=".".join(map(str, first)) or None) from None
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+    return req
 
 
 def refuse_unsupported(doc: dict[str, Any]) -> None:

@@ -130,10 +130,9 @@ def test_temperature_zero_is_greedy(client: TestClient, settings: Settings) -> N
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("n", 5), ("n", True), ("best_of", 3), ("stream", True), ("logprobs", 1), ("logprobs", 0),
-        ("echo", True), ("stop", ["\n"]), ("stop", "\n"), ("suffix", "}"), ("top_p", 0.9),
-        ("presence_penalty", 0.5), ("frequency_penalty", 1), ("logit_bias", {"50256": -100}),
-        ("stream_options", {"include_usage": True}), ("top_k", 5),
+        ("best_of", 3), ("echo", True), ("suffix", "}"), ("top_p", 0.9),
+        ("presence_penalty", 0.5), ("frequency_penalty", 1), ("logit_bias", {"50256": -100}), ("top_k", 5),
+        ("stream_options", {"include_usage": True}),  # without stream=true
     ],
 )  # fmt: skip
 def test_an_openai_parameter_serving_does_not_honour_is_refused_by_name(
@@ -141,6 +140,21 @@ def test_an_openai_parameter_serving_does_not_honour_is_refused_by_name(
 ) -> None:
     err = error(client.post("/v1/completions", json={**OK, param: value}), 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("param", "value", "named"),
+    [
+        ("n", True, "n"), ("n", 1.0, "n"), ("n", 0, "n"), ("n", 17, "n"), ("logprobs", 6, "logprobs"),
+        ("logprobs", True, "logprobs"), ("logprobs", -1, "logprobs"), ("stop", "", "stop.0"),
+        ("stop", ["a", "b", "c", "d", "e"], "stop"), ("stop", [1], "stop.0"), ("stop", "x" * 65, "stop.0"),
+        ("stream", 1, "stream"), ("stream", "yes", "stream"),
+    ],
+)  # fmt: skip
+def test_an_honoured_parameter_out_of_range_is_a_422_naming_it(
+    client: TestClient, param: str, value: object, named: str
+) -> None:
+    assert error(client.post("/v1/completions", json={**OK, param: value}), 422)["param"] == named
 
 
 def test_openai_parameters_at_their_neutral_values_are_served(client: TestClient) -> None:
@@ -172,4 +186,6 @@ def test_the_openapi_document_describes_the_body_and_its_refused_parameters(clie
     assert doc.status_code == 200
     body = doc.json()["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"prompt", "user", "max_tokens", "temperature"} <= set(body["required"]) | set(body["properties"])
-    assert "one completion per request" in body["properties"]["n"]["description"]
+    assert "logged as a generation of its own" in body["properties"]["n"]["description"]
+    assert "top_p is not supported" not in body["properties"]["n"]["description"]
+    assert "nucleus sampling is not supported" in body["properties"]["top_p"]["description"]

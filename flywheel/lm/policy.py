@@ -1,14 +1,25 @@
 """A loaded causal LM and its tokenizer: sample completions and log their behaviour log-probs.
 
 Any local Hugging Face causal-LM checkpoint works (the bootstrapped one or the user's own).
+
+`Policy.generate_batch` samples many requests in shared forward passes; `Policy.generate` is a
+batch of one. What must hold, whatever the batch:
+- a request's random draws come only from its own `torch.Generator` seeded with its own seed, so
+  which other requests share its batch never changes the stream of draws it sees;
+- the logged behaviour log-probs are those of the sampled tokens, recomputed per sample by
+  `token_logprobs` (the trainer's own function), never the padded batch's sampling logits.
+A padded batch's logits differ from a lone sample's in the last bits (bench/lm_logprob_agreement.py);
+`torch.multinomial` draws one token as the argmax of `probs / exponential noise`, so such a difference
+changes a sampled token only on a near-tie of two candidates, and the log-probs stay exact either way.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -20,10 +31,38 @@ if TYPE_CHECKING:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FALLBACK_CONTEXT = 2048
+MAX_TOP_LOGPROBS = 20
+
+FinishReason = Literal["stop", "length", "declined"]
 
 
 class CheckpointError(ValueError):
     """The path given is not a loadable Hugging Face causal-LM checkpoint."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One completion to sample. `seed=None` draws a fresh one; `stop` strings end the completion
+    (the text shown stops before the first of them); `top_logprobs=k` also returns the k likeliest
+    tokens at each position."""
+
+    prompt: str
+    max_tokens: int = 16
+    temperature: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+
+    def check(self) -> None:
+        """ValueError naming what is out of range (the serving request checks these first)."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}.")
+        if any(not s for s in self.stop):
+            raise ValueError("a stop sequence must not be empty.")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}.")
 
 
 @dataclass(frozen=True)
@@ -32,16 +71,30 @@ class Generation:
 
     `completion_token_ids` are the tokens the policy chose, including a final end-of-text
     token when it chose to stop (the trainer needs the log-prob of stopping, and of declining,
-    as much as of any other action); `completion` is their text without special tokens.
+    as much as of any other action), and the token that completed a stop sequence; `completion`
+    is the text shown: their text without special tokens, cut before the first stop sequence.
     `logprobs[i]` is the behaviour log-prob of `completion_token_ids[i]` at temperature 1,
-    computed by `token_logprobs`, the same function the trainer uses.
+    computed by `token_logprobs`, the same function the trainer uses. `top_logprobs[i]`, when
+    asked for, holds the k likeliest `(token_id, log-prob)` at that position, likeliest first.
     """
 
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     completion: str
     logprobs: list[float]
-    finish_reason: Literal["stop", "length", "declined"]
+    finish_reason: FinishReason
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class _Row:
+    """One request's decoding state."""
+
+    prompt_ids: list[int]
+    request: GenerationRequest
+    generator: torch.Generator
+    chosen: list[int] = field(default_factory=list)
+    shown: str | None = None  # set when a stop sequence cut the text
 
 
 class Policy:
@@ -80,6 +133,14 @@ class Policy:
         n = getattr(self.model.config, "max_position_embeddings", None)
         return int(n) if n else _FALLBACK_CONTEXT
 
+    def count_prompt_tokens(self, prompt: str) -> int:
+        """Tokens the prompt takes in the context (an empty prompt is conditioned on one token)."""
+        return max(1, len(self.tokenizer(prompt)["input_ids"]))
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text, special tokens included (what `logprobs.tokens` shows)."""
+        return [cast(str, self.tokenizer.decode([t])) for t in token_ids]
+
     def encode_prompt(self, prompt: str, max_tokens: int) -> list[int]:
         """Prompt token ids, cut from the left (keeping a leading BOS) to leave room for max_tokens."""
         if max_tokens >= self.context:
@@ -106,67 +167,134 @@ class Policy:
             self._newline_tokens[token_id] = cached
         return cached
 
+    def _text(self, token_ids: Sequence[int]) -> str:
+        # decode of one flat id list is a str; the stubs also allow list[str] for batches
+        return cast(str, self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def _finished(self, row: _Row, stop_ids: set[int]) -> bool:
+        token = row.chosen[-1]
+        if row.request.stop:
+            text = self._text(row.chosen)
+            cuts = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
+            if cuts:
+                row.shown = text[: min(cuts)]
+                return True
+        return token in stop_ids or self._ends_line(token) or len(row.chosen) >= row.request.max_tokens
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+        """One token from `logits` (vocab,), with the request's own generator."""
+        if temperature == 0.0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / temperature, dim=-1)  # (vocab,)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
     @torch.inference_mode()
-    def _sample(
-        self, prompt_ids: list[int], max_tokens: int, temperature: float, generator: torch.Generator
-    ) -> list[int]:
+    def _sample(self, rows: list[_Row]) -> None:
+        """Decode every row to its end in shared forward passes; rows that finish leave the batch."""
         stop_ids = set(self.stop_ids)
-        out = self.model(input_ids=torch.tensor([prompt_ids], device=self.device), use_cache=True)
-        chosen: list[int] = []
+        width = max(len(r.prompt_ids) for r in rows)
+        padded = any(len(r.prompt_ids) < width for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, W)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)  # (B, W), 1 = a real token
+        for i, r in enumerate(rows):  # left padding: every row's last token is in the last column
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        mask = mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, W): pads do not shift a row's positions
+        kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": positions} if padded else {}
+        out = self.model(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1, **kwargs)
+        active = list(range(len(rows)))  # rows[active[j]] is batch row j
         while True:
-            logits = out.logits[0, -1].float()  # (vocab,)
-            if temperature == 0.0:
-                token = int(torch.argmax(logits))
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)  # (vocab,)
-                token = int(torch.multinomial(probs, 1, generator=generator))
-            chosen.append(token)
-            if token in stop_ids or self._ends_line(token) or len(chosen) >= max_tokens:
-                return chosen
-            out = self.model(
-                input_ids=torch.tensor([[token]], device=self.device),
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+            logits = out.logits[:, -1]  # (B, vocab)
+            for j, i in enumerate(active):
+                rows[i].chosen.append(self._draw(logits[j], rows[i].request.temperature, rows[i].generator))
+            keep = [j for j, i in enumerate(active) if not self._finished(rows[i], stop_ids)]
+            if not keep:
+                return
+            cache = out.cache
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, positions = mask[index], positions[index]
+                active = [active[j] for j in keep]
+            step = torch.tensor([[rows[i].chosen[-1]] for i in active], device=self.device)  # (B', 1)
+            if padded:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B', W+t)
+                positions = positions[:, -1:] + 1  # (B', 1)
+                kwargs = {"attention_mask": mask, "position_ids": positions}
+            out = self.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
 
-    def generate(
-        self, prompt: str, max_tokens: int = 16, temperature: float = 1.0, seed: int | None = None
-    ) -> Generation:
-        """Sample one completion of `prompt` (at most one line), with behaviour log-probs.
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Sample every request (each at most one line) in shared forward passes, with behaviour log-probs.
 
-        Stops at end-of-text, at `max_tokens`, or after the first token containing a newline
-        (that token is kept). An end-of-text first token means the policy declined to suggest.
-        `temperature=0` is greedy. The same seed gives the same completion on the same device.
+        A completion stops at end-of-text, at its `max_tokens`, after the first token containing a
+        newline (that token is kept) or at the token that completes one of its `stop` strings. An
+        end-of-text first token means the policy declined to suggest. `temperature=0` is greedy.
+        The same request with the same seed gives the same completion on the same device, whatever
+        else is in the batch (see the module docstring for the one caveat).
         """
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}.")
-        prompt_ids = self.encode_prompt(prompt, max_tokens)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-        completion_ids = self._sample(prompt_ids, max_tokens, temperature, generator)
+        for request in requests:
+            request.check()
+        if not requests:
+            return []
+        rows = []
+        for request in requests:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
+            rows.append(_Row(self.encode_prompt(request.prompt, request.max_tokens), request, generator))
+        self._sample(rows)
 
-        # Logged log-probs come from a fresh full forward through the trainer's own function,
-        # not from the sampling logits (KV-cache steps accumulate differently), so the trainer
+        # Logged log-probs come from a fresh full forward per sample through the trainer's own function,
+        # not from the sampling logits (padded, KV-cache steps accumulate differently), so the trainer
         # recomputes exactly these numbers on the same device and dtype.
         with torch.no_grad():
-            logprobs, _ = token_logprobs(self.model, [prompt_ids], [completion_ids], self.pad_id)  # (1, T)
-        stopped = completion_ids[-1] in self.stop_ids
-        if stopped and len(completion_ids) == 1:
-            finish: Literal["stop", "length", "declined"] = "declined"
-        elif stopped or self._ends_line(completion_ids[-1]):
+            logprobs, _ = token_logprobs(
+                self.model, [r.prompt_ids for r in rows], [r.chosen for r in rows], self.pad_id
+            )  # (B, T)
+        return [self._result(r, logprobs[i, : len(r.chosen)].tolist()) for i, r in enumerate(rows)]
+
+    def _result(self, row: _Row, logprobs: list[float]) -> Generation:
+        last = row.chosen[-1]
+        stopped = last in self.stop_ids
+        finish: FinishReason
+        if stopped and len(row.chosen) == 1:
+            finish = "declined"
+        elif stopped or row.shown is not None or self._ends_line(last):
             finish = "stop"
         else:
             finish = "length"
         return Generation(
-            prompt_token_ids=prompt_ids,
-            completion_token_ids=completion_ids,
-            # decode of one flat id list is a str; the stubs also allow list[str] for batches
-            completion=cast(str, self.tokenizer.decode(completion_ids, skip_special_tokens=True)),
-            logprobs=logprobs[0].tolist(),
+            prompt_token_ids=row.prompt_ids,
+            completion_token_ids=row.chosen,
+            completion=row.shown if row.shown is not None else self._text(row.chosen),
+            logprobs=logprobs,
             finish_reason=finish,
+            top_logprobs=self._top_logprobs(row) if row.request.top_logprobs else None,
         )
+
+    @torch.no_grad()
+    def _top_logprobs(self, row: _Row) -> list[list[tuple[int, float]]]:
+        # The same single-sample forward `token_logprobs` runs, so the sampled token's entry, when it is
+        # among the top k, carries the logged value.
+        inputs = torch.tensor([row.prompt_ids + row.chosen[:-1]], device=self.device)  # (1, L)
+        logits = self.model(input_ids=inputs, use_cache=False).logits[0, len(row.prompt_ids) - 1 :]  # (T, V)
+        top = torch.log_softmax(logits.float(), dim=-1).topk(row.request.top_logprobs, dim=-1)
+        return [
+            list(zip(map(int, ids), map(float, values), strict=True))
+            for ids, values in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        ]
+
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> Generation:
+        """Sample one completion of `prompt`: `generate_batch` with a batch of one."""
+        return self.generate_batch([GenerationRequest(prompt, max_tokens, temperature, seed, tuple(stop))])[0]
 
     def save(self, path: Path) -> Path:
         """Write the model (safetensors) and tokenizer to `path` in HF format."""
