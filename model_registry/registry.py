@@ -42,6 +42,7 @@ from flywheel.connections import configure_mlflow, experiment_artifact_location
 from flywheel.contract import ModelLineage
 from flywheel.settings import Settings
 from model_registry.delta import SUFFIX, DeltaError, apply_delta, make_delta
+from model_registry.diff import TensorDiff, diff_checkpoints
 from model_registry.manifest import (
     ArtifactIntegrityError,
     artifact_of,
@@ -75,6 +76,17 @@ class VersionInfo:
     lineage: ModelLineage
     gate_state: str
     aliases: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    """How a version is stored: "full", or "delta" against `parent`, `chain_length` deltas from a snapshot."""
+
+    kind: str
+    parent: str | None
+    chain_length: int
+    stored_bytes: int
+    checkpoint_bytes: int  # the rebuilt checkpoint (every file)
 
 
 @dataclass(frozen=True)
@@ -515,6 +527,20 @@ class ModelRegistry:
     def manifest(self, version: str) -> dict[str, Any]:
         """`version`'s manifest (checked against its recorded hash)."""
         return self._manifest(self._version(version))
+
+    def artifact(self, version: str) -> ArtifactInfo:
+        """What `version` stores: full weights or a delta (against which parent, how far from a snapshot)."""
+        manifest = self.manifest(version)
+        art = artifact_of(manifest)
+        return ArtifactInfo(
+            kind=art["kind"], parent=art.get("parent"), chain_length=int(art["chain_length"]),
+            stored_bytes=int(art.get("stored_bytes") or sum(f["bytes"] for f in art["stored"].values())),
+            checkpoint_bytes=int(manifest["total_bytes"]),
+        )  # fmt: skip
+
+    def diff(self, a: str, b: str) -> list[TensorDiff]:
+        """Tensor by tensor, how version `b`'s weights differ from version `a`'s (both fetched, verified)."""
+        return diff_checkpoints(self.fetch(a), self.fetch(b))
 
 
 def _info(mv: ModelVersion, aliases: list[str]) -> VersionInfo:

@@ -160,3 +160,41 @@ def test_delta_encoding_round_trips_every_dtype_and_refuses_the_wrong_parent() -
     assert apply_delta(p, make_delta(p, c)) == c
     with pytest.raises(DeltaError, match="made against a parent file"):
         apply_delta(c, make_delta(p, c))
+
+
+def test_cli_lists_kinds_shows_manifests_diffs_and_verifies(
+    settings: Settings, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from flywheel.settings import get_settings
+    from model_registry.cli import app
+
+    for key, value in {"FLYWHEEL_DATA_DIR": str(settings.data_dir), "FLYWHEEL_REDIS_URL": settings.redis_url,
+                       "FLYWHEEL_MLFLOW_TRACKING_URI": settings.mlflow_tracking_uri}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("COLUMNS", "200")
+    get_settings.cache_clear()
+    registry = ModelRegistry(settings)
+    versions, _ = chain(registry, tiny_model_dir, tmp_path, 1)
+    runner = CliRunner()
+    try:
+        listed = runner.invoke(app, ["list"])
+        assert listed.exit_code == 0, listed.output
+        assert "delta" in listed.output and "full" in listed.output
+        shown = runner.invoke(app, ["show", versions[1], "--manifest"])
+        assert shown.exit_code == 0
+        assert json.loads(shown.output)["artifact"]["parent"] == versions[0]
+        diffed = runner.invoke(app, ["diff", versions[0], versions[1]])
+        assert diffed.exit_code == 0 and "model.embed_tokens.weight" in diffed.output and "changed" in diffed.output
+        rows = {r.name: r for r in registry.diff(versions[0], versions[1])}
+        assert 0.0 < rows["model.embed_tokens.weight"].changed_share < 0.2  # 5% of values were nudged
+        assert runner.invoke(app, ["verify", versions[1]]).exit_code == 0
+
+        stored = stored_file(settings, registry, versions[1], WEIGHTS + ".fwdelta")
+        raw = stored.read_bytes()
+        stored.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+        failed = runner.invoke(app, ["verify", versions[1]])
+        assert failed.exit_code == 1 and "stored delta is corrupted" in failed.output
+    finally:
+        get_settings.cache_clear()
