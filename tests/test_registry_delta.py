@@ -15,7 +15,7 @@ from flywheel.contract import ModelLineage
 from flywheel.lm import load_policy
 from flywheel.settings import Settings
 from model_registry import ArtifactIntegrityError, ModelRegistry
-from model_registry.delta import DeltaError, apply_delta, make_delta
+from model_registry.delta import DeltaError, apply_delta, describe_delta, make_delta
 
 WEIGHTS = "model.safetensors"
 
@@ -156,8 +156,22 @@ def test_delta_encoding_round_trips_every_dtype_and_refuses_the_wrong_parent() -
     child["bf16"] += 1
     child["reshaped"] = torch.ones(2, 8)
     child["new"] = torch.ones(5, dtype=torch.float16)
+    # An optimizer-like step: every value moves by the same small amount, so in bf16 only the small ones change.
+    parent["step"] = (torch.randn(4096, generator=gen) * 0.02).to(torch.bfloat16)
+    child["step"] = (parent["step"].float() + 1e-4).to(torch.bfloat16)
     p, c = save(parent, {"format": "pt"}), save(child, {"format": "pt"})
-    assert apply_delta(p, make_delta(p, c)) == c
+    delta = make_delta(p, c)
+    assert apply_delta(p, delta) == c
+    encodings = {name: d["enc"] for name, d in describe_delta(delta).items()}
+    assert encodings["i64"] == "same" and encodings["new"] == encodings["reshaped"] == "raw"
+    assert encodings["step"] == "xor_exp"
+    # Sparse patches win where a few scattered values change to unrelated bits.
+    parent2 = {"rows": torch.randn(131072, generator=gen)}
+    child2 = {"rows": parent2["rows"].clone()}
+    child2["rows"][torch.randperm(131072, generator=gen)[:300]] = torch.randn(300, generator=gen)
+    p2, c2 = save(parent2), save(child2)
+    delta2 = make_delta(p2, c2)
+    assert describe_delta(delta2)["rows"]["enc"] == "sparse" and apply_delta(p2, delta2) == c2
     with pytest.raises(DeltaError, match="made against a parent file"):
         apply_delta(c, make_delta(p, c))
 
