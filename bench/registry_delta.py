@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 import zstandard
@@ -47,7 +48,7 @@ def settings_in(root: Path) -> Settings:
                     redis_prefix=f"bench:{root.name}:")  # fmt: skip
 
 
-def one_config(base: Path, lake: Path, model: Path, dtype: str, config: TrainerConfig) -> dict[str, object]:
+def one_config(base: Path, lake: Path, model: Path, dtype: str, config: TrainerConfig) -> dict[str, Any]:
     root = base / f"{dtype}-lr{config.learning_rate:g}-steps{config.max_steps or 'cycle'}"
     s = settings_in(root)
     shutil.copytree(lake, s.lake_dir)
@@ -121,7 +122,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['dtype']:9} {r['lr']:>7g} {r['steps']:>5} {r['full_safetensors'] / 1e6:>8.2f} "
               f"{r['delta_weights'] / 1e3:>9.1f} {r['ratio_weights']:>6.1f}x {r['ratio_artifact']:>7.1f}x "
-              f"{r['baseline_zstd_ratio']:>8.2f}x {r['changed_share']:>8.2%} {r['apply_s']:>7.3f}")  # type: ignore[operator,str-format]
+              f"{r['baseline_zstd_ratio']:>8.2f}x {r['changed_share']:>8.2%} {r['apply_s']:>7.3f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -5,10 +5,11 @@ A delta holds, per tensor of the result file, whichever of these is smallest:
   - "xor":    the XOR of the raw bits of child and parent, bytes split into planes (every element's
               first byte, then every second byte, ...) and zstd-compressed: sign and exponent bytes
               barely change between versions, so their planes are almost all zeros;
-  - "xor_exp": the same XOR, its elements first put in the order of the *parent's* exponents (a
-              stable sort both sides can compute): an optimizer step moves every value by about the
-              same amount, so whether a value's bits change depends on its magnitude; sorted, the
-              changes gather in one end and long runs of zeros fill the other (3x smaller in bf16);
+  - "xor_mag": the same XOR, its elements first put in the order of the *parent's* magnitudes (a
+              stable sort both sides can compute from the parent alone): an optimizer step moves
+              every value by about the same amount, so whether a value's bits change, and which bits
+              a carry flips, depend on the value it had; sorted, the changes gather in one end, long
+              runs of zeros fill the other, and alike XOR patterns sit together (3x smaller in bf16);
   - "sparse": the positions of the changed elements (gaps between them, zstd) and their *new* values
               (raw bits, zstd), for when few values changed;
   - "raw":    the child's bytes, zstd-compressed (a tensor that is new or changed shape or dtype).
@@ -39,8 +40,8 @@ _SPARSE_MAX_SHARE = 0.3
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
              "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-# Float dtypes: (mantissa bits, exponent mask) of their bit layout, for the exponent order.
-_EXPONENT = {"F32": (23, 0xFF), "BF16": (7, 0xFF), "F16": (10, 0x1F), "F64": (52, 0x7FF)}
+# Float dtypes: every bit but the sign, for the magnitude order.
+_MAGNITUDE = {"F32": 0x7FFF_FFFF, "BF16": 0x7FFF, "F16": 0x7FFF, "F64": 0x7FFF_FFFF_FFFF_FFFF}
 
 
 class DeltaError(ValueError):
@@ -128,13 +129,15 @@ class _Writer:
         return self.append(self.compress(payload))
 
 
-def _exponent_order(parent: memoryview | bytes, dtype: str) -> np.ndarray | None:
-    """Element positions sorted (stably) by the parent's exponent bits; None for a non-float dtype."""
-    if dtype not in _EXPONENT:
+def _magnitude_order(parent: memoryview | bytes, dtype: str) -> np.ndarray | None:
+    """Element positions sorted (stably) by the parent's magnitude bits; None for a non-float dtype."""
+    if dtype not in _MAGNITUDE:
         return None
-    shift, mask = _EXPONENT[dtype]
-    bits = np.frombuffer(parent, _UINT[_ITEMSIZE[dtype]])
-    return np.argsort((bits >> shift) & mask, kind="stable")
+    itemsize = _ITEMSIZE[dtype]
+    bits = np.frombuffer(parent, _UINT[itemsize])
+    # The top 16 bits (exponent and leading mantissa) as the key: numpy sorts 16-bit keys by radix, in linear time.
+    key = ((bits & _UINT[itemsize](_MAGNITUDE[dtype])) >> (8 * itemsize - 16)).astype(np.uint16)
+    return np.argsort(key, kind="stable")
 
 
 def _encode_tensor(parent: memoryview, child: memoryview, dtype: str, w: _Writer) -> dict[str, Any]:
@@ -143,10 +146,10 @@ def _encode_tensor(parent: memoryview, child: memoryview, dtype: str, w: _Writer
     itemsize = _ITEMSIZE.get(dtype, 1)
     xor = np.bitwise_xor(np.frombuffer(parent, np.uint8), np.frombuffer(child, np.uint8))
     candidates: list[tuple[dict[str, Any], list[bytes]]] = [({"enc": "xor"}, [_planes(xor.tobytes(), itemsize)])]
-    order = _exponent_order(parent, dtype) if len(child) % itemsize == 0 else None
+    order = _magnitude_order(parent, dtype) if len(child) % itemsize == 0 else None
     if order is not None:
-        by_exponent = xor.view(_UINT[itemsize])[order]
-        candidates.append(({"enc": "xor_exp"}, [_planes(by_exponent.tobytes(), itemsize)]))
+        by_magnitude = xor.view(_UINT[itemsize])[order]
+        candidates.append(({"enc": "xor_mag"}, [_planes(by_magnitude.tobytes(), itemsize)]))
     if itemsize in _UINT and len(child) % itemsize == 0:
         old = np.frombuffer(parent, _UINT[itemsize])
         new = np.frombuffer(child, _UINT[itemsize])
@@ -232,10 +235,10 @@ def apply_delta(parent_raw: bytes, blob: bytes) -> bytes:
             elif enc == "xor":
                 xor = _unplanes(segment(spec["segments"][0]), itemsize)
                 out[dst] = np.bitwise_xor(np.frombuffer(parent.data(name), np.uint8), xor).tobytes()
-            elif enc == "xor_exp":
-                order = _exponent_order(parent.data(name), str(info["dtype"]))
+            elif enc == "xor_mag":
+                order = _magnitude_order(parent.data(name), str(info["dtype"]))
                 if order is None:
-                    raise DeltaError(f"tensor {name!r}: xor_exp on a non-float dtype")
+                    raise DeltaError(f"tensor {name!r}: xor_mag on a non-float dtype")
                 xor_sorted = _unplanes(segment(spec["segments"][0]), itemsize).view(_UINT[itemsize])
                 bits = np.frombuffer(parent.data(name), _UINT[itemsize]).copy()
                 bits[order] ^= xor_sorted

@@ -164,7 +164,7 @@ def test_delta_encoding_round_trips_every_dtype_and_refuses_the_wrong_parent() -
     assert apply_delta(p, delta) == c
     encodings = {name: d["enc"] for name, d in describe_delta(delta).items()}
     assert encodings["i64"] == "same" and encodings["new"] == encodings["reshaped"] == "raw"
-    assert encodings["step"] == "xor_exp"
+    assert encodings["step"] == "xor_mag"
     # Sparse patches win where a few scattered values change to unrelated bits.
     parent2 = {"rows": torch.randn(131072, generator=gen)}
     child2 = {"rows": parent2["rows"].clone()}
