@@ -234,7 +234,8 @@ class ModelRegistry:
         chain allows it and it is smaller, else `model_dir` itself in full."""
         full = {"kind": "full", "parent": None, "chain_length": 0, "stored": manifest["files"],
                 "stored_bytes": manifest["total_bytes"]}  # fmt: skip
-        if parent is None or self._max_chain == 0:
+        # Deltas are for weights: a checkpoint without safetensors weights (no tensors hashed) is stored whole.
+        if parent is None or self._max_chain == 0 or not manifest["tensors"]:
             return model_dir, full
         try:
             parent_mv = self._version(parent)
