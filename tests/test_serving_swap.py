@@ -15,16 +15,27 @@ from pathlib import Path
 import torch
 from fastapi.testclient import TestClient
 
-from flywheel.bus import ensure_topics, make_producer
+from flywheel.bus import ensure_topics, make_consumer, make_producer
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage, TrafficSplit
+from flywheel.contract import Event, ModelLineage, TrafficSplit
 from flywheel.lm import load_policy, token_logprobs
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from model_registry import ModelRegistry
 from serving.app import create_app
 from serving.pool import PolicyPool, watch_split
-from tests.test_serving import read_events
+
+
+def read_events(settings: Settings, n: int, timeout_s: float = 30.0) -> list[Event]:
+    consumer = make_consumer(settings, [settings.events_topic], "swap-test-reader")
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < n and time.monotonic() < deadline:
+            out += [Event.from_bytes(r.value) for r in consumer.poll_batch(timeout_s=1.0)]
+    finally:
+        consumer.close()
+    return out
 
 
 def _child(src: Path, out: Path) -> Path:
