@@ -27,12 +27,12 @@ def build_serving_app(settings: Settings) -> FastAPI:
                            optional={"redis", "mlflow"})
     import threading
 
-    from serving.pool import watch_split
+    from serving.pool import aliased_checkpoints, watch_split
 
     redis = redis_client(settings)
     store = TrafficSplitStore(redis, settings)
     registry = ModelRegistry(settings)
-    pool = PolicyPool(store.get, lambda v: str(registry.fetch(v)), device=settings.device)
+    pool = PolicyPool(store.get, aliased_checkpoints(registry), device=settings.device)
     # A gate's change reaches serving at once through pub/sub; the refresher's poll is the fallback.
     watch_split(redis, store.channel, pool.refresh, threading.Event())
     # Made on first use: serving starts (and answers 503) while Kafka is down.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from flywheel.contract import TrafficSplit
 from flywheel.lm import CheckpointError, Policy, load_policy
-from model_registry import ArtifactIntegrityError, UnknownVersion
+from model_registry import ArtifactIntegrityError, ModelRegistry, UnknownVersion
 from serving.errors import NoModelReady
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,27 @@ class PolicyPool:
             return Route(arm=arm, version=version, policy=self._policies[version], experiment=split.experiment)
 
 
+class NotAliased(UnknownVersion):
+    """The split names a version that neither registry alias (champion, challenger) names."""
+
+
+def aliased_checkpoints(registry: ModelRegistry) -> CheckpointSource:
+    """The checkpoint source serving uses: a verified local copy of `version`, fetched only when the
+    registry's `champion` or `challenger` alias names it. The gate sets the alias before it writes the
+    split, so a split naming any other version (Redis written by hand, a stale split) is refused."""
+
+    def checkpoint(version: str) -> str:
+        aliased = {registry.alias("champion"), registry.alias("challenger")}
+        if version not in aliased:
+            raise NotAliased(
+                f"the traffic split names version {version}, but the registry's aliases name "
+                f"{sorted(v for v in aliased if v) or 'nothing'}: serving runs only what champion and challenger name"
+            )
+        return str(registry.fetch(version))
+
+    return checkpoint
+
+
 def watch_split(redis_client: object, channel: str, on_change: Callable[[], object],
                 stop: threading.Event) -> threading.Thread:  # fmt: skip
     """Call `on_change` whenever a message arrives on the split's pub/sub `channel`, until `stop` is set.
@@ -174,4 +195,4 @@ def watch_split(redis_client: object, channel: str, on_change: Callable[[], obje
     return thread
 
 
-__all__ = ["NoModelReady", "PolicyPool", "Refusal", "Route", "watch_split"]
+__all__ = ["NoModelReady", "NotAliased", "PolicyPool", "Refusal", "Route", "aliased_checkpoints", "watch_split"]

@@ -23,7 +23,7 @@ from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from model_registry import ModelRegistry
 from serving.app import create_app
-from serving.pool import PolicyPool, watch_split
+from serving.pool import PolicyPool, aliased_checkpoints, watch_split
 
 
 def read_events(settings: Settings, n: int, timeout_s: float = 30.0) -> list[Event]:
@@ -55,10 +55,11 @@ def _setup(settings: Settings, tiny_model_dir: Path, tmp_path: Path):  # type: i
     assert registry.manifest(v2)["artifact"]["kind"] == "delta"
     shutil.rmtree(settings.data_dir / "models")  # serving rebuilds v2 from the store, as in production
     fetches: list[str] = []
+    aliased = aliased_checkpoints(registry)  # serving's own source: only what the aliases name is fetched
 
     def source(version: str) -> str:
         fetches.append(version)
-        return str(registry.fetch(version))
+        return aliased(version)
 
     redis = redis_client(settings)
     store = TrafficSplitStore(redis, settings)
@@ -72,6 +73,7 @@ def test_a_swap_under_concurrent_requests_fails_none_and_every_event_names_its_w
     settings: Settings, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     registry, store, pool, client, v1, v2, _ = _setup(settings, tiny_model_dir, tmp_path)
+    registry.set_alias("champion", v1)
     store.put(TrafficSplit(champion_version=v1))
     stop = threading.Event()
     # The poll is 30 s here: the swap arrives through the split's pub/sub channel.
@@ -79,7 +81,8 @@ def test_a_swap_under_concurrent_requests_fails_none_and_every_event_names_its_w
     n = 48
 
     def ask(i: int) -> tuple[int, str]:
-        if i == n // 3:
+        if i == n // 3:  # a promotion, as the gate makes it: the alias first, then the split
+            registry.set_alias("champion", v2)
             store.put(TrafficSplit(champion_version=v2))
         resp = client.post("/v1/completions", json={"prompt": "def f(", "user": f"u{i}", "max_tokens": 6,
                                                     "seed": i})  # fmt: skip
@@ -121,9 +124,11 @@ def test_a_corrupted_delta_is_refused_once_and_serving_keeps_the_old_version(
     raw[-10] ^= 0xFF
     stored.write_bytes(bytes(raw))
 
+    registry.set_alias("champion", v1)
     store.put(TrafficSplit(champion_version=v1))
     with client:
         assert client.post("/v1/completions", json={"prompt": "x", "user": "a"}).json()["model"] == v1
+        registry.set_alias("challenger", v2)
         store.put(TrafficSplit(champion_version=v2))
         assert pool.refresh() is False
         refusal = pool.refused[v2]
@@ -149,9 +154,24 @@ def test_a_delta_whose_manifest_names_another_parent_is_refused_by_serving(
     path.write_bytes(raw)
     registry.client.set_model_version_tag(settings.registered_model_name, v2, "flywheel.manifest_sha256",
                                           hashlib.sha256(raw).hexdigest())  # fmt: skip
+    registry.set_alias("champion", v1)
+    registry.set_alias("challenger", v2)
     store.put(TrafficSplit(champion_version=v1))
     with client:
         store.put(TrafficSplit(champion_version=v2))
         assert pool.refresh() is False
         assert "names another parent" in pool.refused[v2].reason
+        assert client.post("/v1/completions", json={"prompt": "x", "user": "a"}).json()["model"] == v1
+
+
+def test_a_split_naming_a_version_no_alias_names_is_refused(
+    settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    registry, store, pool, client, v1, v2, _ = _setup(settings, tiny_model_dir, tmp_path)
+    registry.set_alias("champion", v1)
+    store.put(TrafficSplit(champion_version=v1))
+    with client:
+        store.put(TrafficSplit(champion_version=v1, challenger_version=v2, challenger_share=1.0))  # no alias
+        assert pool.refresh() is False
+        assert "serving runs only what champion and challenger name" in pool.refused[v2].reason
         assert client.post("/v1/completions", json={"prompt": "x", "user": "a"}).json()["model"] == v1
