@@ -64,6 +64,10 @@ class Settings(BaseSettings):
         description="Empty: SQLite under data_dir with a local artifact folder.",
     )
     registered_model_name: str = "flywheel-policy"
+    registry_max_chain: int = Field(
+        default=8, ge=0,
+        description="Deltas in a row before the registry stores a version's full weights again (0: always full).",
+    )
 
     # Model
     model_path: str = Field(

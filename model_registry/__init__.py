@@ -1,10 +1,12 @@
-"""Model registry: versioned checkpoints with lineage and gate state, on MLflow."""
+"""Model registry: versioned checkpoints (full or lossless deltas) with lineage and gate state, on MLflow."""
 
 from __future__ import annotations
 
+from model_registry.diff import TensorDiff
 from model_registry.manifest import ArtifactIntegrityError
 from model_registry.registry import (
     GATE_STATES,
+    ArtifactInfo,
     GateChange,
     ModelRegistry,
     OfflineGateReport,
@@ -17,12 +19,14 @@ from model_registry.registry import (
 
 __all__ = [
     "GATE_STATES",
+    "ArtifactInfo",
     "ArtifactIntegrityError",
     "GateChange",
     "ModelRegistry",
     "OfflineGateReport",
     "OfflineGateResult",
     "RegistryUnavailable",
+    "TensorDiff",
     "UnknownVersion",
     "VersionInfo",
     "ensure_experiment",

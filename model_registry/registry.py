@@ -1,11 +1,20 @@
 """The MLflow-backed model registry: versions, lineage, gate state, aliases, fetch.
 
-A version is one registered checkpoint directory. Its files are logged as MLflow run
+A version is one registered checkpoint directory. What is stored is logged as MLflow run
 artifacts (under `model/`, in the trainer's run when the lineage names one), together
-with a per-file sha256 manifest whose own hash is a version tag; `fetch` refuses a
-download that does not match. Lineage and gate state live in version tags, and every
-gate-state change adds one history tag (who, when, why), so the history is never
-rewritten. Works on any MLflow store (SQLite by default, PostgreSQL, a tracking server).
+with a manifest (per-file and per-tensor sha256 of the checkpoint) whose own hash is a
+version tag; `fetch` refuses a download that does not match.
+
+A version trained from a parent stores a lossless delta against it (model_registry.delta)
+while the chain of deltas back to a full snapshot is shorter than `registry_max_chain`, and
+its full weights otherwise. `fetch` rebuilds a delta from its (cached, verified) parent and
+checks the result, file by file and tensor by tensor, against the manifest before anyone
+loads it; a broken link (a parent gone, a parent other than the one the delta was made
+against, a corrupt stored file) is an `ArtifactIntegrityError` that says which.
+
+Lineage and gate state live in version tags, and every gate-state change adds one history
+tag (who, when, why), so the history is never rewritten.
+Works on any MLflow store (SQLite by default, PostgreSQL, a tracking server).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,7 +41,18 @@ from mlflow.exceptions import MlflowException
 from flywheel.connections import configure_mlflow, experiment_artifact_location
 from flywheel.contract import ModelLineage
 from flywheel.settings import Settings
-from model_registry.manifest import ArtifactIntegrityError, build_manifest, manifest_bytes, verify
+from model_registry.delta import SUFFIX, DeltaError, apply_delta, make_delta
+from model_registry.diff import TensorDiff, diff_checkpoints
+from model_registry.manifest import (
+    ArtifactIntegrityError,
+    artifact_of,
+    build_manifest,
+    manifest_bytes,
+    verify,
+    verify_tensors,
+)
+
+log = logging.getLogger(__name__)
 
 # Artifact downloads are internal steps of `fetch`; their tqdm bars would only clutter logs.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -40,6 +61,7 @@ GATE_STATES = ("pending", "approved", "rejected", "challenger", "champion", "rol
 REGISTRY_EXPERIMENT = "flywheel-registry"
 ARTIFACT_DIR = "model"
 MANIFEST_ARTIFACT = "checkpoint_manifest.json"
+DELTA_INFO = "flywheel_delta.json"  # in a delta's stored files: which parent (for a person browsing MLflow)
 
 TAG_LINEAGE = "flywheel.lineage"
 TAG_GATE_STATE = "flywheel.gate_state"
@@ -57,6 +79,17 @@ class VersionInfo:
     lineage: ModelLineage
     gate_state: str
     aliases: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    """How a version is stored: "full", or "delta" against `parent`, `chain_length` deltas from a snapshot."""
+
+    kind: str
+    parent: str | None
+    chain_length: int
+    stored_bytes: int
+    checkpoint_bytes: int  # the rebuilt checkpoint (every file)
 
 
 @dataclass(frozen=True)
@@ -183,6 +216,9 @@ class ModelRegistry:
         self._client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         self._name = settings.registered_model_name
         self._cache_dir = settings.data_dir / "models"
+        self._max_chain = settings.registry_max_chain
+        # Manifests never change once registered (their hash is a version tag): read each once.
+        self._manifests: dict[tuple[str, str], dict[str, Any]] = {}
 
     @property
     def client(self) -> MlflowClient:
@@ -190,22 +226,27 @@ class ModelRegistry:
 
     # -- registration ------------------------------------------------------------------
     @_reachable
-    def register(self, model_dir: Path, lineage: ModelLineage) -> str:
-        """Log `model_dir` and its manifest as artifacts and create a version in gate state "pending".
+    def register(self, model_dir: Path, lineage: ModelLineage, *, full: bool = False) -> str:
+        """Log `model_dir` (as a delta against the lineage's parent where allowed, else in full) and its
+        manifest as artifacts, and create a version in gate state "pending".
 
         The artifacts go to the lineage's run (the trainer's cycle run) when it names one,
         else to a new run of the registry experiment. The version is created last, with all
         its tags at once: a crash before that leaves orphan artifacts, never a half version.
+        `full`: store full weights even where a delta is allowed.
         """
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"{model_dir} is not a directory; pass a saved Hugging Face checkpoint")
         manifest = build_manifest(model_dir)
-        raw_manifest = manifest_bytes(manifest)
         run_id = lineage.run_id or self._new_run(model_dir)
         lineage = lineage.model_copy(update={"run_id": run_id})
-        self._client.log_artifacts(run_id, str(model_dir), ARTIFACT_DIR)
         with tempfile.TemporaryDirectory() as tmp:
+            stored, manifest["artifact"] = self._stored_form(
+                model_dir, manifest, None if full else lineage.parent_version, Path(tmp)
+            )
+            raw_manifest = manifest_bytes(manifest)
+            self._client.log_artifacts(run_id, str(stored), ARTIFACT_DIR)
             path = Path(tmp) / MANIFEST_ARTIFACT
             path.write_bytes(raw_manifest)
             self._client.log_artifact(run_id, str(path))
@@ -225,6 +266,53 @@ class ModelRegistry:
             description=f"parent {lineage.parent_version or '-'}; {lineage.sample_count} samples",
         )
         return str(mv.version)
+
+    def _stored_form(
+        self, model_dir: Path, manifest: dict[str, Any], parent: str | None, scratch: Path
+    ) -> tuple[Path, dict[str, Any]]:
+        """(the folder to store, the manifest's artifact record): a delta against `parent` when the
+        chain allows it and it is smaller, else `model_dir` itself in full."""
+        full = {"kind": "full", "parent": None, "chain_length": 0, "stored": manifest["files"],
+                "stored_bytes": manifest["total_bytes"]}  # fmt: skip
+        # Deltas are for weights: a checkpoint without safetensors weights (no tensors hashed) is stored whole.
+        if parent is None or self._max_chain == 0 or not manifest["tensors"]:
+            return model_dir, full
+        try:
+            parent_mv = self._version(parent)
+        except UnknownVersion:
+            return model_dir, full
+        parent_manifest = self._manifest(parent_mv)
+        chain = int(artifact_of(parent_manifest)["chain_length"]) + 1
+        if chain > self._max_chain:  # the chain is long enough: a full snapshot starts the next one
+            log.info("version from %s stored in full: chain limit %d reached", parent, self._max_chain)
+            return model_dir, full
+        parent_dir = self.fetch(parent)
+        out = scratch / "delta"
+        out.mkdir()
+        unchanged = []
+        for name, record in manifest["files"].items():
+            if parent_manifest["files"].get(name) == record:
+                unchanged.append(name)
+                continue
+            target = out / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if name.endswith(".safetensors") and (parent_dir / name).is_file():
+                try:
+                    blob = make_delta((parent_dir / name).read_bytes(), (model_dir / name).read_bytes())
+                except DeltaError:  # not a safetensors file after all: stored as it is
+                    blob = None
+                if blob is not None and len(blob) < record["bytes"]:
+                    target.with_name(target.name + SUFFIX).write_bytes(blob)
+                    continue
+            shutil.copyfile(model_dir / name, target)
+        artifact = {"kind": "delta", "parent": str(parent), "chain_length": chain, "unchanged": unchanged,
+                    "parent_manifest_sha256": parent_mv.tags.get(TAG_MANIFEST_SHA)}  # fmt: skip
+        (out / DELTA_INFO).write_text(json.dumps(artifact, indent=1))
+        stored = build_manifest(out)
+        artifact |= {"stored": stored["files"], "stored_bytes": stored["total_bytes"]}
+        if stored["total_bytes"] >= manifest["total_bytes"]:
+            return model_dir, full
+        return out, artifact
 
     def _new_run(self, model_dir: Path) -> str:
         exp_id = ensure_experiment(self._client, self._settings, REGISTRY_EXPERIMENT)
@@ -373,9 +461,14 @@ class ModelRegistry:
     def fetch(self, version: str) -> Path:
         """A verified local copy of `version`'s checkpoint, cached under data_dir/models/<version>.
 
-        Raises `ArtifactIntegrityError` when the stored artifacts do not match the manifest
-        recorded at registration (a corrupted or tampered artifact store).
+        A delta is rebuilt from its parent (fetched the same way). The cached copy is checked
+        against the manifest on every call. Raises `ArtifactIntegrityError` when the stored
+        artifacts or the rebuilt checkpoint do not match the manifest recorded at registration,
+        or when a link of the chain is missing or is not the parent the delta was made against.
         """
+        return self._fetch(str(version), ())
+
+    def _fetch(self, version: str, below: tuple[str, ...]) -> Path:
         mv = self._version(version)
         manifest = self._manifest(mv)
         target = self._cache_dir / str(version)
@@ -384,11 +477,11 @@ class ModelRegistry:
                 verify(target, manifest)
                 return target
             except ArtifactIntegrityError:
-                shutil.rmtree(target)  # a damaged cache is re-downloaded, not trusted
+                shutil.rmtree(target)  # a damaged cache is rebuilt, not trusted
         self._cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self._cache_dir))
         try:
-            local = self._download_verified(mv, manifest, staging)
+            local = self._materialize(mv, manifest, staging, below)
             try:
                 os.replace(local, target)
             except OSError:
@@ -400,37 +493,148 @@ class ModelRegistry:
 
     @_reachable
     def verify(self, version: str) -> None:
-        """Download `version`'s artifacts to a scratch folder and check every file's sha256.
+        """Download `version`'s artifacts to a scratch folder, rebuild it when it is a delta, and check
+        every stored file, every rebuilt file and every tensor against the manifest.
 
-        Raises `ArtifactIntegrityError` naming each bad file; keeps nothing (the gate checks a
+        Raises `ArtifactIntegrityError` naming what is wrong; keeps nothing (the gate checks a
         candidate this way before it lets any user receive it).
         """
         mv = self._version(version)
         manifest = self._manifest(mv)
         with tempfile.TemporaryDirectory(prefix=f"verify-{version}-") as tmp:
-            self._download_verified(mv, manifest, Path(tmp))
+            self._materialize(mv, manifest, Path(tmp), (), tensors=True)
 
-    def _download_verified(self, mv: ModelVersion, manifest: dict[str, Any], into: Path) -> Path:
-        local = Path(self._client.download_artifacts(_run_of(mv), ARTIFACT_DIR, str(into)))
+    def _materialize(self, mv: ModelVersion, manifest: dict[str, Any], into: Path, below: tuple[str, ...],
+                     *, tensors: bool = False) -> Path:  # fmt: skip
+        """The checkpoint of `mv` under `into`, rebuilt and verified: every file's sha256, and with `tensors`
+        every tensor's too (implied by the files' hashes, which were taken of the same bytes: `verify`
+        checks them anyway, a load, on the path of a live swap, does not hash everything twice)."""
+        version = str(mv.version)
+        artifact = artifact_of(manifest)
+        stored = self._download_verified(mv, manifest, artifact, into)
+        local = stored if artifact["kind"] == "full" else self._rebuild(version, artifact, stored, into / "rebuilt",
+                                                                         below)
         try:
-            verify(local, manifest)
+            try:
+                verify(local, manifest)
+            except ArtifactIntegrityError:
+                verify_tensors(local, manifest)  # name the tensors that differ, where a weights file does
+                raise
+            if tensors:
+                verify_tensors(local, manifest)
         except ArtifactIntegrityError as exc:
             raise ArtifactIntegrityError(
-                f"version {mv.version} of {self._name!r} (run {mv.run_id}) is corrupted: {exc}"
+                f"version {version} of {self._name!r} (run {mv.run_id}) is corrupted: {exc}"
             ) from None
         return local
 
+    def _rebuild(self, version: str, artifact: dict[str, Any], stored: Path, out: Path,
+                 below: tuple[str, ...]) -> Path:  # fmt: skip
+        parent = str(artifact["parent"])
+        if parent in below or parent == version:
+            raise ArtifactIntegrityError(f"version {version}: its delta chain loops back to version {parent}")
+        try:
+            parent_mv = self._version(parent)
+        except UnknownVersion:
+            raise ArtifactIntegrityError(
+                f"version {version} is a delta against version {parent}, which the registry does not hold: "
+                "a missing link in its chain"
+            ) from None
+        if parent_mv.tags.get(TAG_MANIFEST_SHA) != artifact.get("parent_manifest_sha256"):
+            raise ArtifactIntegrityError(
+                f"version {version}'s delta was made against a parent whose manifest hash is "
+                f"{str(artifact.get('parent_manifest_sha256'))[:12]}..., but version {parent}'s is "
+                f"{str(parent_mv.tags.get(TAG_MANIFEST_SHA))[:12]}...: its manifest names another parent"
+            )
+        try:
+            parent_dir = self._fetch(parent, (*below, version))
+        except ArtifactIntegrityError as exc:
+            raise ArtifactIntegrityError(f"version {version} cannot be rebuilt: its parent {exc}") from None
+        out.mkdir(parents=True)
+        for name in artifact.get("unchanged", []):
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(parent_dir / name, out / name)
+        for name in artifact["stored"]:
+            if name == DELTA_INFO:
+                continue
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            if not name.endswith(SUFFIX):
+                shutil.copyfile(stored / name, out / name)
+                continue
+            result = name.removesuffix(SUFFIX)
+            try:
+                rebuilt = apply_delta((parent_dir / result).read_bytes(), (stored / name).read_bytes())
+            except (DeltaError, OSError) as exc:
+                raise ArtifactIntegrityError(
+                    f"version {version}: {result} cannot be rebuilt from version {parent}: {exc}"
+                ) from None
+            (out / result).write_bytes(rebuilt)
+        return out
+
+    def _download_verified(
+        self, mv: ModelVersion, manifest: dict[str, Any], artifact: dict[str, Any], into: Path
+    ) -> Path:
+        """The stored files (full checkpoint or delta), each checked against the manifest."""
+        local = Path(self._download(mv, ARTIFACT_DIR, into))
+        try:
+            verify(local, manifest, artifact["stored"])
+        except ArtifactIntegrityError as exc:
+            kind = "delta" if artifact["kind"] == "delta" else "checkpoint"
+            raise ArtifactIntegrityError(
+                f"version {mv.version} of {self._name!r} (run {mv.run_id}): the stored {kind} is corrupted: {exc}"
+            ) from None
+        return local
+
+    def _download(self, mv: ModelVersion, path: str, into: Path | str) -> str:
+        try:
+            return str(self._client.download_artifacts(_run_of(mv), path, str(into)))
+        except MlflowException as exc:
+            if _is_unreachable(exc):
+                raise
+            raise ArtifactIntegrityError(
+                f"version {mv.version} of {self._name!r}: its artifact {path!r} is missing from the store "
+                f"(run {mv.run_id})"
+            ) from None
+        except OSError:
+            raise ArtifactIntegrityError(
+                f"version {mv.version} of {self._name!r}: its artifact {path!r} is missing from the store "
+                f"(run {mv.run_id})"
+            ) from None
+
     def _manifest(self, mv: ModelVersion) -> dict[str, Any]:
+        recorded = str(mv.tags.get(TAG_MANIFEST_SHA))
+        key = (str(mv.version), recorded)
+        if key in self._manifests:
+            return self._manifests[key]
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(self._client.download_artifacts(_run_of(mv), MANIFEST_ARTIFACT, tmp))
-            raw = path.read_bytes()
-        if hashlib.sha256(raw).hexdigest() != mv.tags.get(TAG_MANIFEST_SHA):
+            raw = Path(self._download(mv, MANIFEST_ARTIFACT, tmp)).read_bytes()
+        if hashlib.sha256(raw).hexdigest() != recorded:
             raise ArtifactIntegrityError(
                 f"version {mv.version} of {self._name!r}: the stored manifest does not match "
                 "its recorded hash"
             )
         manifest: dict[str, Any] = json.loads(raw)
+        self._manifests[key] = manifest
         return manifest
+
+    @_reachable
+    def manifest(self, version: str) -> dict[str, Any]:
+        """`version`'s manifest (checked against its recorded hash)."""
+        return self._manifest(self._version(version))
+
+    def artifact(self, version: str) -> ArtifactInfo:
+        """What `version` stores: full weights or a delta (against which parent, how far from a snapshot)."""
+        manifest = self.manifest(version)
+        art = artifact_of(manifest)
+        return ArtifactInfo(
+            kind=art["kind"], parent=art.get("parent"), chain_length=int(art["chain_length"]),
+            stored_bytes=int(art.get("stored_bytes") or sum(f["bytes"] for f in art["stored"].values())),
+            checkpoint_bytes=int(manifest["total_bytes"]),
+        )  # fmt: skip
+
+    def diff(self, a: str, b: str) -> list[TensorDiff]:
+        """Tensor by tensor, how version `b`'s weights differ from version `a`'s (both fetched, verified)."""
+        return diff_checkpoints(self.fetch(a), self.fetch(b))
 
 
 def _info(mv: ModelVersion, aliases: list[str]) -> VersionInfo:

@@ -25,9 +25,16 @@ def build_serving_app(settings: Settings) -> FastAPI:
     # Redis and the registry are not required: the split and weights held in memory keep serving.
     health = ProcessHealth("serving", [kafka, redis_dependency(settings), mlflow_dependency(settings)],
                            optional={"redis", "mlflow"})
-    store = TrafficSplitStore(redis_client(settings), settings)
+    import threading
+
+    from serving.pool import aliased_checkpoints, watch_split
+
+    redis = redis_client(settings)
+    store = TrafficSplitStore(redis, settings)
     registry = ModelRegistry(settings)
-    pool = PolicyPool(store.get, lambda v: str(registry.fetch(v)), device=settings.device)
+    pool = PolicyPool(store.get, aliased_checkpoints(registry), device=settings.device)
+    # A gate's change reaches serving at once through pub/sub; the refresher's poll is the fallback.
+    watch_split(redis, store.channel, pool.refresh, threading.Event())
     # Made on first use: serving starts (and answers 503) while Kafka is down.
     producer = LazyProducer(lambda: make_producer(settings), kafka)
     return create_app(

@@ -114,6 +114,10 @@ def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
         assert key in run.data.metrics, key
     steps = MlflowClient(tsettings.resolved_mlflow_uri).get_metric_history(second.run_id, "loss")
     assert len(steps) == 12  # 48 samples / batch 8 * 2 epochs, one point per step
+    # The candidate is stored as a delta against the champion it was trained from, rebuilt exactly above.
+    artifact = registry.artifact(second.version)
+    assert artifact.kind == "delta" and artifact.parent == first.version and artifact.chain_length == 2
+    assert run.data.metrics["artifact_stored_bytes"] == artifact.stored_bytes < artifact.checkpoint_bytes
 
 
 def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(

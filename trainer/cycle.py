@@ -212,10 +212,17 @@ def _train_and_register(
     )
     with tempfile.TemporaryDirectory(prefix="candidate-", dir=_scratch(settings)) as tmp:
         policy.save(Path(tmp))
+        # Stored as a lossless delta against the champion when the chain allows (model_registry).
         version = registry.register(Path(tmp), lineage)
+    artifact = registry.artifact(version)
+    tracker.log_metrics({"artifact_stored_bytes": float(artifact.stored_bytes),
+                         "artifact_chain_length": float(artifact.chain_length),
+                         "artifact_ratio": artifact.checkpoint_bytes / max(artifact.stored_bytes, 1)},
+                        step=len(history))  # fmt: skip
     tracker.finished(version)
     _barrier(world)
-    log.info("registered candidate v%s from v%s on %d samples", version, champion, len(samples))
+    log.info("registered candidate v%s from v%s on %d samples (%s artifact, %d bytes stored)", version, champion,
+             len(samples), artifact.kind, artifact.stored_bytes)  # fmt: skip
     return CycleResult(
         "registered", f"trained on {len(samples)} samples", version=version, parent_version=champion,
         sample_count=len(samples), run_id=tracker.run_id, metrics=metrics,
