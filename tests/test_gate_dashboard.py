@@ -6,9 +6,11 @@ rewards in the lake. Screenshots land in `test-artifacts/` (gitignored) for a pe
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,16 @@ from pydantic import SecretStr
 
 from deploy_gate.app import create_app
 from deploy_gate.gate import DeployGate
+from deploy_gate.rollout import RampStep, RolloutConfig, RolloutController
 from flywheel.connections import redis_client
 from flywheel.identity import TokenStore
 from flywheel.settings import Settings
 from launcher.embedded import free_port
 from model_registry import ModelRegistry
+from tests.rollout_sim import Behaviour, write_batch
 from tests.test_gate_api import register
 from tests.test_gate_metrics import rewards_written  # noqa: F401  (a fixture: rewards for v1 and v2)
+from tests.test_rollout import CHAMPION, Clock
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -103,7 +108,7 @@ def open_dashboard(browser: Any, base: str) -> tuple[Any, list[str]]:
 
 
 def real_errors(errors: list[str]) -> list[str]:
-    # The browser logs every 4xx fetch; those the page expects (no experiment yet, refused actions) are fine.
+    # The browser logs every 4xx fetch; those the page expects (refused actions) are fine.
     return [e for e in errors if "the server responded with a status of 4" not in e]
 
 
@@ -136,7 +141,12 @@ def test_dashboard_shows_both_arms_approves_from_the_page_and_shows_markup_as_te
         assert page.locator("#chart canvas").count() > 0  # uPlot drew the series
         legend = page.locator("#chart-legend").inner_text()
         assert "champion v1" in legend and "challenger v2" in legend
+        # The controller has not analysed a challenger: the page says so and uses the metrics API.
+        experiment = api.get("/api/experiment").json()
+        assert (experiment["state"], experiment["analysis"]) == ("idle", None)
+        assert page.locator('[data-field="experiment-state"]').inner_text() == "idle"
         assert "No experiment analysis yet" in page.locator("#rollout").inner_text()
+        assert "No experiment analysis yet" in page.locator("#difference").inner_text()
         assert page.locator(f'#pending tr[data-version="{candidate}"]').count() == 1
         page.screenshot(path=str(ARTIFACTS / "dashboard-loaded.png"), full_page=True)
 
@@ -189,80 +199,76 @@ def test_dashboard_shows_both_arms_approves_from_the_page_and_shows_markup_as_te
     assert (ARTIFACTS / "dashboard-approved.png").stat().st_size > 10_000
 
 
-# The contract's example answer (the rollout controller's endpoints are built apart; this stands
-# in for them where they are not mounted, so the rendering of every field is checked).
-EXPERIMENT = {
-    "experiment": "default", "state": "ramping", "champion": "1", "challenger": "2", "holdout_version": "1",
-    "share": 0.25, "step": 1,
-    "ramp": [
-        {"share": 0.05, "min_users": 200, "min_seconds": 600, "entered_at": "2026-01-05T10:00:00Z",
-         "left_at": "2026-01-05T11:00:00Z"},
-        {"share": 0.25, "min_users": 400, "min_seconds": 3600, "entered_at": "2026-01-05T11:00:00Z",
-         "left_at": None},
-        {"share": 0.5, "min_users": 800, "min_seconds": 3600, "entered_at": None, "left_at": None},
-    ],
-    "analysis": {
-        "unit": "user", "metric": "satisfaction", "reward_version": "r1",
-        "arms": {"champion": {"users": 812, "generations": 5120, "mean": 0.41, "ci": [0.38, 0.44]},
-                 "challenger": {"users": 270, "generations": 1733, "mean": 0.46, "ci": [0.41, 0.51]}},
-        "difference": {"estimate": 0.05, "ci": [0.01, 0.09], "sequential_ci": [-0.01, 0.11], "alpha": 0.05,
-                       "method": "delta-method over per-user means; confidence sequence (Howard et al. 2021)"},
-        "srm": {"observed": [812, 270], "expected_shares": [0.75, 0.25], "p_value": 0.41, "alarm": False},
-        "guardrails": [
-            {"name": "latency_p95_ms", "champion": 80.0, "challenger": 83.0,
-             "bound": "challenger <= 1.2 x champion", "ok": True},
-            {"name": "undo_rate", "champion": 0.05, "challenger": 0.09,
-             "bound": "challenger <= champion + 0.02", "ok": False},
-        ],
-        "decision": {"action": "continue", "reason": "sequential interval still covers 0",
-                     "at": "2026-01-05T11:30:00Z"},
-    },
-    "timeline": [{"at": "2026-01-05T10:00:00Z", "event": "ramp to 5%", "by": "controller"},
-                 {"at": "2026-01-05T11:00:00Z", "event": "ramp to 25%", "by": "controller"}],
-    "holdout": {"share": 0.02, "version": "1", "users": 40, "mean": 0.35,
-                "cumulative_effect": {"estimate": 0.06, "ci": [0.0, 0.12]}},
-}  # fmt: skip
-SERIES = {
-    "buckets": [
-        {"start": f"2026-01-05T{10 + h:02d}:00:00Z", "arm": arm, "users": 50 + 10 * h,
-         "mean": base + 0.01 * h, "ci": [base + 0.01 * h - 0.04, base + 0.01 * h + 0.04]}
-        for h in range(4) for arm, base in (("champion", 0.40), ("challenger", 0.44))
-    ]
-}  # fmt: skip
-
-
 def test_dashboard_renders_the_experiment_analysis(
-    browser: Any, app: FastAPI, versions: tuple[str, str]
+    browser: Any, app: FastAPI, gate_settings: Settings, versions: tuple[str, str]
 ) -> None:
-    if any(getattr(r, "path", None) == "/api/experiment" for r in app.routes):
-        pytest.skip("the rollout controller's /api/experiment is mounted; its own tests drive this page")
+    """A real analysis: the candidate approved, simulated users in the lake, two controller ticks."""
+    champion, candidate = versions
+    gate: DeployGate = app.state.gate
+    gate.approve(candidate, by="ana", reason="offline gates pass")
+    # A 2% long-term holdout, and a challenger that suggests less, with too few users yet (about 30
+    # of 200) for the controller to act on it, whatever the split's fresh salt puts in each arm.
+    ramp = [RampStep(share=x, min_users=200, min_seconds=300) for x in (0.05, 0.25, 0.5)]
+    cfg = RolloutConfig(ramp=ramp, srm_min_users=100, latency_min_generations=50, holdout_share=0.02)
+    app.state.rollout_config = cfg  # the gate's endpoints read the controller's experiment
+    clock = Clock()
+    controller = RolloutController(gate, cfg, clock=clock)
+    controller.tick()  # starts the experiment: holdout, then the challenger at the first ramp step
+    split = gate.splits.get()
+    assert split is not None and split.challenger_share == cfg.ramp[0].share
+    write_batch(gate_settings, split, {"champion": CHAMPION, "challenger": Behaviour(p_good=0.6, shown=0.6),
+                                       "holdout": CHAMPION},
+                users=600, at=clock.now, rng=random.Random(7), user_ids=[f"user-{i}" for i in range(600)])  # fmt: skip
+    clock.now += timedelta(seconds=120)
+    assert controller.tick().analysis is not None
 
-    @app.get("/api/experiment")
-    def experiment() -> dict:
-        return EXPERIMENT
-
-    @app.get("/api/experiment/series")
-    def series(bucket: str = "1h") -> dict:
-        return SERIES
+    api = TestClient(app)
+    exp = api.get("/api/experiment").json()
+    analysis = exp["analysis"]
+    assert exp["state"] == "ramping" and analysis["decision"]["action"] == "continue"
+    series = api.get("/api/experiment/series?bucket=1h").json()["buckets"]
+    assert {b["arm"] for b in series} == {"champion", "challenger"}
 
     ARTIFACTS.mkdir(exist_ok=True)
     with serve(app) as base:
         page, errors = open_dashboard(browser, base)
-        assert page.locator('[data-field="experiment-state"]').inner_text() == "ramping"
-        champion = page.locator('#arms tr[data-arm="champion"]')
-        assert champion.locator('[data-field="users"]').inner_text() == "812"
-        assert champion.locator('[data-field="ci"]').inner_text() == "[0.380, 0.440]"
-        assert page.locator('[data-field="diff-estimate"]').inner_text() == "0.050"
-        assert "[-0.010, 0.110]" in page.locator('[data-field="diff-sequential"]').inner_text()
-        assert "not yet decided" in page.locator("#difference").inner_text()
-        assert "no mismatch" in page.locator("#srm").inner_text()
-        guardrails = page.locator("#guardrails").inner_text()
-        assert "breached" in guardrails and "challenger <= champion + 0.02" in guardrails
-        assert page.locator("#ramp tr.current").inner_text().startswith("25%")
-        assert "ramp to 25%" in page.locator("#timeline").inner_text()
-        assert "0.060 [0.000, 0.120]" in page.locator("#holdout").inner_text()
-        assert page.locator("#chart canvas").count() > 0
-        # The legend shows the newest bucket until the cursor picks another: 1 pm, champion 0.43 of 80 users.
-        assert "0.430 [0.390, 0.470] (users 80)" in page.locator('#chart-legend [data-arm="champion"]').inner_text()
         page.screenshot(path=str(ARTIFACTS / "dashboard-experiment.png"), full_page=True)
+        assert page.locator('[data-field="experiment-state"]').inner_text() == "ramping"
+        assert page.locator("#no-analysis").count() == 0
+        rollout = page.locator("#rollout").inner_text()
+        assert f"challenger v{candidate} at 5% of users" in rollout and f"holdout v{champion}" in rollout
+        assert page.locator('[data-field="decision-action"]').inner_text() == "continue"
+        assert page.locator('[data-field="decision-reason"]').inner_text() == analysis["decision"]["reason"]
+        for arm, version in (("champion", champion), ("challenger", candidate)):
+            want = analysis["arms"][arm]
+            row = page.locator(f'#arms tr[data-arm="{arm}"]')
+            assert row.locator('[data-field="version"]').inner_text() == f"v{version}"
+            assert row.locator('[data-field="users"]').inner_text() == str(want["users"])
+            assert row.locator('[data-field="n"]').inner_text() == str(want["generations"])
+            assert row.locator('[data-field="mean"]').inner_text() == f"{want['mean']:.3f}"
+            assert row.locator('[data-field="ci"]').inner_text() == "[{:.3f}, {:.3f}]".format(*want["ci"])
+        diff = analysis["difference"]
+        assert page.locator('[data-field="diff-estimate"]').inner_text() == f"{diff['estimate']:.3f}"
+        sequential = "[{:.3f}, {:.3f}]".format(*diff["sequential_ci"])
+        assert page.locator('[data-field="diff-sequential"]').inner_text().startswith(sequential)
+        srm = analysis["srm"]
+        assert " / ".join(map(str, srm["observed"])) in page.locator("#srm").inner_text()
+        assert len(analysis["guardrails"]) == page.locator("#guardrails tr[data-guardrail]").count() > 0
+        for g in analysis["guardrails"]:
+            row = page.locator(f'#guardrails tr[data-guardrail="{g["name"]}"]')
+            kind = "reward hacking" if g["kind"] == "reward_hacking" else "guardrail"
+            assert row.locator('[data-field="kind"]').inner_text() == kind
+            assert row.locator('[data-field="ok"]').inner_text() == ("ok" if g["ok"] else "breached")
+        assert {g["kind"] for g in analysis["guardrails"]} == {"guardrail", "reward_hacking"}
+        assert page.locator("#ramp tr.current").inner_text().startswith("5%")
+        assert "ramp to 5%" in page.locator("#timeline").inner_text()
+        holdout = exp["holdout"]
+        assert f"({holdout['users']} users, mean {holdout['mean']:.3f})" in page.locator("#holdout").inner_text()
+        assert page.locator("#chart canvas").count() > 0
+        # The legend shows the newest bucket of the experiment's per-user series, with each arm's version.
+        for arm, version in (("champion", champion), ("challenger", candidate)):
+            newest = max((b for b in series if b["arm"] == arm), key=lambda b: b["start"])
+            legend = page.locator(f'#chart-legend [data-arm="{arm}"]').inner_text()
+            assert legend.startswith(f"{arm} v{version} {newest['mean']:.3f}")
+            assert legend.endswith(f"(users {newest['users']})")
         assert real_errors(errors) == []

@@ -34,6 +34,13 @@
   const when = (s) => (s ? new Date(s).toISOString().replace('T', ' ').slice(0, 19) + ' UTC' : '–');
   const v = (x) => (x ? `v${x}` : '–');
   const empty = (text) => el('p', { class: 'muted' }, text);
+  const ARM_ORDER = ['champion', 'challenger', 'holdout'];
+  const armRank = (arm) => (ARM_ORDER.includes(arm) ? ARM_ORDER.indexOf(arm) : ARM_ORDER.length);
+  // The page's bucket ("5m", "1h", "1d") in seconds, to pad the time axis around a lone bucket.
+  const bucketSeconds = (b) => {
+    const m = /^(\d+)([mhd])$/.exec(b || '1h');
+    return m ? Number(m[1]) * { m: 60, h: 3600, d: 86400 }[m[2]] : 3600;
+  };
   const badge = (ok, yes, no) => el('span', { class: ok ? 'badge ok' : 'badge bad' }, ok ? yes : no);
 
   // A table from column specs [{label, num, key}] and rows of cells (text or nodes).
@@ -67,22 +74,34 @@
 
   // ---- sections ------------------------------------------------------------------------
 
+  // The controller's warnings that are not (yet) a rollback, e.g. reward up while explicit thumbs go down.
+  const flagList = (flags) => (flags && flags.length
+    ? el('ul', { class: 'flags' }, flags.map((f) => el('li', { 'data-field': 'flag' },
+      el('span', { class: 'badge bad' }, 'warning'), ' ', f)))
+    : null);
+
   function renderRollout(exp, splitView) {
     const split = splitView && splitView.split;
     const parts = [];
     if (exp) {
       parts.push(el('p', null,
         el('span', { class: `state ${exp.state}`, 'data-field': 'experiment-state' }, exp.state), ' ',
-        `champion ${v(exp.champion)}, challenger ${v(exp.challenger)} at ${pct(exp.share)} of users`,
+        exp.challenger
+          ? `champion ${v(exp.champion)}, challenger ${v(exp.challenger)} at ${pct(exp.share)} of users`
+          : `champion ${v(exp.champion)}, no challenger`,
         exp.holdout_version ? `, holdout ${v(exp.holdout_version)}` : ''));
-      const d = exp.analysis && exp.analysis.decision;
-      if (d) {
-        parts.push(el('p', null, 'Controller decision: ', el('b', null, d.action), ` (${when(d.at)}): `,
-          el('span', { class: 'reason' }, d.reason)));
-      }
+    }
+    const a = exp && exp.analysis;
+    if (a) {
+      const d = a.decision;
+      parts.push(el('p', null, 'Controller decision: ',
+        el('b', { 'data-field': 'decision-action' }, d.action), ` (${when(d.at)}): `,
+        el('span', { class: 'reason', 'data-field': 'decision-reason' }, d.reason)));
+      parts.push(flagList(a.flags));
     } else {
+      // Idle (or the API is absent): the controller has not analysed a challenger with rewards yet.
       parts.push(el('p', { class: 'muted', id: 'no-analysis' },
-        'No experiment analysis yet: the rollout controller has not published one. ' +
+        'No experiment analysis yet: the rollout controller has not analysed a challenger with rewards. ' +
         'Per-arm figures below come from the metrics API.'));
     }
     if (split) {
@@ -131,21 +150,29 @@
     rows, (i) => ({ 'data-arm': rows[i][0] })));
   }
 
-  // Series per arm: [{label, points: [{t, mean, lo, hi, n}]}], from the experiment or metrics API.
-  function chartSeries(series, metrics) {
-    if (series && series.buckets && series.buckets.length) {
+  // Series per arm: [{arm, label, points: [{t, mean, lo, hi, n}]}]: the experiment's per-user series
+  // while the controller has an analysis (the series then covers the same arms and versions), else
+  // the metrics API's per-generation buckets.
+  function chartSeries(exp, series, metrics) {
+    if (exp && exp.analysis && series && series.buckets && series.buckets.length) {
       const byArm = new Map();
       for (const b of series.buckets) {
         if (!byArm.has(b.arm)) byArm.set(b.arm, []);
         byArm.get(b.arm).push({ t: Date.parse(b.start) / 1000, mean: b.mean, lo: b.ci ? b.ci[0] : null,
           hi: b.ci ? b.ci[1] : null, n: b.users });
       }
-      return { unit: 'users', arms: [...byArm].map(([label, points]) => ({ label, points })) };
+      const version = { champion: exp.champion, challenger: exp.challenger, holdout: exp.holdout_version };
+      return {
+        unit: 'users',
+        arms: [...byArm].sort(([x], [y]) => armRank(x) - armRank(y)).map(([arm, points]) => ({
+          arm, label: version[arm] ? `${arm} v${version[arm]}` : arm, points: points.filter((p) => p.mean !== null) })),
+      };
     }
     if (!metrics) return { unit: 'n', arms: [] };
     return {
       unit: 'generations',
       arms: metrics.arms.map((a) => ({
+        arm: a.arm,
         label: `${a.arm} v${a.model_version}`,
         points: a.buckets.filter((b) => b.mean !== null).map((b) => ({
           t: Date.parse(b.start) / 1000, mean: b.mean, lo: b.ci_low, hi: b.ci_high, n: b.n })),
@@ -153,8 +180,8 @@
     };
   }
 
-  function renderChart(series, metrics) {
-    const s = chartSeries(series, metrics);
+  function renderChart(exp, series, metrics) {
+    const s = chartSeries(exp, series, metrics);
     const note = $('chart-note');
     if (!s.arms.length || !s.arms.some((a) => a.points.length)) {
       if (chart) { chart.destroy(); chart = null; chartKey = ''; }
@@ -168,6 +195,12 @@
     if (key === chartKey && chart) return;
     chartKey = key;
     const xs = [...new Set(s.arms.flatMap((a) => a.points.map((p) => p.t)))].sort((a, b) => a - b);
+    const newest = xs[xs.length - 1];
+    if (xs.length === 1) { // one bucket alone gets an axis of years: add an empty bucket either side
+      const step = bucketSeconds(document.body.dataset.bucket);
+      xs.unshift(newest - step);
+      xs.push(newest + step);
+    }
     const data = [xs];
     const seriesOpts = [{}];
     const bands = [];
@@ -191,10 +224,10 @@
     const width = Math.max(320, Math.min(box.clientWidth || 900, 1100));
     // Our own legend (uPlot's would list every band edge): one line per arm, the hovered bucket's figures.
     const legend = (idx) => {
-      const at = idx === null || idx === undefined ? xs.length - 1 : idx;
+      const at = idx === null || idx === undefined ? xs.indexOf(newest) : idx;
       $('chart-legend').replaceChildren(...s.arms.map((arm, i) => {
         const p = arm.points.find((q) => q.t === xs[at]);
-        return el('span', { class: 'entry', 'data-arm': arm.label },
+        return el('span', { class: 'entry', 'data-arm': arm.arm },
           el('span', { class: `swatch c${i % PALETTE.length}` }), el('b', null, arm.label), ' ',
           p ? `${fmt(p.mean)} ${p.lo === null ? '' : ci([p.lo, p.hi])} (${s.unit} ${p.n})` : '–');
       }), el('span', { class: 'muted small' }, `bucket of ${when(new Date(xs[at] * 1000).toISOString())}`));
@@ -220,7 +253,16 @@
       return;
     }
     const d = a.difference;
-    const seq = d.sequential_ci || [null, null]; // null until the controller has enough users
+    if (d) renderEffect(d); // null while an arm has too few users for an interval
+    else fill('difference', empty('Too few users in an arm for an interval yet.'));
+    const srm = a.srm;
+    fill('srm', el('p', null, badge(!srm.alarm, 'no mismatch', 'MISMATCH: ramp frozen'),
+      ` p = ${srm.p_value === null ? '–' : srm.p_value.toPrecision(3)}; users observed ${srm.observed.join(' / ')}, ` +
+      `expected shares ${srm.expected_shares.map(pct).join(' / ')}.`));
+  }
+
+  function renderEffect(d) {
+    const seq = d.sequential_ci;
     const verdict = seq[0] > 0 ? 'challenger better' : seq[1] < 0 ? 'challenger worse' : 'not yet decided';
     fill('difference', el('dl', { class: 'facts' },
       el('dt', null, 'estimate'), el('dd', { 'data-field': 'diff-estimate' }, fmt(d.estimate)),
@@ -229,11 +271,9 @@
         el('span', { class: seq[0] > 0 ? 'badge ok' : seq[1] < 0 ? 'badge bad' : 'badge' }, verdict)),
       el('dt', null, 'fixed-sample interval'), el('dd', null, ci(d.ci), ' ',
         el('span', { class: 'muted small' }, '(valid only at one planned look)')),
+      el('dt', null, 'fixed-sample p'), el('dd', { 'data-field': 'diff-p' },
+        d.p_value === null || d.p_value === undefined ? '–' : d.p_value.toPrecision(3)),
       el('dt', null, 'method'), el('dd', { class: 'small' }, d.method)));
-    const srm = a.srm;
-    fill('srm', el('p', null, badge(!srm.alarm, 'no mismatch', 'MISMATCH: ramp frozen'),
-      ` p = ${srm.p_value === null ? '–' : srm.p_value.toPrecision(3)}; users observed ${srm.observed.join(' / ')}, ` +
-      `expected shares ${srm.expected_shares.map(pct).join(' / ')} (alarm below p = 0.001).`));
   }
 
   function renderGuardrails(exp) {
@@ -241,11 +281,14 @@
     if (!a) { fill('guardrails', empty('No experiment analysis yet.')); } else if (!a.guardrails.length) {
       fill('guardrails', empty('No guardrail reported.'));
     } else {
+      // Guardrails first, then the reward-hacking checks (suggesting less, empty outputs, length drift).
+      const rails = a.guardrails.slice().sort((x, y) => (x.kind === 'reward_hacking') - (y.kind === 'reward_hacking'));
       fill('guardrails', table(
-        [{ label: 'guardrail' }, { label: 'champion', num: true }, { label: 'challenger', num: true },
-          { label: 'bound' }, { label: '' }],
-        a.guardrails.map((g) => [g.name, fmt(g.champion), fmt(g.challenger), g.bound,
-          badge(g.ok, 'ok', 'breached')])));
+        [{ label: 'check', key: 'name' }, { label: 'kind', key: 'kind' }, { label: 'champion', num: true, key: 'champion' },
+          { label: 'challenger', num: true, key: 'challenger' }, { label: 'bound' }, { label: '', key: 'ok' }],
+        rails.map((g) => [g.name, g.kind === 'reward_hacking' ? 'reward hacking' : 'guardrail',
+          fmt(g.champion), fmt(g.challenger), g.bound, badge(g.ok, 'ok', 'breached')]),
+        (i) => ({ 'data-guardrail': rails[i].name })));
     }
     const h = exp && exp.holdout;
     if (!h) {
@@ -383,7 +426,7 @@
     ]);
     const [exp, split, versions, audit, metrics] = got.map((r) => (r.status === 'fulfilled' ? r.value : undefined));
     let series = null;
-    if (exp) {
+    if (exp && exp.analysis) {
       try { series = await load(`api/experiment/series?bucket=${bucket}`); } catch (e) { series = null; }
     }
     const failed = got.filter((r) => r.status === 'rejected').map((r) => r.reason.message);
@@ -395,7 +438,7 @@
     if (versions) renderVersions(versions, await versionDetails(versions));
     if (audit) renderAudit(audit);
     await whoami().catch(() => { canAct = false; });
-    try { renderChart(series, metrics); } catch (e) { $('chart-note').textContent = `chart: ${e.message}`; }
+    try { renderChart(exp, series, metrics); } catch (e) { $('chart-note').textContent = `chart: ${e.message}`; }
     const up = $('updated');
     up.textContent = failed.length ? `could not load ${failed.join('; ')}` : `updated ${new Date().toLocaleTimeString()}`;
     up.className = failed.length ? 'alarm' : '';
