@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 
 from deploy_gate.audit import AuditLog
 from deploy_gate.cli import app
-from deploy_gate.offline import OfflineGates
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage, utcnow
+from flywheel.contract import ModelLineage
 from flywheel.settings import Settings, get_settings
 from flywheel.traffic import TrafficSplitStore
-from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
+from model_registry import ModelRegistry
+from tests.gate_fixtures import offline_gates_passed
 
 
 @pytest.fixture
@@ -42,12 +42,6 @@ def register(registry: ModelRegistry, tmp_path: Path, name: str) -> str:
     (ckpt / "config.json").write_text("{}")
     return registry.register(ckpt, ModelLineage(base="fake"))
 
-
-def offline_gates_passed(settings: Settings, registry: ModelRegistry, version: str, champion: str) -> None:
-    """Record passing offline gates: a fake checkpoint cannot run them (tests/test_offline_gates.py runs them)."""
-    result = OfflineGateResult("sanity", "passed", 0.0, "-", "recorded by the test")
-    config = OfflineGates(settings, registry).recorded_config()
-    registry.record_offline_gates(version, OfflineGateReport(utcnow(), champion, [result], config))
 
 
 def test_approve_shows_the_plan_and_applies_only_when_confirmed(

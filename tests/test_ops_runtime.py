@@ -186,7 +186,9 @@ def test_serving_waits_out_kafka_and_redis_outages(
 
     down, start_kafka, start_redis = outage
     caplog.set_level(logging.INFO)
-    version = ModelRegistry(down).register(tiny_model_dir, ModelLineage(base=str(tiny_model_dir)))
+    registry = ModelRegistry(down)
+    version = registry.register(tiny_model_dir, ModelLineage(base=str(tiny_model_dir)))
+    registry.set_alias("champion", version)  # serving runs only what a registry alias names
     request = {"prompt": "def ", "user": "u1", "max_tokens": 4, "seed": 1}
     with TestClient(build_serving_app(down)) as client:  # starts: neither Kafka nor Redis answers
         body = client.get("/readyz").json()

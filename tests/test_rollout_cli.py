@@ -16,6 +16,7 @@ from flywheel.contract import ModelLineage
 from flywheel.settings import Settings, get_settings
 from flywheel.traffic import TrafficSplitStore
 from model_registry import ModelRegistry
+from tests.gate_fixtures import offline_gates_passed
 
 
 @pytest.fixture
@@ -50,6 +51,7 @@ def test_rollout_commands(env_settings: Settings, tmp_path: Path) -> None:
     splits = TrafficSplitStore(redis_client(env_settings), env_settings)
     runner = CliRunner()
     ok = ["--by", "ana", "--reason", "test", "--yes"]
+    offline_gates_passed(env_settings, registry, candidate, champion)
     assert runner.invoke(app, ["approve", candidate, *ok]).exit_code == 0
 
     once = runner.invoke(app, ["rollout", "--once"])
