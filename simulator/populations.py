@@ -132,12 +132,14 @@ _SNAKE = re.compile(r"^[a-z]+(_[a-z0-9]+)+$")
 class StylePopulation(Population):
     """Cares about style: the quote character of string literals and the naming of identifiers.
 
-    A suggestion using the disliked quote or naming is mostly rejected; one using the liked ones
-    is mostly accepted; one showing neither is judged on its length, more leniently.
+    A suggestion using the other quote or the disliked naming is mostly rejected; one with a string in
+    the liked quote (and nothing disliked) is mostly accepted; any other is accepted now and then. The
+    default likes double quotes, which the standard library (the pretraining corpus) mostly does not
+    use, so the base model has something to learn.
     """
 
     name: str = "style"
-    quote: Literal["'", '"'] = "'"
+    quote: Literal["'", '"'] = '"'
     naming: Literal["snake", "camel"] = "snake"
     p_liked: float = 0.8
     p_neutral: float = 0.35
@@ -145,13 +147,10 @@ class StylePopulation(Population):
 
     def judge(self, ctx: Context, text: str, finish_reason: str) -> float:
         other_quote = '"' if self.quote == "'" else "'"
-        names = _IDENTIFIER.findall(text)
-        liked_naming, disliked_naming = (_SNAKE, _CAMEL) if self.naming == "snake" else (_CAMEL, _SNAKE)
-        if other_quote in text or any(disliked_naming.match(n) for n in names):
+        disliked_naming = _CAMEL if self.naming == "snake" else _SNAKE
+        if other_quote in text or any(disliked_naming.match(n) for n in _IDENTIFIER.findall(text)):
             return self.p_disliked
-        if self.quote in text or any(liked_naming.match(n) for n in names):
-            return self.p_liked
-        return self.p_neutral
+        return self.p_liked if self.quote in text else self.p_neutral
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class Outcome:
     """One request, with its ground truth (for measurement only)."""
 
     population: str
-    context_kind: str
+    context: Context
     arm: str
     model_version: str
     generation_id: str
@@ -113,5 +113,5 @@ class SimulatedProduct:
         reaction = population.react(truth, rng)
         messages = segment_messages(body["id"], user_id, text, reaction)
         self.send(messages)
-        return Outcome(population.name, ctx.kind, meta["arm"], meta["model_version"], body["id"], text, finish,
+        return Outcome(population.name, ctx, meta["arm"], meta["model_version"], body["id"], text, finish,
                        truth, reaction, len(messages))
