@@ -1,11 +1,11 @@
 """Synthetic events: the one place simulators build them, send them and put them in the lake.
 
 `generation_event` and `feedback_event` build events as serving and a product would
-(`simulator.users` sends them over HTTP, `simulator.lake_feedback` writes them for the
-trainer); `history` builds a reproducible event history (late and duplicated events included)
-in the order a broker would receive it; `send` puts events on the events topic; `write_events`
-writes events to the lake's events table through ingest's own writer; `lake_events_from_topic`
-plays ingest: it reads the topic back and writes the table (first copy of each event id kept),
+(`simulator.lake_feedback` writes them for the trainer; the simulated users of `simulator.product`
+send theirs as Segment calls over HTTP); `history` builds a reproducible event history (late and
+duplicated events included) in the order a broker would receive it; `send` puts events on the
+events topic; `write_events` writes events to the lake's events table through ingest's own writer;
+`lake_events_from_topic` plays ingest: it reads the topic back and writes the table (first copy of each event id kept),
 so the batch recompute can run over exactly what the stream saw.
 """
 
