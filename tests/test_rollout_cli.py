@@ -56,13 +56,13 @@ def test_rollout_commands(env_settings: Settings, tmp_path: Path) -> None:
 
     once = runner.invoke(app, ["rollout", "--once"])
     assert once.exit_code == 0, once.output
-    assert json.loads(once.output)["state"] == "ramping"
+    assert json.loads(once.stdout)["state"] == "ramping"
     assert splits.get().challenger_share == 0.1  # type: ignore[union-attr]
 
     frozen = runner.invoke(app, ["ramp", "0.1", "--freeze", *ok])
     assert frozen.exit_code == 0 and "freeze at 10%" in frozen.output
     assert splits.get().state == "paused"  # type: ignore[union-attr]
-    shown = json.loads(runner.invoke(app, ["experiment"]).output)
+    shown = json.loads(runner.invoke(app, ["experiment"]).stdout)
     assert (shown["challenger"], shown["share"]) == (candidate, 0.1)
 
     bad = runner.invoke(app, ["ramp", "1.5", *ok])
