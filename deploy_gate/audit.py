@@ -30,11 +30,11 @@ from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import DDL, Boolean, DateTime, Engine, String, Text, create_engine, event, select
+from sqlalchemy import DDL, Boolean, DateTime, Engine, String, Text, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from deploy_gate.errors import as_gate_error
-from flywheel.identity import store_url
+from flywheel.identity import open_store, store_url
 from flywheel.settings import Settings
 
 POLICY_ACTOR = "auto-approve policy"
@@ -106,9 +106,7 @@ class AuditLog:
 
     @cached_property
     def _engine(self) -> Engine:
-        engine = create_engine(self._url, pool_pre_ping=True)
-        _Base.metadata.create_all(engine)
-        return engine
+        return open_store(self._url, _Base.metadata)
 
     def record(
         self,

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import Literal, cast, get_args
 
-from sqlalchemy import DateTime, Engine, Select, String, create_engine, select
+from sqlalchemy import DateTime, Engine, MetaData, Select, String, create_engine, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from flywheel.settings import Settings
@@ -84,6 +84,13 @@ def store_url(settings: Settings) -> str:
     return f"sqlite:///{(settings.data_dir / 'tokens.db').resolve()}"
 
 
+def open_store(url: str, metadata: MetaData) -> Engine:
+    """An engine on the token store's database (`store_url`) with `metadata`'s tables made (idempotent)."""
+    engine = create_engine(url, pool_pre_ping=True)
+    metadata.create_all(engine)
+    return engine
+
+
 class TokenStore:
     """Issued tokens (hashes only) in a SQLAlchemy database; tables are made on first use."""
 
@@ -96,9 +103,7 @@ class TokenStore:
 
     @cached_property
     def _engine(self) -> Engine:
-        engine = create_engine(self._url, pool_pre_ping=True)
-        _Base.metadata.create_all(engine)
-        return engine
+        return open_store(self._url, _Base.metadata)
 
     def issue(self, name: str, role: Role) -> str:
         """A new random token for `name` (returned once; only its hash is kept)."""

@@ -137,8 +137,8 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
 # says otherwise; production keeps the defaults (deploy_gate/rollout/config.py).
 DEMO_ROLLOUT_ENV = {
     "FLYWHEEL_ROLLOUT_RAMP": json.dumps([
-        {"share": 0.25, "min_users": 2, "min_seconds": 60},
-        {"share": 0.5, "min_users": 3, "min_seconds": 120},
+        {"share": 0.25, "min_users": 1, "min_seconds": 60},
+        {"share": 0.5, "min_users": 2, "min_seconds": 120},
     ]),
     "FLYWHEEL_ROLLOUT_MAX_DURATION_S": "600",
     "FLYWHEEL_ROLLOUT_TUNING_N": "100",

@@ -139,3 +139,17 @@ def test_the_rollout_reads_the_current_revision_and_each_generation_once(tmp_pat
     REWARDS.write(where, rows(["a"], 1, -1.0), "revised")  # a late event revises a's reward
     agg = load(tmp_path, {"challenger": "2"}, cache=cache)
     assert agg.users.select("reward_n", "reward_sum", "shown").row(0) == (2, 0.0, 2)
+
+
+def test_a_step_that_never_reaches_its_minimum_users_rolls_back_at_the_maximum_duration() -> None:
+    from deploy_gate.rollout.analysis import StepContext, decide
+    from deploy_gate.rollout.config import RolloutConfig
+    from deploy_gate.rollout.models import SrmView
+
+    config = RolloutConfig(max_duration_s=600)
+    step = StepContext(index=0, share=0.25, min_users=2, min_seconds=60, entered_at=datetime.now(UTC), last=False)
+    srm = SrmView(observed=[7, 1], expected_shares=[0.75, 0.25], p_value=0.5, alarm=False)
+    before = decide(step, config, srm, [], None, step_users=1, in_step_s=300, running_s=599)
+    after = decide(step, config, srm, [], None, step_users=1, in_step_s=900, running_s=600)
+    assert before[0] == "continue"
+    assert after[0] == "rollback" and "1 of its 2 challenger users" in after[1]

@@ -225,6 +225,11 @@ def decide(
             "the ramp is frozen until someone finds why"
         )
     if step_users < step.min_users:
+        if running_s >= config.max_duration_s:  # no experiment runs forever; too little evidence never promotes
+            return "rollback", (
+                f"step {step.index + 1} saw {step_users} of its {step.min_users} challenger users by the maximum "
+                "duration: too little evidence to keep the challenger"
+            )
         return "continue", f"step {step.index + 1}: {step_users} of {step.min_users} challenger users so far"
     broken = [g.name for g in rails if not g.ok]
     if broken:
