@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,9 @@ from deploy_gate.errors import (
 )
 from deploy_gate.gate import DeployGate
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage
 from flywheel.settings import Settings
 from model_registry import ModelRegistry, UnknownVersion
+from tests.helpers import register
 
 
 @pytest.fixture
@@ -36,13 +35,6 @@ def gate(registry: ModelRegistry, gate_settings: Settings) -> DeployGate:
     return DeployGate(registry, redis_client(gate_settings), gate_settings)
 
 
-def register(registry: ModelRegistry, tmp_path: Path, parent: str | None = None) -> str:
-    """A fake checkpoint: the registry stores files, it does not look inside them."""
-    ckpt = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text('{"model_type": "fake"}')
-    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
-    return registry.register(ckpt, ModelLineage(base="fake", parent_version=parent, sample_count=8))
 
 
 @pytest.fixture

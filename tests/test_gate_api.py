@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,11 +15,11 @@ from deploy_gate.app import create_app
 from deploy_gate.gate import DeployGate
 from deploy_gate.security import SECURITY_HEADERS
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage
 from flywheel.identity import BOOTSTRAP_NAME, TokenStore
 from flywheel.settings import Settings
 from launcher.embedded import free_port
 from model_registry import ModelRegistry
+from tests.helpers import register
 
 TOKEN = "s3cret-approval-token-of-the-admin"
 
@@ -48,12 +47,6 @@ def registry(gate_settings: Settings) -> ModelRegistry:
     return ModelRegistry(gate_settings)
 
 
-def register(registry: ModelRegistry, tmp_path: Path, parent: str | None = None) -> str:
-    ckpt = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text('{"model_type": "fake"}')
-    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
-    return registry.register(ckpt, ModelLineage(base="fake", parent_version=parent, sample_count=8))
 
 
 @pytest.fixture

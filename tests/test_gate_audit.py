@@ -18,7 +18,7 @@ from flywheel.connections import redis_client
 from flywheel.identity import BOOTSTRAP_NAME, TokenStore
 from flywheel.settings import Settings
 from model_registry import ModelRegistry
-from tests.test_gate_api import register
+from tests.helpers import register
 
 TOKEN = "bootstrap-admin-token-for-the-audit-tests"
 WHY = {"reason": "offline checks pass"}

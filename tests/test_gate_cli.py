@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,35 +11,18 @@ from typer.testing import CliRunner
 from deploy_gate.audit import AuditLog
 from deploy_gate.cli import app
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage
-from flywheel.settings import Settings, get_settings
+from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from model_registry import ModelRegistry
-from tests.gate_fixtures import offline_gates_passed
+from tests.helpers import cli_settings, offline_gates_passed, register
 
 
 @pytest.fixture
 def env_settings(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
     """The CLI reads its settings from the environment, as a user's shell would give them."""
-    s = settings.model_copy(update={"registered_model_name": f"gate-{uuid.uuid4().hex[:8]}"})
-    for key, value in {
-        "FLYWHEEL_DATA_DIR": str(s.data_dir),
-        "FLYWHEEL_REDIS_URL": s.redis_url,
-        "FLYWHEEL_REDIS_PREFIX": s.redis_prefix,
-        "FLYWHEEL_MLFLOW_TRACKING_URI": s.mlflow_tracking_uri,
-        "FLYWHEEL_REGISTERED_MODEL_NAME": s.registered_model_name,
-    }.items():
-        monkeypatch.setenv(key, value)
-    get_settings.cache_clear()
-    yield s
-    get_settings.cache_clear()
+    yield from cli_settings(settings, monkeypatch)
 
 
-def register(registry: ModelRegistry, tmp_path: Path, name: str) -> str:
-    ckpt = tmp_path / name
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
-    return registry.register(ckpt, ModelLineage(base="fake"))
 
 
 
@@ -48,9 +30,9 @@ def test_approve_shows_the_plan_and_applies_only_when_confirmed(
     env_settings: Settings, tmp_path: Path
 ) -> None:
     registry = ModelRegistry(env_settings)
-    champion = register(registry, tmp_path, "a")
+    champion = register(registry, tmp_path)
     registry.set_alias("champion", champion)
-    candidate = register(registry, tmp_path, "b")
+    candidate = register(registry, tmp_path)
     offline_gates_passed(env_settings, registry, candidate, champion)
     splits = TrafficSplitStore(redis_client(env_settings), env_settings)
     runner = CliRunner()
@@ -132,9 +114,9 @@ def test_tokens_are_issued_once_listed_without_their_value_and_revoked(env_setti
 
 def test_the_cli_records_its_local_operator(env_settings: Settings, tmp_path: Path) -> None:
     registry = ModelRegistry(env_settings)
-    champion = register(registry, tmp_path, "a")
+    champion = register(registry, tmp_path)
     registry.set_alias("champion", champion)
-    candidate = register(registry, tmp_path, "b")
+    candidate = register(registry, tmp_path)
     offline_gates_passed(env_settings, registry, candidate, champion)
     done = CliRunner().invoke(app, ["approve", candidate, "--by", "ana", "--reason", "ok", "--yes"])
     assert done.exit_code == 0, done.output

@@ -28,8 +28,8 @@ from flywheel.identity import TokenStore
 from flywheel.settings import Settings
 from launcher.embedded import free_port
 from model_registry import ModelRegistry
+from tests.helpers import register
 from tests.rollout_sim import Behaviour, write_batch
-from tests.test_gate_api import register
 from tests.test_gate_metrics import rewards_written  # noqa: F401  (a fixture: rewards for v1 and v2)
 from tests.test_rollout import CHAMPION, Clock
 

@@ -8,7 +8,6 @@ times are met without waiting.
 from __future__ import annotations
 
 import random
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -18,20 +17,14 @@ from deploy_gate.gate import DeployGate
 from deploy_gate.rollout import CONTROLLER_ACTOR, RampStep, RolloutConfig, RolloutController
 from deploy_gate.rollout.controller import ExperimentRecord
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage
 from flywheel.settings import Settings
 from model_registry import ModelRegistry
+from tests.helpers import register
 from tests.rollout_sim import Behaviour, Drop, write_batch
 
 CHAMPION = Behaviour(p_good=0.5)
 
 
-def register(registry: ModelRegistry, tmp_path: Path, parent: str | None = None) -> str:
-    ckpt = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text('{"model_type": "fake"}')
-    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
-    return registry.register(ckpt, ModelLineage(base="fake", parent_version=parent, sample_count=8))
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,42 +11,26 @@ from typer.testing import CliRunner
 
 from deploy_gate.cli import app
 from flywheel.connections import redis_client
-from flywheel.contract import ModelLineage
-from flywheel.settings import Settings, get_settings
+from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from model_registry import ModelRegistry
-from tests.gate_fixtures import offline_gates_passed
+from tests.helpers import cli_settings, offline_gates_passed, register
 
 
 @pytest.fixture
 def env_settings(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
-    s = settings.model_copy(update={"registered_model_name": f"gate-{uuid.uuid4().hex[:8]}"})
-    for key, value in {
-        "FLYWHEEL_DATA_DIR": str(s.data_dir),
-        "FLYWHEEL_REDIS_URL": s.redis_url,
-        "FLYWHEEL_REDIS_PREFIX": s.redis_prefix,
-        "FLYWHEEL_MLFLOW_TRACKING_URI": s.mlflow_tracking_uri,
-        "FLYWHEEL_REGISTERED_MODEL_NAME": s.registered_model_name,
-        "FLYWHEEL_ROLLOUT_RAMP": json.dumps([{"share": 0.1, "min_users": 5, "min_seconds": 0}]),
-    }.items():
-        monkeypatch.setenv(key, value)
-    get_settings.cache_clear()
-    yield s
-    get_settings.cache_clear()
+    """The CLI reads its settings from the environment, as a user's shell would give them."""
+    ramp = json.dumps([{"share": 0.1, "min_users": 5, "min_seconds": 0}])
+    yield from cli_settings(settings, monkeypatch, {"FLYWHEEL_ROLLOUT_RAMP": ramp})
 
 
-def register(registry: ModelRegistry, tmp_path: Path, name: str) -> str:
-    ckpt = tmp_path / name
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
-    return registry.register(ckpt, ModelLineage(base="fake"))
 
 
 def test_rollout_commands(env_settings: Settings, tmp_path: Path) -> None:
     registry = ModelRegistry(env_settings)
-    champion = register(registry, tmp_path, "a")
+    champion = register(registry, tmp_path)
     registry.set_alias("champion", champion)
-    candidate = register(registry, tmp_path, "b")
+    candidate = register(registry, tmp_path)
     splits = TrafficSplitStore(redis_client(env_settings), env_settings)
     runner = CliRunner()
     ok = ["--by", "ana", "--reason", "test", "--yes"]

@@ -4,7 +4,6 @@ holdout through serving's routing, and the experiment API."""
 from __future__ import annotations
 
 import random
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,7 +16,7 @@ from deploy_gate.app import create_app
 from deploy_gate.gate import DeployGate
 from deploy_gate.rollout import RampStep, RolloutConfig, RolloutController
 from flywheel.connections import redis_client
-from flywheel.contract import Event, GenerationRecord, ModelLineage, RewardRecord
+from flywheel.contract import Event, GenerationRecord, RewardRecord
 from flywheel.identity import TokenStore
 from flywheel.settings import Settings
 from flywheel.signing import sign_generation
@@ -25,6 +24,7 @@ from model_registry import ModelRegistry
 from serving.pool import PolicyPool
 from simulator.lake_feedback import consent_events, write_rewards
 from simulator.telemetry import write_events
+from tests.helpers import register
 from tests.rollout_sim import Behaviour, write_batch
 from trainer.config import TrainerConfig
 from trainer.data import load_selection, quarantined_versions
@@ -32,12 +32,6 @@ from trainer.data import load_selection, quarantined_versions
 ADMIN = "admin-token-for-the-quarantine-test"
 
 
-def register(registry: ModelRegistry, tmp_path: Path, parent: str | None = None) -> str:
-    ckpt = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text('{"model_type": "fake"}')
-    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
-    return registry.register(ckpt, ModelLineage(base="fake", parent_version=parent, sample_count=8))
 
 
 @pytest.fixture

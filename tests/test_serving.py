@@ -9,26 +9,15 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from flywheel.bus import make_consumer, make_producer
+from flywheel.bus import make_producer
 from flywheel.connections import redis_client
-from flywheel.contract import Event, EventType, TrafficSplit
+from flywheel.contract import EventType, TrafficSplit
 from flywheel.lm import load_policy, token_logprobs
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from serving.app import create_app
 from serving.pool import PolicyPool
-
-
-def read_events(settings: Settings, n: int, timeout_s: float = 30.0) -> list[Event]:
-    consumer = make_consumer(settings, [settings.events_topic], "test-reader")
-    out: list[Event] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < n and time.monotonic() < deadline:
-            out += [Event.from_bytes(r.value) for r in consumer.poll_batch(timeout_s=1.0)]
-    finally:
-        consumer.close()
-    return out
+from tests.helpers import read_events
 
 
 @pytest.fixture

@@ -15,27 +15,16 @@ from pathlib import Path
 import torch
 from fastapi.testclient import TestClient
 
-from flywheel.bus import ensure_topics, make_consumer, make_producer
+from flywheel.bus import ensure_topics, make_producer
 from flywheel.connections import redis_client
-from flywheel.contract import Event, ModelLineage, TrafficSplit
+from flywheel.contract import ModelLineage, TrafficSplit
 from flywheel.lm import load_policy, token_logprobs
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from model_registry import ModelRegistry
 from serving.app import create_app
 from serving.pool import PolicyPool, aliased_checkpoints, watch_split
-
-
-def read_events(settings: Settings, n: int, timeout_s: float = 30.0) -> list[Event]:
-    consumer = make_consumer(settings, [settings.events_topic], "swap-test-reader")
-    out: list[Event] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < n and time.monotonic() < deadline:
-            out += [Event.from_bytes(r.value) for r in consumer.poll_batch(timeout_s=1.0)]
-    finally:
-        consumer.close()
-    return out
+from tests.helpers import read_events
 
 
 def _child(src: Path, out: Path) -> Path:
@@ -99,7 +88,7 @@ def test_a_swap_under_concurrent_requests_fails_none_and_every_event_names_its_w
     stop.set()
     assert all(code == 200 for code, _ in answers + tail), answers
     assert {m for _, m in tail} == {v2}
-    events = read_events(settings, len(answers) + len(tail))
+    events = read_events(settings, len(answers) + len(tail), group="swap-test-reader")
     assert len(events) == n + 4
     served = {e.generation().model_version for e in events}
     assert served == {v1, v2}, "requests before the swap ran on v1, after on v2"

@@ -1,0 +1,64 @@
+"""Helpers several test modules share: fake registry versions, offline-gate records, reading the events topic."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy_gate.offline import OfflineGates
+from flywheel.bus import make_consumer
+from flywheel.contract import Event, ModelLineage, utcnow
+from flywheel.settings import Settings, get_settings
+from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
+
+
+def offline_gates_passed(settings: Settings, registry: ModelRegistry, version: str, champion: str) -> None:
+    """Record passing offline gates: a fake checkpoint cannot run them (tests/test_offline_gates.py runs them)."""
+    result = OfflineGateResult("sanity", "passed", 0.0, "-", "recorded by the test")
+    config = OfflineGates(settings, registry).recorded_config()
+    registry.record_offline_gates(version, OfflineGateReport(utcnow(), champion, [result], config))
+
+
+def register(registry: ModelRegistry, tmp_path: Path, parent: str | None = None) -> str:
+    """A fake checkpoint: the registry stores files, it does not look inside them."""
+    ckpt = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "fake"}')
+    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
+    return registry.register(ckpt, ModelLineage(base="fake", parent_version=parent, sample_count=8))
+
+
+def read_events(settings: Settings, n: int, timeout_s: float = 30.0, group: str = "test-reader") -> list[Event]:
+    """At least `n` events from the events topic (fewer if `timeout_s` passes first)."""
+    consumer = make_consumer(settings, [settings.events_topic], group)
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < n and time.monotonic() < deadline:
+            out += [Event.from_bytes(r.value) for r in consumer.poll_batch(timeout_s=1.0)]
+    finally:
+        consumer.close()
+    return out
+
+
+def cli_settings(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, extra: dict[str, str] | None = None
+) -> Iterator[Settings]:
+    """`settings` given to CLI commands through the environment, as a user's shell would (for a fixture)."""
+    s = settings.model_copy(update={"registered_model_name": f"gate-{uuid.uuid4().hex[:8]}"})
+    for key, value in {
+        "FLYWHEEL_DATA_DIR": str(s.data_dir),
+        "FLYWHEEL_REDIS_URL": s.redis_url,
+        "FLYWHEEL_REDIS_PREFIX": s.redis_prefix,
+        "FLYWHEEL_MLFLOW_TRACKING_URI": s.mlflow_tracking_uri,
+        "FLYWHEEL_REGISTERED_MODEL_NAME": s.registered_model_name,
+        **(extra or {}),
+    }.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    yield s
+    get_settings.cache_clear()
