@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+import polars as pl
+
 from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
 
 DEFAULT_SURFACE = "code-completion"
@@ -73,3 +75,14 @@ def describe(versions: Iterable[str]) -> str:
     'chat-rules-v1,rules-v1'
     """
     return ",".join(sorted(versions))
+
+
+def versions_to_read(lake_dir: Path, rewards: pl.LazyFrame) -> list[str]:
+    """The reward versions a consumer of `rewards` (the lake's rewards table) follows: the active one of each
+    surface, so a backfill of another version changes nothing until it is activated; on a lake whose signals
+    never wrote the pointer, the version written last."""
+    active = read_active(lake_dir)
+    if active is not None:
+        return sorted(set(active.values()))
+    newest = rewards.select(pl.col("reward_version").get(pl.col("emitted_at").arg_max())).collect()
+    return [] if newest.is_empty() or newest.item() is None else [str(newest.item())]

@@ -39,7 +39,7 @@ import polars as pl
 from flywheel.contract import DataWindow, GenerationRecord
 from flywheel.lake.tables import EVENTS, REWARDS
 from flywheel.reward_versions import describe as describe_versions
-from flywheel.reward_versions import read_active
+from flywheel.reward_versions import versions_to_read
 from flywheel.settings import Settings
 from flywheel.signing import Untrusted, check_generation
 from model_registry import ModelRegistry
@@ -117,7 +117,7 @@ def load_selection(
     rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
     if rewards is None:
         return Selection(samples=[], window=None)
-    versions = [config.reward_version] if config.reward_version else _read_reward_versions(settings, rewards)
+    versions = [config.reward_version] if config.reward_version else versions_to_read(settings.lake_dir, rewards)
     if not versions:
         return Selection(samples=[], window=None)
     reward_version = describe_versions(versions)  # said in the data window, so in the lineage
@@ -171,19 +171,6 @@ def load_selection(
     return selection
 
 
-def _read_reward_versions(settings: Settings, rewards: pl.LazyFrame) -> list[str]:
-    """The active reward version of each surface (a backfill of another changes nothing until it is
-    activated); on a lake signals never pointed, the version written last."""
-    active = read_active(settings.lake_dir)
-    if active is not None:
-        return sorted(set(active.values()))
-    newest = _newest_reward_version(rewards)
-    return [] if newest is None else [newest]
-
-
-def _newest_reward_version(rewards: pl.LazyFrame) -> str | None:
-    newest = rewards.sort("emitted_at").select(pl.col("reward_version").last()).collect()
-    return None if newest.is_empty() else newest.item()
 
 
 def _generation_events(table: Path, generation_ids: list[str]) -> dict[str, list[tuple[str, str]]]:

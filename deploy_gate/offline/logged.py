@@ -15,6 +15,7 @@ import polars as pl
 
 from flywheel.contract import GenerationRecord
 from flywheel.lake.tables import EVENTS, REWARDS
+from flywheel.reward_versions import describe, versions_to_read
 from flywheel.settings import Settings
 from flywheel.signing import check_generation
 
@@ -40,11 +41,14 @@ def champion_traffic(settings: Settings, champion: str, reward_version: str, lim
     rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
     if rewards is None:
         return LoggedTraffic([], None, 0)
-    version = reward_version or _newest_reward_version(rewards)
-    if version is None:
+    versions = [reward_version] if reward_version else versions_to_read(settings.lake_dir, rewards)
+    if not versions:
         return LoggedTraffic([], None, 0)
+    version = describe(versions)
     latest = (
-        REWARDS.latest(rewards.filter((pl.col("reward_version") == version) & (pl.col("model_version") == champion)))
+        REWARDS.latest(
+            rewards.filter(pl.col("reward_version").is_in(versions) & (pl.col("model_version") == champion))
+        )
         .sort("emitted_at", descending=True)
         .head(limit)
         .select("generation_id", "reward")
@@ -86,10 +90,6 @@ def recent_prompts(settings: Settings, limit: int) -> list[str]:
             break
     return prompts
 
-
-def _newest_reward_version(rewards: pl.LazyFrame) -> str | None:
-    newest = rewards.sort("emitted_at").select(pl.col("reward_version").last()).collect()
-    return None if newest.is_empty() else newest.item()
 
 
 def _signed_generations(settings: Settings, generation_ids: list[str]) -> dict[str, GenerationRecord]:
