@@ -37,7 +37,7 @@ from typing import cast
 import polars as pl
 
 from flywheel.contract import DataWindow, GenerationRecord
-from flywheel.lake.tables import EVENTS, REWARDS
+from flywheel.lake.tables import EVENTS, REWARDS, generation_events
 from flywheel.reward_versions import describe as describe_versions
 from flywheel.reward_versions import versions_to_read
 from flywheel.settings import Settings
@@ -139,7 +139,7 @@ def load_selection(
         rows = pl.concat([rows, old[picked].with_columns(pl.lit(True).alias("replay"))])
 
     selection = Selection(samples=[], window=None, reward_rows=new.height)
-    generations = _generation_events(EVENTS.at(settings.lake_dir), rows["generation_id"].to_list())
+    generations = generation_events(EVENTS.at(settings.lake_dir), rows["generation_id"].to_list())
     consenting = _consenting_users(EVENTS.at(settings.lake_dir), config) if config.require_consent else None
     key = settings.serving_key.get_secret_value()
     samples = []
@@ -173,20 +173,6 @@ def load_selection(
 
 
 
-def _generation_events(table: Path, generation_ids: list[str]) -> dict[str, list[tuple[str, str]]]:
-    """generation id -> every (properties JSON, user id) logged for it, in lake order."""
-    events = EVENTS.scan(table)
-    if events is None or not generation_ids:
-        return {}
-    frame = (
-        events.filter((pl.col("type") == "generation") & pl.col("generation_id").is_in(generation_ids))
-        .select("generation_id", "properties", "user_id")
-        .collect()
-    )
-    out: dict[str, list[tuple[str, str]]] = {}
-    for gid, properties, user in frame.iter_rows():
-        out.setdefault(gid, []).append((properties, user))
-    return out
 
 
 def _trusted_generation(

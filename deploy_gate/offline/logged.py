@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from flywheel.contract import GenerationRecord
-from flywheel.lake.tables import EVENTS, REWARDS
+from flywheel.lake.tables import EVENTS, REWARDS, generation_events
 from flywheel.reward_versions import describe, versions_to_read
 from flywheel.settings import Settings
 from flywheel.signing import check_generation
@@ -94,23 +94,15 @@ def recent_prompts(settings: Settings, limit: int) -> list[str]:
 
 def _signed_generations(settings: Settings, generation_ids: list[str]) -> dict[str, GenerationRecord]:
     """generation id -> the first logged record of it whose signature verifies."""
-    events = EVENTS.scan(EVENTS.at(settings.lake_dir))
-    if events is None or not generation_ids:
-        return {}
-    frame = (
-        events.filter((pl.col("type") == "generation") & pl.col("generation_id").is_in(generation_ids))
-        .select("generation_id", "user_id", "properties")
-        .collect()
-    )
     key = settings.serving_key.get_secret_value()
     found: dict[str, GenerationRecord] = {}
-    for gid, user, properties in frame.iter_rows():
-        if gid in found:
-            continue
-        record = _parse(properties)
-        # Text-only records (a product's own model) carry no behaviour log-probs to weigh by.
-        if record is not None and not record.text_only and check_generation(key, gid, user or "", record) is None:
-            found[gid] = record
+    for gid, logged in generation_events(EVENTS.at(settings.lake_dir), generation_ids).items():
+        for properties, user in logged:
+            record = _parse(properties)
+            # Text-only records (a product's own model) carry no behaviour log-probs to weigh by.
+            if record is not None and not record.text_only and check_generation(key, gid, user or "", record) is None:
+                found[gid] = record
+                break
     return found
 
 

@@ -188,3 +188,20 @@ def rewards_frame(records: Sequence[RewardRecord]) -> pl.DataFrame:
     if not rows:
         return REWARDS.empty()
     return pl.DataFrame(rows, schema=REWARDS.schema)
+
+
+def generation_events(location: Path, generation_ids: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
+    """generation id -> every (properties JSON, user id) its `generation` events logged in the events table at
+    `location`, in lake order (a forgery may share an id with serving's record: readers pick what they trust)."""
+    events = EVENTS.scan(location)
+    if events is None or not generation_ids:
+        return {}
+    frame = (
+        events.filter((pl.col("type") == "generation") & pl.col("generation_id").is_in(list(generation_ids)))
+        .select("generation_id", "properties", "user_id")
+        .collect()
+    )
+    out: dict[str, list[tuple[str, str]]] = {}
+    for gid, properties, user in frame.iter_rows():
+        out.setdefault(gid, []).append((properties, user))
+    return out
