@@ -11,7 +11,6 @@ shows how that hour's users fared, whenever their feedback arrived.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from datetime import datetime
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from deploy_gate.stats import RewardStats
 from flywheel.contract import utcnow
 from flywheel.lake.tables import REWARDS
-from flywheel.reward_versions import describe, read_active
+from flywheel.reward_versions import describe, versions_to_read
 from flywheel.settings import Settings
 
 CONFIDENCE = 0.95
@@ -64,28 +63,18 @@ class ArmMetrics(BaseModel):
 
 
 def latest_rewards(
-    table: Path,
-    *,
-    reward_version: str | None = None,
-    since: datetime | None = None,
-    active: Collection[str] = (),
+    lake_dir: Path, *, reward_version: str | None = None, since: datetime | None = None
 ) -> tuple[pl.DataFrame | None, str | None]:
-    """The rewards that count (latest revision each) in the rewards table at `table`, for one reward
-    definition, or else the `active` one of each surface, or else the newest; (frame, version(s) read)."""
-    lf = REWARDS.scan(table)
+    """The rewards that count (latest revision each) in the lake at `lake_dir`, for one reward definition,
+    or else the versions signals made active (`flywheel.reward_versions.versions_to_read`); (frame, version(s)
+    read)."""
+    lf = REWARDS.scan(REWARDS.at(lake_dir))
     if lf is None:
         return None, reward_version
-    if reward_version is None and active:
-        lf, reward_version = lf.filter(pl.col("reward_version").is_in(sorted(active))), describe(active)
-    elif reward_version is None:
-        # arg_max, not a sort: this runs over the whole table on every dashboard load.
-        newest = lf.select(pl.col("reward_version").get(pl.col("emitted_at").arg_max())).collect()
-        if newest.is_empty() or newest.item() is None:
-            return None, None
-        reward_version = str(newest.item())
-        lf = lf.filter(pl.col("reward_version") == reward_version)
-    else:
-        lf = lf.filter(pl.col("reward_version") == reward_version)
+    versions = [reward_version] if reward_version else versions_to_read(lake_dir, lf)
+    if not versions:
+        return None, None
+    lf = lf.filter(pl.col("reward_version").is_in(versions))
     if since is not None:
         lf = lf.filter(pl.col("window_start") >= since)
     columns = [
@@ -100,7 +89,7 @@ def latest_rewards(
     ]
     # Eager: collected first, then deduplicated, was 2-4x faster here than any lazy form (bench/gate_metrics.py).
     df = REWARDS.latest(lf.select([*columns, "reward_version"]).collect()).drop("reward_version")
-    return df, reward_version
+    return df, describe(versions)
 
 
 def arm_metrics(
@@ -111,10 +100,7 @@ def arm_metrics(
     since: datetime | None = None,
 ) -> ArmMetrics:
     """n, mean and 95% interval per arm and model version, overall and per `bucket` (a polars duration)."""
-    active = set((read_active(settings.lake_dir) or {}).values())  # what signals made active, per surface
-    df, version = latest_rewards(
-        REWARDS.at(settings.lake_dir), reward_version=reward_version, since=since, active=active
-    )
+    df, version = latest_rewards(settings.lake_dir, reward_version=reward_version, since=since)
     arms: list[ArmSummary] = []
     if df is not None and not df.is_empty():
         df = df.with_columns(

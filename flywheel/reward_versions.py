@@ -82,7 +82,7 @@ def versions_to_read(lake_dir: Path, rewards: pl.LazyFrame) -> list[str]:
     surface, so a backfill of another version changes nothing until it is activated; on a lake whose signals
     never wrote the pointer, the version written last."""
     active = read_active(lake_dir)
-    if active is not None:
+    if active:
         return sorted(set(active.values()))
     newest = rewards.select(pl.col("reward_version").get(pl.col("emitted_at").arg_max())).collect()
     return [] if newest.is_empty() or newest.item() is None else [str(newest.item())]
