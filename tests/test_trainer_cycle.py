@@ -156,7 +156,7 @@ def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(
     with pytest.raises(RuntimeError, match="worker killed"):
         run_cycle(tsettings, TrainerConfig(batch_size=4), progress=False, on_step=crash)
     assert [v.version for v in registry.versions()] == [champion]
-    assert watermark(registry) is None
+    assert watermark(registry, champion) is None
     runs = MlflowClient(tsettings.resolved_mlflow_uri).search_runs(
         [MlflowClient(tsettings.resolved_mlflow_uri).get_experiment_by_name("flywheel-trainer").experiment_id]
     )
@@ -164,7 +164,29 @@ def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(
 
     retry = run_cycle(tsettings, TrainerConfig(batch_size=4), progress=False)  # the same data is still there
     assert retry.status == "registered" and retry.sample_count == 16
-    assert watermark(registry) == registry.lineage(retry.version).data_window.end
+    assert watermark(registry, retry.version) == registry.lineage(retry.version).data_window.end
+
+
+def test_learning_accumulates_from_the_parent_champions_window(tsettings: Settings, champion: str) -> None:
+    """A candidate not (yet) promoted throws nothing away: the next one trains on its data too, plus what
+    came since; once a candidate is champion, its successor starts after the champion's window."""
+    registry = ModelRegistry(tsettings)
+    policy = load_policy(registry.fetch(champion))
+    config = TrainerConfig(batch_size=8, min_samples=4)
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=16, seed=6, users=USERS)
+    first = run_cycle(tsettings, config, progress=False)
+    assert first.status == "registered" and first.sample_count == 16
+
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=8, seed=7, users=USERS)
+    second = run_cycle(tsettings, config, progress=False)  # `first` was never promoted
+    assert second.status == "registered" and second.parent_version == champion and second.sample_count == 24
+    assert registry.lineage(second.version).data_window.start is None
+
+    registry.set_alias("champion", second.version)
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=6, seed=8, users=USERS)
+    third = run_cycle(tsettings, config, progress=False)
+    assert third.status == "registered" and third.parent_version == second.version and third.sample_count == 6
+    assert registry.lineage(third.version).data_window.start == registry.lineage(second.version).data_window.end
 
 
 def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: str) -> None:

@@ -1,10 +1,13 @@
 """One training cycle: champion + new rewards -> a registered candidate (or a reasoned skip).
 
-Steps: read the watermark and quarantine list from the registry, fetch the champion, select
+Steps: read the champion, its watermark and the quarantine list from the registry, select
 eligible samples since the watermark, report train / inference mismatch, train, register the
-candidate with its lineage. The watermark is the newest registered version's data-window end,
-so it advances exactly when a candidate is registered: a crash anywhere before registration
-leaves both the registry and the watermark as they were. Every cycle is one MLflow run.
+candidate with its lineage. The watermark is the end of the champion's own data window (none for
+a base model), so learning accumulates: every candidate trains on all eligible data since its
+parent champion was trained, and a candidate that is rejected or still in its A/B test throws
+away nothing (the next one sees that data again, plus what came since). It moves only when a
+candidate is promoted, so a crash anywhere before registration changes nothing. Every cycle is
+one MLflow run.
 
 Distributed (torchrun): every process selects the same samples and trains on its share of
 each batch; process 0 alone logs to MLflow and registers.
@@ -56,10 +59,10 @@ class CycleResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def watermark(registry: ModelRegistry) -> datetime | None:
-    """End of the newest data window any registered version was trained on."""
-    ends = [v.lineage.data_window.end for v in registry.versions() if v.lineage.data_window]
-    return max(ends) if ends else None
+def watermark(registry: ModelRegistry, champion: str) -> datetime | None:
+    """End of the data window `champion` was trained on: where its successor's new data starts (None: all)."""
+    window = registry.lineage(champion).data_window
+    return window.end if window else None
 
 
 def run_cycle(
@@ -69,7 +72,7 @@ def run_cycle(
     progress: bool = True,
     on_step: Callable[[StepStats], None] | None = None,
 ) -> CycleResult:
-    """Train one candidate from the champion on the rewards since the watermark and register it.
+    """Train one candidate from the champion on the rewards since the champion's data window and register it.
 
     Under torchrun, process 0 decides (champion, samples, or a skip) and sends the plan to the
     others, so every process trains on exactly the same samples or skips together.
@@ -109,7 +112,7 @@ def _plan(
     if champion is None:
         return (None, None, "no champion: register a model and set the 'champion' alias first"), None
     quarantined = quarantined_versions(registry)
-    mark = watermark(registry)
+    mark = watermark(registry, champion)
     policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
     selection = load_selection(
         settings, config, watermark=mark, quarantined=quarantined,
