@@ -1,133 +1,222 @@
-"""Closed-loop benchmark, first stage: the base model's ground truth per population, through real serving.
+"""Closed-loop benchmark: simulated users with hidden preferences, K training cycles, every stage real.
 
-Each population of `simulator.populations` sends `--requests` requests for held-out code contexts
-to the real serving app (uvicorn on a local port, fixed champion split, every generation signed and
-logged to the embedded broker) and sends its users' reactions to the real collector's Segment
-`/v1/batch`; every event must be accepted (a refusal stops the run). Printed per population, from
-the simulator's ground truth:
+Each population is its own product (its own Flywheel deployment, the base model as first champion;
+`--together` puts them all on one deployment instead). `simulator.closed_loop.ClosedLoop` runs the
+loop as production does: serving, the collector's Segment API, the broker, ingest, signals, the
+trainer's cycle, the gate's offline gates and approval, the rollout controller. Printed per cycle:
 
-- shown rate: answers with a suggestion (not declined, not empty);
-- accept rate: the mean accept probability of shown suggestions (and the sampled accepts);
-- reward: Cursor's expected reward per request (+0.75 accepted, -0.25 rejected, 0 not shown);
-- for the declining population, the shown rate where its users want no suggestion.
+- the ground truth of the A/B traffic per arm (accept rate of shown suggestions, shown rate, Cursor's
+  expected reward per request) and the gate's estimate of challenger - champion with its sequential
+  interval, and whether the interval holds the truth's difference;
+- the decision and its reason; the wall time of each stage; the turnaround (last feedback trained
+  on -> the candidate serving traffic);
+- the champion after the cycle on fixed held-out contexts (the independent measurement): accept,
+  shown, reward, harmful rate (shown and accepted under a quarter of the time), and where the users
+  wanted no suggestion, the shown rate there.
 
-The reference beside each: the same requests answered by the better of two actions, the author's own
-rest of the line (what the held-out file really says) or no suggestion (reward 0); the ratio
-base / reference is how far the base model is from it.
-Training cycles come next (the issue's closed loop); this stage measures where they start.
+Then per population: base -> final champion accept rate (relative change), with the harmful rate.
+`--control-runs N` adds N seeded runs whose challenger is harmed (seeded weight noise of 0.05-0.5
+times each matrix's std) in place of the trained one: none may become champion.
+A PNG of accept rate over cycles per population goes to `--out` with the table (closed_loop.md).
 
-    python bench/closed_loop.py [--model DIR] [--requests 100] [--max-tokens 16] [--seed 0]
+    python bench/closed_loop.py [--model DIR] [--populations length,style,...] [--cycles 5]
+        [--users 40] [--requests 60] [--max-rounds 6] [--control-runs 0] [--out bench/results]
 
-Without --model a default-preset model is bootstrapped for --bootstrap-seconds (120: `flywheel up`'s).
+Without --model a default-preset model is bootstrapped for --bootstrap-seconds (240).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
+import logging
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-import uvicorn
-from fastapi import FastAPI
-
-from flywheel.bus import ensure_topics, make_producer
-from flywheel.bus.reader import read_topic
-from flywheel.contract import TrafficSplit
-from flywheel.lm import bootstrap_model
+from deploy_gate.rollout.config import RampStep, RolloutConfig
+from flywheel.lm import PRESETS, bootstrap_model, load_policy
 from flywheel.settings import Settings
-from ingest.collector import create_app as create_collector
-from launcher.embedded import free_port, start_broker
-from serving.app import create_app as create_serving
-from serving.pool import PolicyPool
-from simulator.contexts import ContextPool, held_out_contexts
+from launcher.embedded import start_embedded
+from signals.config import SignalsConfig
+from simulator.closed_loop import ClosedLoop, CycleRecord, LoopPlan, Truth, harm_weights
+from simulator.contexts import held_out_contexts
 from simulator.populations import Population, default_populations
-from simulator.product import Outcome, SimulatedProduct
+from trainer.config import TrainerConfig
+
+HARM_SCALES = (0.05, 0.1, 0.2, 0.5)
 
 
-def start(app: FastAPI) -> tuple[uvicorn.Server, str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}"
+def rollout_config(max_duration_s: float) -> RolloutConfig:
+    """One 50% step, decided on the sequential interval or, at the maximum duration, on non-inferiority.
+
+    Latency is not a guardrail here: both arms run in one process on a shared machine, so their
+    latency differs by whatever else the machine is doing.
+    """
+    return RolloutConfig(
+        ramp=[RampStep(share=0.5, min_users=10, min_seconds=0)], max_duration_s=max_duration_s, tuning_n=500,
+        non_inferiority_margin=0.02, latency_p95_ratio=100.0, srm_min_users=10_000, metrics_port=0,
+    )  # fmt: skip
 
 
-def run_population(pop: Population, serving: str, collector: str, key: str, contexts: ContextPool,
-                   n: int, max_tokens: int, seed: int) -> list[Outcome]:
-    rng = random.Random(seed)
-    with httpx.Client(base_url=serving, timeout=300) as s, httpx.Client(base_url=collector, timeout=60) as c:
-        product = SimulatedProduct(s, c, key, contexts, max_tokens=max_tokens)
-        return [product.step(pop, f"bench-{pop.name}-{i % 10}", rng) for i in range(n)]
+def fmt_truth(t: Truth | None) -> str:
+    if t is None:
+        return "-"
+    unwanted = f" unwanted-shown {t.unwanted_shown_rate:.2f}" if t.unwanted_shown_rate is not None else ""
+    return (f"accept {t.accept_rate:.3f} shown {t.shown_rate:.2f} reward {t.reward:+.3f}"
+            f" harmful {t.harmful_rate:.2f}{unwanted}")  # fmt: skip
 
 
-def reference(pop: Population, outcomes: list[Outcome]) -> float:
-    """Mean expected reward had each request got the better of the author's own rest of the line and silence."""
-    return statistics.fmean(
-        max(0.0, pop.truth(o.context, o.context.truth.rstrip("\n"), "stop").expected_reward) for o in outcomes
-    )
+def report_cycle(name: str, r: CycleRecord) -> list[str]:
+    lines = [f"| {name} | {r.cycle} | {'harmed ' if r.harmed else ''}v{r.candidate or '-'} ({r.trained_on} samples) "
+             f"| {r.decision}: {r.reason[:90]} |"]  # fmt: skip
+    truth = r.ab_difference()
+    if r.estimate is not None:
+        est, lo, hi = r.estimate
+        inside = "" if truth is None else (" (truth inside)" if lo <= truth <= hi else " (truth OUTSIDE)")
+        lines[0] += f" {est:+.3f} [{lo:+.3f}, {hi:+.3f}]{inside} |"
+    else:
+        lines[0] += " - |"
+    lines[0] += f" {'-' if truth is None else f'{truth:+.3f}'} |"
+    lines[0] += " " + ", ".join(f"{k} {v:.0f}s" for k, v in r.seconds.items()) + " |"
+    lines[0] += f" {'-' if r.turnaround_s is None else f'{r.turnaround_s:.0f}s'} |"
+    for pop, t in r.truth_eval.items():
+        lines.append(f"|  | | champion after, {pop}: {fmt_truth(t)} | | | | | |")
+    return lines
 
 
-def report(pop: Population, outcomes: list[Outcome], ref: float) -> str:
-    shown = [o for o in outcomes if o.truth.shown]
-    accept = statistics.fmean(o.truth.p_accept for o in shown) if shown else 0.0
-    sampled = sum(o.reaction.kept for o in shown) / len(shown) if shown else 0.0
-    reward = statistics.fmean(o.truth.expected_reward for o in outcomes)
-    unwanted = [o for o in outcomes if not o.truth.wanted]
-    extra = f"  shown where unwanted {sum(o.truth.shown for o in unwanted) / len(unwanted):.2f} of {len(unwanted)}" \
-        if unwanted else ""
-    ratio = f"{reward / ref:+.2f}" if ref else "n/a"
-    return (f"{pop.name:<10} n={len(outcomes):<4} shown {len(shown) / len(outcomes):.2f}  accept {accept:.3f}"
-            f" (sampled {sampled:.3f})  reward {reward:+.3f}  reference {ref:+.3f}  base/reference {ratio}{extra}")
+def run_deployment(name: str, pops: list[Population], model: Path, args: argparse.Namespace, root: Path,
+                   *, harm_seed: int | None = None) -> tuple[ClosedLoop, list[CycleRecord]]:  # fmt: skip
+    data = root / name
+    settings = Settings(data_dir=data, redis_prefix=f"bench-loop:{data.name}:{time.time_ns()}:",
+                        reward_window_s=args.window, allowed_lateness_s=0.5,
+                        min_train_samples=args.min_samples)  # fmt: skip
+    stack = start_embedded(settings, broker_port=_free_port())
+    try:
+        preset = args.preset
+        contexts = held_out_contexts(300, args.seed, preset=preset)
+        evals = held_out_contexts(args.eval_contexts, args.seed + 10_000, preset=preset)
+        plan = LoopPlan(cycles=args.cycles, users=args.users, requests=args.requests, warmup_rounds=args.warmup,
+                        max_rounds=args.max_rounds, max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
+        trainer = TrainerConfig(learning_rate=args.lr, batch_size=16, epochs=args.epochs, baseline=args.baseline,
+                                seed=args.seed)  # fmt: skip
+        loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer,
+                          rollout_config(args.max_duration), SignalsConfig())  # fmt: skip
+        with loop.running():
+            loop.warm_up()
+            if harm_seed is not None:
+                scale = HARM_SCALES[harm_seed % len(HARM_SCALES)]
+                rec = loop.cycle(1, harm=lambda src, out: harm_weights(src, out, scale, harm_seed))
+                print(f"control run {harm_seed}: noise {scale} x std -> {rec.decision}: {rec.reason[:120]}", flush=True)
+                return loop, [rec]
+            records = []
+            for k in range(1, args.cycles + 1):
+                rec = loop.cycle(k)
+                records.append(rec)
+                print("\n".join(report_cycle(name, rec)), flush=True)
+        return loop, records
+    finally:
+        stack.stop()
+
+
+def _free_port() -> int:
+    from launcher.embedded import free_port
+
+    return free_port()
+
+
+def plot(results: dict[str, tuple[dict[str, Truth], list[CycleRecord]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (base, records) in results.items():
+        for pop, t0 in base.items():
+            ys = [t0.accept_rate] + [r.truth_eval[pop].accept_rate for r in records]
+            ax.plot(range(len(ys)), ys, marker="o", label=pop if len(results) == 1 else f"{name}: {pop}")
+    ax.set_xlabel("training cycle (0 = base model)")
+    ax.set_ylabel("accept rate of shown suggestions (ground truth)")
+    ax.set_title("Champion's accept rate on held-out contexts, per population")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
-    ap.add_argument("--bootstrap-seconds", type=float, default=120.0)
-    ap.add_argument("--requests", type=int, default=100, help="per population")
+    ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    ap.add_argument("--bootstrap-seconds", type=float, default=240.0)
+    ap.add_argument("--populations", default=",".join(p.name for p in default_populations()))
+    ap.add_argument("--together", action="store_true", help="all populations on one deployment")
+    ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--users", type=int, default=40, help="per population")
+    ap.add_argument("--requests", type=int, default=60, help="per population per traffic round")
+    ap.add_argument("--warmup", type=int, default=2, help="traffic rounds on the base model first")
+    ap.add_argument("--max-rounds", type=int, default=6, help="rounds a cycle waits for the controller")
+    ap.add_argument("--max-duration", type=float, default=180.0, help="the controller's max experiment seconds")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--window", type=float, default=2.0, help="reward window seconds")
+    ap.add_argument("--min-samples", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--baseline", type=float, default=0.0, help="PG baseline: 0 = the value of not suggesting")
+    ap.add_argument("--eval-contexts", type=int, default=100)
+    ap.add_argument("--control-runs", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    wanted = args.populations.split(",")
+    pops = [p for p in default_populations() if p.name in wanted]
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or bootstrap_model(Path(tmp) / "model", preset="default", seed=0,
-                                              max_seconds=args.bootstrap_seconds, progress=False)
-        port = free_port()
-        broker = start_broker(port, Path(tmp) / "broker.log")
-        try:
-            settings = Settings(data_dir=Path(tmp) / "data", kafka_bootstrap_servers=f"127.0.0.1:{port}")
-            ensure_topics(settings)
-            pool = PolicyPool(lambda: TrafficSplit(champion_version="base"), lambda _: str(model))
-            serving_app = create_serving(pool, make_producer(settings), settings.events_topic,
-                                         signing_key=settings.serving_key.get_secret_value())
-            servers = [start(serving_app), start(create_collector(settings))]
-            (_, serving), (_, collector) = servers
-            key = sorted(settings.write_key_set)[0]
-            contexts = held_out_contexts(300, args.seed)
-            pops = default_populations()
+        root = Path(tmp)
+        model = args.model or bootstrap_model(root / "model", preset=args.preset, seed=0,
+                                              max_seconds=args.bootstrap_seconds, progress=False)  # fmt: skip
+        print(f"model {model} ({sum(p.numel() for p in load_policy(model).model.parameters()):,} parameters); "
+              f"{args.cycles} cycles, {args.users} users and {args.requests} requests a round per population")
+        header = ["| deployment | cycle | candidate | decision | gate estimate [sequential interval] | truth A/B "
+                  "difference | stage seconds | turnaround |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        print("\n".join(header))
+        groups = [("all", pops)] if args.together else [(p.name, [p]) for p in pops]
+        results: dict[str, tuple[dict[str, Truth], list[CycleRecord]]] = {}
+        lines = list(header)
+        for name, group in groups:
             started = time.perf_counter()
-            with ThreadPoolExecutor(len(pops)) as threads:
-                results = list(threads.map(
-                    lambda ip: run_population(ip[1], serving, collector, key, contexts, args.requests,
-                                              args.max_tokens, args.seed * 1000 + ip[0]),
-                    enumerate(pops)))
-            took = time.perf_counter() - started
-            dead = read_topic(settings, settings.dead_letter_topic, timeout_s=5)
-            print(f"model {model}  {args.requests} requests per population, max_tokens {args.max_tokens},"
-                  f" {took:.0f}s; dead letters: {len(dead)}")
-            for pop, outcomes in zip(pops, results, strict=True):
-                print(report(pop, outcomes, reference(pop, outcomes)))
-            for server, _ in servers:
-                server.should_exit = True
-        finally:
-            broker.terminate()
-            broker.wait(timeout=10)
+            loop, records = run_deployment(name, group, model, args, root)
+            results[name] = (loop.base_eval, records)
+            lines += [line for r in records for line in report_cycle(name, r)]
+            print(f"{name}: {time.perf_counter() - started:.0f}s", flush=True)
+        summary = ["", "| population | base accept | final accept | relative | base shown | final shown "
+                   "| base harmful | final harmful | unwanted shown base -> final |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for _name, (base, records) in results.items():
+            for pop, t0 in base.items():
+                t1 = records[-1].truth_eval[pop] if records else t0
+                rel = (t1.accept_rate / t0.accept_rate - 1) if t0.accept_rate else float("nan")
+                unwanted = ("-" if t0.unwanted_shown_rate is None
+                            else f"{t0.unwanted_shown_rate:.2f} -> {t1.unwanted_shown_rate:.2f}")  # fmt: skip
+                summary.append(f"| {pop} | {t0.accept_rate:.3f} | {t1.accept_rate:.3f} | {rel:+.0%} | {t0.shown_rate:.2f}"
+                               f" | {t1.shown_rate:.2f} | {t0.harmful_rate:.2f} | {t1.harmful_rate:.2f} | {unwanted} |")  # fmt: skip
+        print("\n".join(summary))
+        lines += summary
+        if args.control_runs:
+            control = []
+            for i in range(args.control_runs):
+                pop = pops[i % len(pops)]
+                _, recs = run_deployment(f"control-{i}", [pop], model, args, root,
+                                         harm_seed=args.seed * 1000 + i)
+                control.append(recs[0])
+            promoted = sum(r.decision == "promoted" for r in control)
+            by = {d: sum(r.decision == d for r in control) for d in sorted({r.decision for r in control})}
+            line = f"control runs: {len(control)} harmed challengers, {promoted} promoted; decisions {by}"
+            print(line)
+            lines += ["", line]
+        (args.out / "closed_loop.md").write_text("\n".join(lines) + "\n")
+        plot(results, args.out / "closed_loop.png")
+        print(f"wrote {args.out / 'closed_loop.md'} and {args.out / 'closed_loop.png'}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ corpus of a model bootstrapped with the same preset and seed. The same seed give
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from flywheel.lm import PRESETS
@@ -43,6 +43,16 @@ class ContextPool:
         if self.comment and rng.random() < comment_share:
             return rng.choice(self.comment)
         return rng.choice(self.code)
+
+
+def fit_prompts(pool: ContextPool, max_chars: int) -> ContextPool:
+    """The pool with each prompt cut to its last `max_chars` characters, as an editor trims what it sends.
+
+    A byte-level tokenizer spends at least one character per token, so `max_chars` of
+    `context - max_tokens` characters always fits the model's context.
+    """
+    cut = lambda ctxs: tuple(replace(c, prompt=c.prompt[-max_chars:]) for c in ctxs)  # noqa: E731
+    return ContextPool(cut(pool.code), cut(pool.comment))
 
 
 def held_out_contexts(n: int = 200, seed: int = 0, *, preset: str = "default", train_seed: int = 0) -> ContextPool:

@@ -47,6 +47,11 @@ class Preset:
     warmup_steps: int
     n_files: int  # stdlib files sampled for the corpus
     max_file_chars: int  # each file is cut to this many characters
+    # Share of every position's target moved to end-of-text (label smoothing toward it), so the model
+    # gives about this probability to ending a completion at each token, its first included: it
+    # declines that share of requests. Without it a model pretrained on whole files never ends a
+    # suggestion before it starts, never declines, and so cannot learn when declining is right.
+    decline_prior: float = 0.05
     # Intra-op threads while training; None is half the logical CPUs. A tiny model runs ~3x
     # faster on one thread than on two (hand-off costs more than the matmuls), and on a busy
     # machine every thread beyond the free cores makes OpenMP wait (4x slower measured here).
@@ -59,6 +64,8 @@ class Preset:
             )
         if self.seq_len > self.context:
             raise ValueError(f"seq_len {self.seq_len} must not exceed the context {self.context}.")
+        if not 0 <= self.decline_prior < 0.5:
+            raise ValueError(f"decline_prior {self.decline_prior} must be in [0, 0.5).")
 
 
 PRESETS: dict[str, Preset] = {
@@ -125,6 +132,20 @@ def _lr_at(step: int, preset: Preset) -> float:
     if step < preset.warmup_steps:
         return preset.peak_lr * (step + 1) / preset.warmup_steps
     return preset.peak_lr * math.sqrt(preset.warmup_steps / (step + 1))
+
+
+def _pretrain_loss(model: torch.nn.Module, batch: torch.Tensor, eot_id: int, decline_prior: float) -> torch.Tensor:
+    """Next-token cross-entropy with `decline_prior` of each target's weight on end-of-text.
+
+    The minimiser puts probability `decline_prior` on end-of-text and the rest on the data, so the
+    model's chance of declining a request (end-of-text first) starts near `decline_prior`.
+    """
+    logits = model(input_ids=batch[:, :-1]).logits  # (B, T-1, V)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(-1, batch[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    if not decline_prior:
+        return nll.mean()
+    return ((1 - decline_prior) * nll - decline_prior * logp[..., eot_id]).mean()
 
 
 @contextmanager
@@ -240,7 +261,7 @@ def bootstrap_model(
                 batch = torch.stack([stream[s : s + cfg.seq_len] for s in starts.tolist()])  # (B, seq_len)
                 for group in optimizer.param_groups:
                     group["lr"] = _lr_at(step, cfg)
-                loss = model(input_ids=batch, labels=batch).loss
+                loss = _pretrain_loss(model, batch, tokenizer.eos_token_id, cfg.decline_prior)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,0 +1,352 @@
+"""The closed loop, run as production runs it, with simulated users as the only source of feedback.
+
+Every stage is the real one, in one process: serving (`build_serving_app`, the split in Redis, live
+swaps), the collector's Segment API, the broker, the ingest and signals workers, the scheduled
+trainer's cycle (`trainer.cycle.run_cycle`), the gate's approval with its offline gates (the
+auto-approve policy), and the rollout controller's ramp and decision. The simulator only sends
+requests and its users' reactions (`simulator.product`); what it knows of each user's preference
+stays here, in the ground truth it measures.
+
+A cycle: the trainer registers a candidate from the champion; the auto-approve policy runs the
+offline gates and makes it the challenger; traffic rounds follow (requests, reactions, ingest,
+signals, a controller look) until the controller promotes or rolls it back, or `max_rounds` pass.
+After each cycle the champion is evaluated on a fixed set of held-out contexts with fixed seeds,
+straight through the policy (no events): the independent measurement the A/B test is checked
+against. A control run replaces the trained candidate with a harmed one (`harm_weights`); none may
+become champion.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+import torch
+from fastapi.testclient import TestClient
+
+from deploy_gate import DeployGate
+from deploy_gate.policy import AutoApprove
+from deploy_gate.rollout.config import RolloutConfig
+from deploy_gate.rollout.controller import RolloutController
+from flywheel.bus import ensure_topics
+from flywheel.contract import ModelLineage
+from flywheel.lake.tables import REWARDS
+from flywheel.lm import load_policy
+from flywheel.lm.policy import GenerationRequest
+from flywheel.settings import Settings
+from ingest.collector import create_app as create_collector
+from ingest.worker import IngestWorker
+from model_registry import ModelRegistry
+from serving import build_serving_app
+from signals.config import SignalsConfig
+from signals.worker import SignalsWorker
+from simulator.contexts import Context, ContextPool, fit_prompts
+from simulator.populations import Population
+from simulator.product import Outcome, SimulatedProduct
+from trainer.config import TrainerConfig
+from trainer.cycle import run_cycle
+
+log = logging.getLogger(__name__)
+_EVAL_BATCH = 32
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """Sizes of a closed-loop run (the defaults are the benchmark's)."""
+
+    cycles: int = 5
+    users: int = 40  # simulated users per population
+    requests: int = 60  # requests per population per traffic round
+    warmup_rounds: int = 2  # rounds on the base model before the first cycle
+    max_rounds: int = 6  # rounds a cycle waits for the controller's decision
+    max_tokens: int = 16
+    eval_repeats: int = 2  # samples per evaluation context (fixed seeds)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Truth:
+    """The simulator's ground truth over a set of requests: what users really thought."""
+
+    n: int
+    shown_rate: float
+    accept_rate: float  # mean accept probability of shown suggestions
+    reward: float  # Cursor's expected reward per request (+0.75 accepted, -0.25 rejected, 0 not shown)
+    unwanted_shown_rate: float | None  # shown where the user wanted no suggestion (None: no such request)
+    harmful_rate: float  # shown and accepted less than a quarter of the time (worse than silence)
+
+
+def measure(outcomes: list[Outcome]) -> Truth | None:
+    """Ground truth of `outcomes` (None when empty)."""
+    if not outcomes:
+        return None
+    shown = [o for o in outcomes if o.truth.shown]
+    unwanted = [o for o in outcomes if not o.truth.wanted]
+    return Truth(
+        n=len(outcomes),
+        shown_rate=len(shown) / len(outcomes),
+        accept_rate=statistics.fmean(o.truth.p_accept for o in shown) if shown else 0.0,
+        reward=statistics.fmean(o.truth.expected_reward for o in outcomes),
+        unwanted_shown_rate=sum(o.truth.shown for o in unwanted) / len(unwanted) if unwanted else None,
+        harmful_rate=sum(o.truth.shown and o.truth.p_accept < 0.25 for o in outcomes) / len(outcomes),
+    )
+
+
+@dataclass
+class CycleRecord:
+    """What one cycle did and measured."""
+
+    cycle: int
+    champion: str
+    candidate: str | None = None
+    trained_on: int = 0
+    decision: str = "none"  # promoted, rolled_back, refused (offline gates), undecided, skipped
+    reason: str = ""
+    estimate: tuple[float, float, float] | None = None  # the gate's difference and its sequential interval
+    truth_ab: dict[str, dict[str, Truth]] = field(default_factory=dict)  # arm -> population -> truth
+    truth_eval: dict[str, Truth] = field(default_factory=dict)  # the champion after the cycle, per population
+    truth_candidate: dict[str, Truth] = field(default_factory=dict)  # the candidate, evaluated the same way
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
+    turnaround_s: float | None = None  # last trained-on feedback -> the candidate serving traffic
+    harmed: bool = False
+
+    def ab_difference(self) -> float | None:
+        """The ground truth's challenger - champion expected reward per request, over all populations."""
+        arms = [self.truth_ab.get(a, {}) for a in ("champion", "challenger")]
+        if not all(arms):
+            return None
+        means = [sum(t.reward * t.n for t in arm.values()) / sum(t.n for t in arm.values()) for arm in arms]
+        return means[1] - means[0]
+
+
+def harm_weights(checkpoint: Path, out: Path, scale: float, seed: int) -> Path:
+    """A harmed copy of `checkpoint`: every weight matrix gets seeded noise of `scale` times its own std."""
+    policy = load_policy(checkpoint)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            if p.ndim >= 2:
+                p.add_(torch.randn(p.shape, generator=gen) * scale * float(p.std()))
+    return policy.save(out)
+
+
+class ClosedLoop:
+    """One deployment of Flywheel and the simulated populations using it (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        base_model: Path,
+        populations: list[Population],
+        contexts: ContextPool,
+        eval_contexts: ContextPool,
+        plan: LoopPlan,
+        trainer: TrainerConfig,
+        rollout: RolloutConfig,
+        signals: SignalsConfig | None = None,
+    ) -> None:
+        self.settings = settings.model_copy(update={"auto_approve": True})
+        self.populations = populations
+        self.plan = plan
+        self.trainer = trainer
+        self.rng = random.Random(plan.seed)
+        ensure_topics(self.settings)
+        self.registry = ModelRegistry(self.settings)
+        self.base = self.registry.register(base_model, ModelLineage(base=str(base_model)))
+        room = load_policy(base_model).context - plan.max_tokens
+        self.contexts, self.eval_contexts = fit_prompts(contexts, room), fit_prompts(eval_contexts, room)
+        self.registry.set_alias("champion", self.base)
+        self.registry.set_gate_state(self.base, "champion", by="closed-loop", reason="the base model")
+        self.gate = DeployGate.from_settings(self.settings)
+        self.gate.ensure_split()
+        self.approve = AutoApprove(self.gate)
+        self.controller = RolloutController(self.gate, rollout)
+        self.ingest = IngestWorker(self.settings)
+        self.signals = SignalsWorker(self.settings, signals)
+        self.outcomes: list[Outcome] = []
+        self.records: list[CycleRecord] = []
+        self.base_eval = self.evaluate(self.base)
+
+    @contextmanager
+    def running(self) -> Iterator[ClosedLoop]:
+        """Serving and the collector up for the loop's life; the workers closed after."""
+        self.serving = TestClient(build_serving_app(self.settings))
+        self.collector = TestClient(create_collector(self.settings))
+        try:
+            with self.serving, self.collector:
+                yield self
+        finally:
+            self.ingest.close()
+            self.signals.close()
+
+    # ---- traffic ---------------------------------------------------------------------------
+
+    def traffic_round(self, seconds: dict[str, float]) -> list[Outcome]:
+        """Every population sends `plan.requests` requests (populations in parallel), then the lake catches up."""
+        started = time.perf_counter()
+        seeds = [self.rng.randrange(2**31) for _ in self.populations]
+        with ThreadPoolExecutor(len(self.populations)) as pool:
+            batches = list(pool.map(self._population_round, self.populations, seeds))
+        outcomes = [o for batch in batches for o in batch]
+        self.outcomes.extend(outcomes)
+        _add(seconds, "traffic", time.perf_counter() - started)
+        started = time.perf_counter()
+        self.pump({o.generation_id for o in outcomes})
+        _add(seconds, "ingest+signals", time.perf_counter() - started)
+        return outcomes
+
+    def _population_round(self, pop: Population, seed: int) -> list[Outcome]:
+        rng = random.Random(seed)
+        key = sorted(self.settings.write_key_set)[0]
+        product = SimulatedProduct(self.serving, self.collector, key, self.contexts, max_tokens=self.plan.max_tokens)
+        return [product.step(pop, f"{pop.name}-{rng.randrange(self.plan.users)}", rng)
+                for _ in range(self.plan.requests)]  # fmt: skip
+
+    def pump(self, generation_ids: set[str], timeout_s: float = 120.0) -> None:
+        """Run ingest and signals until every generation in `generation_ids` has a reward (or time is up)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.ingest.run_once()
+            self.signals.run_once()
+            rewards = REWARDS.scan(REWARDS.at(self.settings.lake_dir))
+            done = set() if rewards is None else set(
+                rewards.filter(pl.col("generation_id").is_in(list(generation_ids)))
+                .select("generation_id").unique().collect()["generation_id"].to_list()
+            )  # fmt: skip
+            if generation_ids <= done:
+                return
+            if time.monotonic() > deadline:
+                log.warning("%d generations still without a reward after %.0fs", len(generation_ids - done), timeout_s)
+                return
+
+    # ---- the cycle -------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Traffic on the base model alone: the first cycle's data."""
+        seconds: dict[str, float] = {}
+        for _ in range(self.plan.warmup_rounds):
+            self.traffic_round(seconds)
+
+    def cycle(self, index: int, harm: Callable[[Path, Path], Path] | None = None) -> CycleRecord:
+        """Train, gate and roll out one candidate (a harmed one when `harm` is given); evaluate the champion."""
+        champion = self.gate.splits.get().champion_version  # type: ignore[union-attr]
+        rec = CycleRecord(cycle=index, champion=champion, harmed=harm is not None)
+        last_feedback = time.monotonic()
+        started = time.perf_counter()
+        result = run_cycle(self.settings, self.trainer, progress=False)
+        rec.seconds["train"] = time.perf_counter() - started
+        if result.status != "registered":
+            rec.decision, rec.reason = "skipped", result.reason
+            self.traffic_round(rec.seconds)
+            return self._finish(rec)
+        candidate = result.version
+        assert candidate is not None
+        rec.trained_on = result.sample_count
+        if harm is not None:
+            candidate = self._harmed(candidate, champion, harm)
+        rec.candidate = candidate
+        started = time.perf_counter()
+        rec.truth_candidate = self.evaluate(candidate)
+        rec.seconds["evaluate"] = time.perf_counter() - started
+        started = time.perf_counter()
+        try:
+            self.approve.tick()
+        except Exception as exc:  # noqa: BLE001 - the refusal is the result (the audit log has it too)
+            rec.decision, rec.reason = "refused", str(exc)
+        rec.seconds["offline gates+approve"] = time.perf_counter() - started
+        if rec.decision == "refused":
+            self.gate.reject(candidate, by="closed-loop", reason=f"refused at approval: {rec.reason[:200]}")
+            return self._finish(rec)
+        started = time.perf_counter()
+        self._wait_loaded(candidate)
+        rec.seconds["swap"] = time.perf_counter() - started
+        rec.turnaround_s = time.monotonic() - last_feedback
+        self.controller.tick()  # the experiment starts: the first ramp step's share
+        served: list[Outcome] = []
+        for _ in range(self.plan.max_rounds):
+            served.extend(self.traffic_round(rec.seconds))
+            started = time.perf_counter()
+            state = self.controller.tick()
+            _add(rec.seconds, "rollout decision", time.perf_counter() - started)
+            if state.analysis is not None and state.analysis.difference is not None:
+                d = state.analysis.difference
+                rec.estimate = (d.estimate, *d.sequential_ci)
+            if state.state in ("promoted", "rolled_back"):
+                rec.decision = state.state
+                rec.reason = state.analysis.decision.reason if state.analysis else ""
+                break
+        else:
+            rec.decision, rec.reason = "undecided", f"no decision after {self.plan.max_rounds} rounds"
+            self.gate.rollback(by="closed-loop", reason="the benchmark's rounds ran out before a decision")
+        for arm in ("champion", "challenger"):
+            mine = [o for o in served if o.arm == arm]
+            rec.truth_ab[arm] = {p.name: t for p in self.populations
+                                 if (t := measure([o for o in mine if o.population == p.name])) is not None}  # fmt: skip
+        return self._finish(rec)
+
+    def _finish(self, rec: CycleRecord) -> CycleRecord:
+        started = time.perf_counter()
+        champion = self.gate.splits.get().champion_version  # type: ignore[union-attr]
+        rec.truth_eval = self.evaluate(champion)
+        _add(rec.seconds, "evaluate", time.perf_counter() - started)
+        self.records.append(rec)
+        return rec
+
+    def _harmed(self, trained: str, champion: str, harm: Callable[[Path, Path], Path]) -> str:
+        """Register a harmed version in place of the trained candidate, which is rejected."""
+        self.gate.reject(trained, by="closed-loop", reason="control run: replaced by a harmed candidate")
+        with tempfile.TemporaryDirectory(dir=self.settings.data_dir) as tmp:
+            out = harm(Path(self.registry.fetch(champion)), Path(tmp) / "harmed")
+            lineage = self.registry.lineage(trained).model_copy(update={"parent_version": champion})
+            return self.registry.register(out, lineage)
+
+    def _wait_loaded(self, version: str, timeout_s: float = 120.0) -> None:
+        pool = self.serving.app.state.pool
+        deadline = time.monotonic() + timeout_s
+        while version not in pool.loaded_versions and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    # ---- the independent measurement -------------------------------------------------------
+
+    def evaluate(self, version: str) -> dict[str, Truth]:
+        """Ground truth of `version` per population on the fixed evaluation contexts (fixed seeds, no events)."""
+        policy = load_policy(self.registry.fetch(version))
+        out = {}
+        for pop in self.populations:
+            contexts = _eval_set(self.eval_contexts, pop)
+            requests = [GenerationRequest(c.prompt, self.plan.max_tokens, 1.0, seed=1000 * r + i)
+                        for r in range(self.plan.eval_repeats) for i, c in enumerate(contexts)]  # fmt: skip
+            gens = [g for i in range(0, len(requests), _EVAL_BATCH)
+                    for g in policy.generate_batch(requests[i : i + _EVAL_BATCH])]  # fmt: skip
+            ctxs = [c for _ in range(self.plan.eval_repeats) for c in contexts]
+            outcomes = [_eval_outcome(pop, c, g.completion, g.finish_reason) for c, g in zip(ctxs, gens, strict=True)]
+            truth = measure(outcomes)
+            assert truth is not None
+            out[pop.name] = truth
+        return out
+
+
+def _eval_set(pool: ContextPool, pop: Population) -> list[Context]:
+    """The population's mix of code and comment contexts, the same every time."""
+    n_comment = round(len(pool.code) * pop.comment_share / max(1e-9, 1 - pop.comment_share))
+    return list(pool.code) + list(pool.comment[:n_comment])
+
+
+def _eval_outcome(pop: Population, ctx: Context, text: str, finish: str) -> Outcome:
+    from simulator.populations import Reaction
+
+    truth = pop.truth(ctx, text, finish)
+    return Outcome(pop.name, ctx, "eval", "", "", text, finish, truth, Reaction(shown=truth.shown), 0)
+
+
+def _add(seconds: dict[str, float], stage: str, value: float) -> None:
+    seconds[stage] = seconds.get(stage, 0.0) + value
