@@ -23,10 +23,15 @@ from flywheel.settings import Settings
 
 @dataclass(frozen=True)
 class Behaviour:
-    """How an arm's users fare: P(satisfied) per generation, and the implicit signals around it."""
+    """How an arm's users fare: P(a shown suggestion is accepted), and the implicit signals around it.
 
-    p_good: float = 0.5
-    shown: float = 1.0  # P(the suggestion is shown); not shown -> an empty output, reward 0
+    Rewards follow the rules definition's Cursor Tab weights: +0.75 for an accept, -0.25 for a
+    reject, 0 for what was not shown, so declining where users would reject raises the reward.
+    """
+
+    p_good: float = 0.5  # P(a shown suggestion is accepted)
+    shown: float = 1.0  # P(the suggestion is shown); not shown -> declined, reward 0
+    blank: bool = False  # what is not shown is a blank output (finish_reason "stop") instead of a decline
     undo: float = 0.05  # P(an accept is undone)
     thumbs: float = 0.2  # P(a user votes explicitly)
     latency_ms: float = 50.0
@@ -65,7 +70,8 @@ def write_batch(
             signals: dict[str, float] = {}
             if shown:
                 signals["shown"] = 1.0
-                reward = 1.0 if good else -0.2
+                signals["accepted" if good else "rejected"] = 1.0
+                reward = 0.75 if good else -0.25
                 if good and rng.random() < b.undo:
                     signals["undone"] = 1.0
                     reward = -0.1
@@ -76,7 +82,8 @@ def write_batch(
             else:
                 reward, label = 0.0, "default"
             props = {"arm": arm, "model_version": version, "latency_ms": b.latency_ms * (0.8 + 0.4 * rng.random()),
-                     "completion": " x = 1\n" if shown else "", "finish_reason": "stop" if shown else "declined"}
+                     "completion": " x = 1\n" if shown else "",
+                     "finish_reason": "stop" if shown or b.blank else "declined"}
             events.append({"event_id": gid + "-e", "type": "generation", "schema_version": 1, "generation_id": gid,
                            "user_id": user, "session_id": "", "ts": ts, "received_at": ts, "source": "serving",
                            "properties": json.dumps(props), "kafka_topic": "t", "kafka_partition": 0,

@@ -254,12 +254,16 @@ def test_dashboard_renders_the_experiment_analysis(
         srm = analysis["srm"]
         assert " / ".join(map(str, srm["observed"])) in page.locator("#srm").inner_text()
         assert len(analysis["guardrails"]) == page.locator("#guardrails tr[data-guardrail]").count() > 0
+        labels = {"guardrail": "guardrail", "reward_hacking": "reward hacking", "info": "information"}
         for g in analysis["guardrails"]:
             row = page.locator(f'#guardrails tr[data-guardrail="{g["name"]}"]')
-            kind = "reward hacking" if g["kind"] == "reward_hacking" else "guardrail"
-            assert row.locator('[data-field="kind"]').inner_text() == kind
-            assert row.locator('[data-field="ok"]').inner_text() == ("ok" if g["ok"] else "breached")
-        assert {g["kind"] for g in analysis["guardrails"]} == {"guardrail", "reward_hacking"}
+            assert row.locator('[data-field="kind"]').inner_text() == labels[g["kind"]]
+            verdict = "info" if g["kind"] == "info" else "ok" if g["ok"] else "breached"
+            assert row.locator('[data-field="ok"]').inner_text() == verdict
+        assert {g["kind"] for g in analysis["guardrails"]} == set(labels)
+        # The challenger suggests less: its decline rate is shown, after the checks, and trips nothing.
+        names = page.locator("#guardrails tr[data-guardrail]").evaluate_all("rs => rs.map(r => r.dataset.guardrail)")
+        assert names[-2:] == ["shown_rate", "declined_rate"]
         assert page.locator("#ramp tr.current").inner_text().startswith("5%")
         assert "ramp to 5%" in page.locator("#timeline").inner_text()
         holdout = exp["holdout"]

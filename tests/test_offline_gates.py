@@ -140,25 +140,36 @@ def noisy(champion_dir: Path, out: Path, scale: float = 2.0) -> Path:
     return policy.save(out)
 
 
-def eos_only(champion_dir: Path, out: Path) -> Path:
-    """A model whose every next token is end-of-text (it declines every suggestion).
+def one_token(champion_dir: Path, out: Path, text: str | None) -> Path:
+    """A model whose every next token is the one token of `text` (None: end-of-text).
 
     Embeddings are tied, so the output layer sees only one hidden dimension `d`, held at a large
-    positive value for every input; the end-of-text embedding has twice everyone else's `d`.
+    positive value for every input; the chosen token's embedding has twice everyone else's `d`.
     """
     policy = load_policy(champion_dir)
     model = policy.model
-    eot, d = int(policy.tokenizer.eos_token_id), 0
+    d = 0
+    token = int(policy.tokenizer.eos_token_id) if text is None else policy.tokenizer(text)["input_ids"][-1]
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb[:, d] = 50.0
-        emb[eot, d] = 100.0
+        emb[token, d] = 100.0
         for layer in model.model.layers:  # no layer writes to dimension d
             layer.self_attn.o_proj.weight[d] = 0.0
             layer.mlp.down_proj.weight[d] = 0.0
         model.model.norm.weight.zero_()
         model.model.norm.weight[d] = 1.0
     return policy.save(out)
+
+
+def eos_only(champion_dir: Path, out: Path) -> Path:
+    """A model that declines every suggestion (end-of-text first)."""
+    return one_token(champion_dir, out, None)
+
+
+def blank_only(champion_dir: Path, out: Path) -> Path:
+    """A model that never declines and never shows anything: every completion is a lone newline."""
+    return one_token(champion_dir, out, "\n")
 
 
 @pytest.fixture(scope="module")
@@ -212,15 +223,68 @@ def test_noisy_weights_fail_kl_and_perplexity_with_their_numbers(
     assert ppl.status == "failed" and ppl.value > CONFIG.max_perplexity_ratio and "perplexity" in ppl.detail
 
 
-def test_a_model_that_only_says_end_of_text_fails_sanity_and_the_empty_rate_check(
+def test_a_model_that_declines_everything_fails_the_decline_bounds_not_the_empty_ones(
     tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
 ) -> None:
     results = by_name(
         run_gates(eos_only(tiny_model_dir, tmp_path / "e"), champion, data.prompts, data.texts, NO_TRAFFIC, CONFIG)
     )
-    assert results["sanity"].status == "failed" and "100% of its outputs are empty" in results["sanity"].detail
+    sanity = results["sanity"]
+    assert sanity.status == "failed" and sanity.detail == "it declines 100% of the prompts (bound 50%)"
+    declined = results["declined_rate_vs_champion"]
+    assert declined.status == "failed" and declined.value == 1.0
+    assert results["empty_rate_vs_champion"].status == "passed" and results["empty_rate_vs_champion"].value == 0.0
+
+
+def test_a_model_that_shows_blank_outputs_instead_of_declining_fails_the_empty_bounds(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    candidate = blank_only(tiny_model_dir, tmp_path / "b")
+    results = by_name(run_gates(candidate, champion, data.prompts, data.texts, NO_TRAFFIC, CONFIG))
+    sanity = results["sanity"]
+    assert sanity.status == "failed" and "100% of its outputs are empty without declining" in sanity.detail
     assert results["empty_rate_vs_champion"].status == "failed" and results["empty_rate_vs_champion"].value == 1.0
-    assert results["mean_length_vs_champion"].status == "failed" and results["mean_length_vs_champion"].value == 0.0
+    assert results["declined_rate_vs_champion"].status == "passed"
+
+
+def _sampled(declined: int, blank: int, n: int = 20):  # -> Sampled
+    from deploy_gate.offline.measure import Sampled
+    from flywheel.lm import Generation
+    from flywheel.lm.policy import FinishReason
+
+    def gen(text: str, finish: FinishReason) -> Generation:
+        return Generation([1], [2], text, [-0.5], finish)
+
+    return Sampled(
+        [gen("", "declined")] * declined + [gen("", "stop")] * blank + [gen(" x = 1", "stop")] * (n - declined - blank)
+    )
+
+
+@pytest.mark.parametrize(
+    ("declined", "failed"),
+    [
+        (5, set()),  # declining a quarter of the prompts is a policy's right: nothing fails
+        (8, {"declined_rate_vs_champion"}),  # 40 points more than the champion: past the loose rise bound
+        (11, {"sanity", "declined_rate_vs_champion"}),  # a flood: more than half the prompts
+    ],
+)
+def test_declines_have_loose_bounds_of_their_own(declined: int, failed: set[str]) -> None:
+    from deploy_gate.offline.gates import _sanity, _versus_champion
+
+    cand, champ = _sampled(declined=declined, blank=0), _sampled(declined=0, blank=0)
+    results = [_sanity(cand, 3.0, CONFIG), *_versus_champion(cand, champ, CONFIG)]
+    assert {r.name for r in results if not r.passed} == failed
+    # The length compared is that of what was suggested: declines do not shorten it.
+    assert next(r for r in results if r.name == "mean_length_vs_champion").value == 1.0
+
+
+def test_blank_outputs_are_bounded_as_strictly_as_before() -> None:
+    from deploy_gate.offline.gates import _sanity, _versus_champion
+
+    cand, champ = _sampled(declined=0, blank=3), _sampled(declined=0, blank=0)
+    results = {r.name: r for r in [_sanity(cand, 3.0, CONFIG), *_versus_champion(cand, champ, CONFIG)]}
+    assert results["empty_rate_vs_champion"].status == "failed" and results["empty_rate_vs_champion"].value == 0.15
+    assert results["sanity"].passed and results["declined_rate_vs_champion"].passed
 
 
 def test_a_checkpoint_that_does_not_load_fails_sanity_and_says_so(champion: Policy, data, tmp_path: Path) -> None:

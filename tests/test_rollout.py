@@ -90,6 +90,17 @@ def run(
     return rec, seen
 
 
+def test_config_refuses_an_unknown_or_renamed_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("FLYWHEEL_ROLLOUT_SHOWN_RATE_FALL", "0.2")  # the bound before declining was allowed
+    with pytest.raises(ValidationError, match=r"unknown settings \['FLYWHEEL_ROLLOUT_SHOWN_RATE_FALL'\]"):
+        RolloutConfig()
+    monkeypatch.delenv("FLYWHEEL_ROLLOUT_SHOWN_RATE_FALL")
+    monkeypatch.setenv("FLYWHEEL_ROLLOUT_ACCEPTED_RATE_FALL", "0.02")
+    assert RolloutConfig().accepted_rate_fall == 0.02
+
+
 def test_no_decision_before_the_challenger_has_rewards(gate: DeployGate, versions: tuple[str, str]) -> None:
     clock = Clock()
     controller = RolloutController(gate, config(), clock=clock)
@@ -149,11 +160,49 @@ def test_a_sample_ratio_mismatch_freezes_the_ramp(
     assert after is not None and (after.state, after.challenger_share) == ("paused", frozen_share)
 
 
+def test_a_challenger_that_declines_where_users_reject_and_keeps_its_accepts_is_promoted(
+    gate: DeployGate, settings: Settings, registry: ModelRegistry, versions: tuple[str, str]
+) -> None:
+    # Suggests 40% less, and what it drops is what users reject: accepts per generation hold
+    # (0.6 x 0.85 against 0.5), the reward rises (no -0.25 for the rejects it no longer earns).
+    _, candidate = versions
+    rec, _ = run(gate, settings, Behaviour(p_good=0.85, shown=0.6))
+    assert rec.state == "promoted", rec.timeline[-1]
+    assert registry.alias("champion") == candidate
+    assert rec.analysis is not None
+    rails = {g.name: g for g in rec.analysis.guardrails}
+    assert all(g.ok for g in rails.values())
+    # Its declines are reported beside the guardrails, for information.
+    shown, declined = rails["shown_rate"], rails["declined_rate"]
+    assert shown.kind == declined.kind == "info"
+    assert declined.champion == 0.0 and declined.challenger is not None and declined.challenger > 0.3
+    assert shown.champion == 1.0 and shown.challenger is not None and shown.challenger < 0.7
+    assert rails["accepted_rate"].kind == "reward_hacking"
+
+
+def test_a_challenger_that_declines_and_loses_accepts_is_rolled_back_though_its_reward_is_higher(
+    gate: DeployGate, settings: Settings, registry: ModelRegistry, versions: tuple[str, str]
+) -> None:
+    # Suggests 55% less: its reward per generation is higher (the rejects it drops cost more than
+    # the accepts it loses earn under +0.75/-0.25), but users get fewer accepted suggestions
+    # (0.45 x 0.85 against 0.5 per generation). That is reward hacking.
+    _, candidate = versions
+    rec, _ = run(gate, settings, Behaviour(p_good=0.85, shown=0.45))
+    assert rec.state == "rolled_back" and rec.analysis is not None
+    assert rec.analysis.decision.reason == "guardrail tripped: accepted_rate"
+    assert rec.analysis.difference is not None and rec.analysis.difference.estimate > 0
+    accepted = next(g for g in rec.analysis.guardrails if g.name == "accepted_rate")
+    assert accepted.champion is not None and accepted.challenger is not None
+    assert accepted.challenger < accepted.champion - 0.05
+    assert registry.gate_state(candidate) == "quarantined"
+
+
 @pytest.mark.parametrize(
     ("hacker", "tripped"),
     [
-        # Shows only what it is sure of: higher reward per generation, far fewer suggestions.
-        (Behaviour(p_good=0.85, shown=0.45), "shown_rate"),
+        # Keeps its accepts like the promoted decliner above, but where it suggests nothing it shows a
+        # blank output instead of declining: a defect, or a reject dodged.
+        (Behaviour(p_good=0.85, shown=0.6, blank=True), "empty_rate"),
         # Users undo much more of what it suggests.
         (Behaviour(p_good=0.5, undo=0.6), "undo_rate"),
     ],
@@ -165,8 +214,8 @@ def test_reward_hacking_trips_a_guardrail(
     assert rec.state == "rolled_back"
     assert rec.analysis is not None
     broken = {g.name for g in rec.analysis.guardrails if not g.ok}
-    assert tripped in broken, rec.analysis.decision.reason
-    assert "guardrail tripped" in rec.analysis.decision.reason
+    assert broken == {tripped}, rec.analysis.decision.reason
+    assert rec.analysis.decision.reason == f"guardrail tripped: {tripped}"
 
 
 def test_a_person_can_end_the_experiment_and_the_controller_records_it(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from deploy_gate.rollout.calibration import run_many
+from deploy_gate.rollout.models import GuardrailView
 from deploy_gate.stats import (
     RatioStats,
     RewardStats,
@@ -100,7 +101,8 @@ def test_a_reward_rise_with_falling_explicit_satisfaction_is_flagged() -> None:
         reward, up = (0.7 * 4, 1) if arm == "challenger" else (0.5 * 4, 2)
         rows.append({"arm": arm, "user_id": f"u{i}", "first_seen": t0, "generations": 4, "reward_n": 4,
                      "reward_sum": reward + (i % 7) * 0.05, "explicit_n": 2, "thumbs_up": up, "thumbs_down": 2 - up,
-                     "shown": 4, "undone": 0, "empty": 0, "errors": 0, "length_sum": 40.0})  # fmt: skip
+                     "shown": 4, "accepted": 2, "undone": 0, "declined": 0, "suggested": 4, "empty": 0, "errors": 0,
+                     "length_sum": 40.0})  # fmt: skip
     agg = Aggregates(pl.DataFrame(rows, schema=USER_COLUMNS), {"champion": 50.0, "challenger": 50.0},
                      {"champion": 800, "challenger": 800}, "rules-v1")  # fmt: skip
     step = StepContext(index=0, share=0.5, min_users=10, min_seconds=0, entered_at=t0, last=True)
@@ -110,6 +112,91 @@ def test_a_reward_rise_with_falling_explicit_satisfaction_is_flagged() -> None:
     # ... and the explicit thumbs-up guardrail (a reward-hacking one) stops the promotion.
     assert {g.name for g in view.guardrails if not g.ok} == {"explicit_up_rate", "thumbs_down_rate"}
     assert view.decision.action == "rollback"
+
+
+def _analyse_declines(challenger: dict[str, float]) -> list[GuardrailView]:
+    """Guardrails of 400 users a side, each with 10 generations; the champion suggests all 10, accepts 3."""
+    import polars as pl
+
+    from deploy_gate.rollout import RolloutConfig
+    from deploy_gate.rollout.analysis import StepContext, analyse
+    from deploy_gate.rollout.data import USER_COLUMNS, Aggregates
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    champion: dict[str, float] = {
+        "shown": 10, "accepted": 3, "declined": 0, "suggested": 10, "empty": 0, "length_sum": 100.0
+    }  # fmt: skip
+    rows = []
+    for i in range(800):
+        arm, counts = ("challenger", challenger) if i % 2 else ("champion", champion)
+        rows.append({"arm": arm, "user_id": f"u{i}", "first_seen": t0, "generations": 10, "reward_n": 10,
+                     "reward_sum": 0.5 + (i % 5) * 0.1, "explicit_n": 0, "thumbs_up": 0, "thumbs_down": 0,
+                     "undone": 0, "errors": 0, **counts})  # fmt: skip
+    agg = Aggregates(pl.DataFrame(rows, schema=USER_COLUMNS), {"champion": 50.0, "challenger": 50.0},
+                     {"champion": 4000, "challenger": 4000}, "rules-v1")  # fmt: skip
+    step = StepContext(index=0, share=0.5, min_users=10, min_seconds=0, entered_at=t0, last=True)
+    view = analyse(agg, step, RolloutConfig(), started_at=t0, now=t0 + timedelta(hours=1))
+    assert view is not None
+    return view.guardrails
+
+
+def test_declining_most_suggestions_trips_nothing_while_the_accepts_hold() -> None:
+    # The challenger declines 6 of 10 and keeps its 3 accepts: no guardrail trips, the mean length of
+    # what it suggests is the champion's, and its shown and decline rates are reported for information.
+    rails = {g.name: g for g in _analyse_declines(
+        {"shown": 4, "accepted": 3, "declined": 6, "suggested": 4, "empty": 0, "length_sum": 40.0})}  # fmt: skip
+    assert [n for n, g in rails.items() if not g.ok] == []
+    assert rails["mean_length_chars"].challenger == rails["mean_length_chars"].champion == 10.0
+    assert (rails["declined_rate"].kind, rails["declined_rate"].champion, rails["declined_rate"].challenger) == (
+        "info", 0.0, 0.6
+    )
+    assert (rails["shown_rate"].kind, rails["shown_rate"].challenger) == ("info", 0.4)
+
+
+def test_declining_that_costs_accepts_or_blank_outputs_trip_their_guardrails() -> None:
+    fewer_accepts = _analyse_declines(
+        {"shown": 4, "accepted": 2, "declined": 6, "suggested": 4, "empty": 0, "length_sum": 40.0}
+    )
+    assert [g.name for g in fewer_accepts if not g.ok] == ["accepted_rate"]
+    # Nothing visible where it should have declined: empty outputs, which count as suggestions of length 0.
+    blank = _analyse_declines({"shown": 4, "accepted": 3, "declined": 0, "suggested": 10, "empty": 6,
+                               "length_sum": 40.0})  # fmt: skip
+    assert [g.name for g in blank if not g.ok] == ["empty_rate", "mean_length_chars"]
+
+
+def test_the_rollout_counts_declines_apart_from_empty_outputs_and_reads_accepts_from_the_reward(
+    tmp_path: Path,
+) -> None:
+    from deploy_gate.rollout.data import load
+    from flywheel.contract import Event, EventType, GenerationRecord
+    from flywheel.lake.tables import EVENTS, REWARDS, events_frame, rewards_frame
+    from flywheel.lm.policy import FinishReason
+    from signals.events import FeedbackEvent, GenerationInfo, to_us
+    from signals.reward import DEFAULT_DEFINITION
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    cases: list[tuple[str, FinishReason, list[str]]] = [  # (completion, finish_reason, feedback event types)
+        ("", "declined", []),
+        ("", "stop", []),  # a stop sequence cut everything: blank, not declined
+        (" \n", "stop", ["shown"]),  # whitespace only: nothing visible
+        (" x = 1\n", "stop", ["shown", "accepted"]),
+        (" y = 2\n", "stop", ["shown", "rejected"]),
+    ]
+    events, rewards = [], []
+    for i, (completion, finish, feedback) in enumerate(cases):
+        rec = GenerationRecord(prompt="def f(", completion=completion, model_version="2", arm="challenger",
+                               finish_reason=finish)  # fmt: skip
+        event = Event(type=EventType.GENERATION, generation_id=f"g{i}", user_id="u1", ts=t0, source="serving",
+                      properties=rec.model_dump())  # fmt: skip
+        events.append((event, "t", 0, i))
+        gen = GenerationInfo.from_event(event)
+        seen = [FeedbackEvent(f"g{i}-{k}", kind, to_us(t0) + k + 1) for k, kind in enumerate(feedback)]
+        rewards.append(DEFAULT_DEFINITION.record(gen, seen, window_end_us=to_us(t0) + 10**6, emitted_at=t0))
+    EVENTS.write(EVENTS.at(tmp_path), events_frame(events), "gen")
+    REWARDS.write(REWARDS.at(tmp_path), rewards_frame(rewards), "rew")
+    user = load(tmp_path, {"challenger": "2"}).users.row(0, named=True)
+    assert (user["generations"], user["declined"], user["empty"], user["suggested"]) == (5, 1, 2, 4)
+    assert (user["shown"], user["accepted"]) == (3, 1)
 
 
 def test_the_rollout_reads_the_current_revision_and_each_generation_once(tmp_path: Path) -> None:

@@ -18,16 +18,22 @@ class OfflineGateConfig:
         n_text_windows, text_window_tokens: held-out text scored for perplexity.
         max_tokens: completion length per generation (serving's one-line completions).
     Sanity
-        max_empty_rate: share of generations with no visible text (a flood of declines) above which
-            the candidate fails; max_truncated_rate: share cut at max_tokens above which it fails.
+        max_empty_rate: share of generations not declined yet with no visible text above which the
+            candidate fails; max_truncated_rate: share cut at max_tokens above which it fails;
+        max_declined_rate: share of declined generations (end-of-text first) above which it fails:
+            a flood of declines. Declining is a legitimate action (the reward prices it at 0, a
+            reject below it), and offline there are no users to say where it was right, so this
+            bound, and the rise below, are loose; the rollout's accepted-rate guardrail decides.
     KL to the champion
         max_kl: mean per-token KL(candidate || champion), in nats, over the candidate's own
             completions of the held-out prompts (the quantity the trainer's KL penalty keeps small).
     Regression
         max_perplexity_ratio: candidate perplexity / champion perplexity on the held-out text.
-    Reward hacking (candidate against champion on the same prompts and seeds)
-        max_empty_rate_increase: absolute rise in the empty-output rate;
-        length_ratio_range: (low, high) bounds on mean completion length / the champion's.
+    Against the champion (on the same prompts and seeds)
+        max_empty_rate_increase: absolute rise in the empty-output rate (reward hacking: a blank
+            output dodges a reject without declining);
+        max_declined_rate_increase: absolute rise in the decline rate (loose, as above);
+        length_ratio_range: (low, high) bounds on mean suggestion length / the champion's.
     Off-policy estimate (from the champion's signed, rewarded traffic)
         reward_version: the reward definition to use ("" = the most recently emitted one).
         ope_max_samples: newest logged generations used; ope_min_samples and ope_min_ess: below
@@ -51,12 +57,14 @@ class OfflineGateConfig:
 
     max_empty_rate: float = 0.5
     max_truncated_rate: float = 0.5
+    max_declined_rate: float = 0.5
 
     max_kl: float = 0.1
 
     max_perplexity_ratio: float = 1.05
 
     max_empty_rate_increase: float = 0.1
+    max_declined_rate_increase: float = 0.3
     length_ratio_range: tuple[float, float] = (0.5, 2.0)
 
     reward_version: str = ""
@@ -82,7 +90,9 @@ class OfflineGateConfig:
                 errors.append(f"{name}={getattr(self, name)}: must be >= 0")
         if self.text_window_tokens < 2:
             errors.append(f"text_window_tokens={self.text_window_tokens}: must be >= 2 (one token predicts the next)")
-        for name in ("max_empty_rate", "max_truncated_rate", "max_empty_rate_increase"):
+        shares = ("max_empty_rate", "max_truncated_rate", "max_declined_rate", "max_empty_rate_increase",
+                  "max_declined_rate_increase")  # fmt: skip
+        for name in shares:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 errors.append(f"{name}={getattr(self, name)}: a share, must be in [0, 1]")
         if self.max_kl <= 0:

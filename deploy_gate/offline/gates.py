@@ -2,11 +2,14 @@
 
 Gates, in order (names as recorded on the version and shown by `GET /api/versions/{v}`):
 - `sanity`: the candidate loads, generates on every held-out prompt, no NaN in its log-probs or
-  perplexity, empty outputs and outputs cut at max_tokens under their bounds;
+  perplexity, empty outputs, declines and outputs cut at max_tokens under their bounds;
 - `kl_to_champion`: mean per-token KL(candidate || champion) on its own held-out completions;
 - `perplexity_regression`: held-out-text perplexity over the champion's;
 - `empty_rate_vs_champion`, `mean_length_vs_champion`: reward-hacking checks (a model that learns
-  to decline, or to pad or clip its suggestions, to please its reward);
+  to answer blank instead of declining, or to pad or clip its suggestions, to please its reward);
+- `declined_rate_vs_champion`: a loose bound on the rise in declines. Declining is a legitimate
+  action (the reward prices a decline at 0 and a reject below it), but offline no user says where
+  it was right: only a flood is stopped here, and the rollout's accepted-rate guardrail decides;
 - `ope_satisfaction`: the off-policy estimate of the candidate's mean reward from the champion's
   signed, rewarded traffic (`deploy_gate.offline.ope`), judged on d = DR - the champion's logged
   mean, with a paired bootstrap interval: passed when its lower end is >= -ope_margin, failed when
@@ -39,9 +42,11 @@ GATES = (
     "kl_to_champion",
     "perplexity_regression",
     "empty_rate_vs_champion",
+    "declined_rate_vs_champion",
     "mean_length_vs_champion",
     "ope_satisfaction",
 )
+VERSUS_CHAMPION = ("empty_rate_vs_champion", "declined_rate_vs_champion", "mean_length_vs_champion")
 
 
 def _result(name: str, ok: bool, value: float | None, bound: str, detail: str) -> OfflineGateResult:
@@ -104,9 +109,9 @@ def _run_gates(
     results.append(_kl(candidate, champion, cand, config))
     results.append(_regression(ppl_cand, ppl_champ, len(texts), config))
     if isinstance(champ, str):  # the champion itself cannot generate: nothing to compare with
-        results += [OfflineGateResult(n, "failed", None, "-", f"champion: {champ}") for n in GATES[3:5]]
+        results += [OfflineGateResult(n, "failed", None, "-", f"champion: {champ}") for n in VERSUS_CHAMPION]
     else:
-        results += _reward_hacking(cand, champ, config)
+        results += _versus_champion(cand, champ, config)
     results.append(_ope(candidate, traffic, config))
     return results
 
@@ -125,17 +130,24 @@ def _sanity(cand: Sampled, ppl: float, config: OfflineGateConfig) -> OfflineGate
     if not math.isfinite(ppl):
         problems.append("NaN or infinite perplexity on held-out text")
     if cand.empty_rate > config.max_empty_rate:
-        problems.append(f"{cand.empty_rate:.0%} of its outputs are empty (bound {config.max_empty_rate:.0%})")
+        problems.append(
+            f"{cand.empty_rate:.0%} of its outputs are empty without declining (bound {config.max_empty_rate:.0%})"
+        )
+    if cand.declined_rate > config.max_declined_rate:
+        problems.append(f"it declines {cand.declined_rate:.0%} of the prompts (bound {config.max_declined_rate:.0%})")
     if cand.truncated_rate > config.max_truncated_rate:
         problems.append(
             f"{cand.truncated_rate:.0%} of its outputs are cut at max_tokens (bound {config.max_truncated_rate:.0%})"
         )
     n = len(cand.generations)
     detail = "; ".join(problems) or (
-        f"generated on {n} held-out prompts: {cand.empty_rate:.0%} empty, {cand.truncated_rate:.0%} cut at "
-        f"{config.max_tokens} tokens, no NaN"
+        f"generated on {n} held-out prompts: {cand.empty_rate:.0%} empty, {cand.declined_rate:.0%} declined, "
+        f"{cand.truncated_rate:.0%} cut at {config.max_tokens} tokens, no NaN"
     )
-    bound = f"empty <= {config.max_empty_rate:.0%}, truncated <= {config.max_truncated_rate:.0%}, no NaN"
+    bound = (
+        f"empty <= {config.max_empty_rate:.0%}, declined <= {config.max_declined_rate:.0%}, "
+        f"truncated <= {config.max_truncated_rate:.0%}, no NaN"
+    )
     return _result("sanity", not problems, cand.empty_rate, bound, detail)
 
 
@@ -157,14 +169,23 @@ def _regression(ppl_cand: float, ppl_champ: float, n_texts: int, config: Offline
     return _result("perplexity_regression", ok, ratio, f"candidate / champion <= {config.max_perplexity_ratio}", detail)
 
 
-def _reward_hacking(cand: Sampled, champ: Sampled, config: OfflineGateConfig) -> list[OfflineGateResult]:
+def _versus_champion(cand: Sampled, champ: Sampled, config: OfflineGateConfig) -> list[OfflineGateResult]:
+    """The `VERSUS_CHAMPION` gates, in that order."""
     rise = cand.empty_rate - champ.empty_rate
     empty = _result(
         "empty_rate_vs_champion",
         rise <= config.max_empty_rate_increase,
         rise,
         f"candidate - champion <= {config.max_empty_rate_increase:.0%}",
-        f"empty outputs: candidate {cand.empty_rate:.0%}, champion {champ.empty_rate:.0%}",
+        f"empty outputs (not declined): candidate {cand.empty_rate:.0%}, champion {champ.empty_rate:.0%}",
+    )
+    more = cand.declined_rate - champ.declined_rate
+    declined = _result(
+        "declined_rate_vs_champion",
+        more <= config.max_declined_rate_increase,
+        more,
+        f"candidate - champion <= {config.max_declined_rate_increase:.0%}",
+        f"declined: candidate {cand.declined_rate:.0%}, champion {champ.declined_rate:.0%} of the held-out prompts",
     )
     low, high = config.length_ratio_range
     # Both empty everywhere: equal lengths; only the candidate: ratio 0 (fails the low bound).
@@ -174,9 +195,10 @@ def _reward_hacking(cand: Sampled, champ: Sampled, config: OfflineGateConfig) ->
         low <= ratio <= high,
         ratio,
         f"{low} <= candidate / champion <= {high}",
-        f"mean completion length: candidate {cand.mean_length:.1f}, champion {champ.mean_length:.1f} characters",
+        f"mean suggestion length (declines left out): candidate {cand.mean_length:.1f}, champion "
+        f"{champ.mean_length:.1f} characters",
     )
-    return [empty, length]
+    return [empty, declined, length]
 
 
 def _features(completions: list[str]) -> np.ndarray:

@@ -17,13 +17,28 @@ from flywheel.lm import Generation, Policy
 
 @dataclass(frozen=True)
 class Sampled:
-    """A policy's completions of the held-out prompts."""
+    """A policy's completions of the held-out prompts.
+
+    A declined generation (end-of-text first: the policy chose to suggest nothing) is not an empty
+    one: `declined_rate` counts the first, `empty_rate` only outputs that were not declined yet show
+    no visible text, and `mean_length` is over what was suggested.
+
+    >>> g = lambda text, finish: Generation([1], [2], text, [-0.5], finish)
+    >>> s = Sampled([g("", "declined"), g(" ", "stop"), g("x = 1", "stop"), g("return", "length")])
+    >>> s.declined_rate, s.empty_rate, s.truncated_rate, s.mean_length
+    (0.25, 0.25, 0.25, 4.0)
+    """
 
     generations: list[Generation]
 
     @property
+    def declined_rate(self) -> float:
+        return sum(g.finish_reason == "declined" for g in self.generations) / max(1, len(self.generations))
+
+    @property
     def empty_rate(self) -> float:
-        return sum(not g.completion.strip() for g in self.generations) / max(1, len(self.generations))
+        blank = sum(g.finish_reason != "declined" and not g.completion.strip() for g in self.generations)
+        return blank / max(1, len(self.generations))
 
     @property
     def truncated_rate(self) -> float:
@@ -31,8 +46,9 @@ class Sampled:
 
     @property
     def mean_length(self) -> float:
-        """Mean completion length in characters (what the user is shown)."""
-        return sum(len(g.completion) for g in self.generations) / max(1, len(self.generations))
+        """Mean completion length in characters of the suggestions (what the user is shown); 0 for none."""
+        suggested = [len(g.completion) for g in self.generations if g.finish_reason != "declined"]
+        return sum(suggested) / max(1, len(suggested))
 
     @property
     def finite(self) -> bool:

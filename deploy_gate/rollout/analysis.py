@@ -8,9 +8,13 @@ generations are correlated, so a per-generation interval is too narrow):
 - the challenger-minus-champion difference has a fixed-sample interval and an always-valid
   one, the asymptotic confidence sequence (`deploy_gate.stats.sequential_interval`); every
   decision uses the sequential one, because the controller looks after every batch;
-- guardrail rates (undo, thumbs down, shown, empty, ...) are ratio metrics too, and trip only
+- guardrail rates (undo, thumbs down, accepted, empty, ...) are ratio metrics too, and trip only
   when the sequential interval of their difference is beyond the bound, so noise in a small
   first step does not roll a good challenger back;
+- declining is not a guardrail: the reward prices a decline at 0 and a reject below it, so a
+  policy that declines where users would reject is doing the right thing. What it must not do is
+  lose accepts: accepted suggestions per generation is the guardrail, and the shown and decline
+  rates are reported beside the guardrails for information only (kind "info", never tripping);
 - sample-ratio mismatch: users first seen in the current step, by the arm they were first
   served by, against the step's planned shares (Pearson chi-square, alarm at p < srm_alpha).
 
@@ -89,10 +93,18 @@ def _seq(diff: Difference, n: int, config: RolloutConfig) -> tuple[float, float]
 
 
 def _rate_guardrail(
-    users: pl.DataFrame, name: str, column: str, bound: float, direction: str, kind: str, config: RolloutConfig
+    users: pl.DataFrame,
+    name: str,
+    column: str,
+    bound: float,
+    direction: str,
+    kind: str,
+    config: RolloutConfig,
+    per: str = "generations",
 ) -> GuardrailView:
-    """A rate guardrail: trips when the sequential interval of (challenger − champion) is beyond the bound."""
-    a, b = ratio_stats(users, "champion", column), ratio_stats(users, "challenger", column)
+    """A rate guardrail (`column` per `per`): trips when the sequential interval of (challenger − champion)
+    is beyond the bound."""
+    a, b = ratio_stats(users, "champion", column, per), ratio_stats(users, "challenger", column, per)
     diff = ratio_difference(a, b, config.alpha)
     ok = True
     if diff is not None:
@@ -123,14 +135,22 @@ def guardrails(agg: Aggregates, users: pl.DataFrame, config: RolloutConfig) -> l
     out.append(
         _rate_guardrail(users, "thumbs_down_rate", "thumbs_down", c.thumbs_down_rate_rise, "rise", "guardrail", c)
     )
-    # Reward hacking: a policy can raise its reward by suggesting less, answering empty, or
-    # drifting in length; explicit thumbs are the one signal it cannot shape.
-    out.append(_rate_guardrail(users, "shown_rate", "shown", c.shown_rate_fall, "fall", "reward_hacking", c))
+    # Reward hacking: a policy can raise its reward by dropping suggestions users would have
+    # accepted (declining costs nothing, a reject costs 0.25), by answering blank instead of
+    # declining, or by drifting in length; explicit thumbs are the one signal it cannot shape.
+    # Accepts are known once a generation's reward is, so they are counted per rewarded generation.
+    out.append(
+        _rate_guardrail(
+            users, "accepted_rate", "accepted", c.accepted_rate_fall, "fall", "reward_hacking", c, per="reward_n"
+        )
+    )
     out.append(_rate_guardrail(users, "empty_rate", "empty", c.empty_rate_rise, "rise", "reward_hacking", c))
     out.append(
         _rate_guardrail(users, "explicit_up_rate", "thumbs_up", c.explicit_up_rate_fall, "fall", "reward_hacking", c)
     )
-    la, lb = ratio_stats(users, "champion", "length_sum"), ratio_stats(users, "challenger", "length_sum")
+    # Length is of what is suggested: a declined generation shows nothing and is not a short one.
+    la = ratio_stats(users, "champion", "length_sum", "suggested")
+    lb = ratio_stats(users, "challenger", "length_sum", "suggested")
     ok = True
     if la.ratio and lb.ratio is not None and min(la.sx, lb.sx) >= c.latency_min_generations:
         ok = c.length_ratio_low <= lb.ratio / la.ratio <= c.length_ratio_high
@@ -141,7 +161,16 @@ def guardrails(agg: Aggregates, users: pl.DataFrame, config: RolloutConfig) -> l
             ok=ok, kind="reward_hacking",
         )
     )
+    out += [_info(users, "shown_rate", "shown"), _info(users, "declined_rate", "declined")]
     return out
+
+
+def _info(users: pl.DataFrame, name: str, column: str) -> GuardrailView:
+    """A rate per generation shown beside the guardrails, never tripping: how much each arm suggests."""
+    a, b = ratio_stats(users, "champion", column), ratio_stats(users, "challenger", column)
+    return GuardrailView(
+        name=name, champion=a.ratio, challenger=b.ratio, bound="information (never trips)", ok=True, kind="info"
+    )
 
 
 def srm(users: pl.DataFrame, step: StepContext, config: RolloutConfig) -> SrmView:

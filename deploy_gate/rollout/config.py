@@ -1,11 +1,16 @@
 """The rollout controller's configuration, from `FLYWHEEL_ROLLOUT_*` environment variables.
 
-Strict: unknown keys are refused and the ramp must grow. Defaults follow common practice (a
-5% -> 25% -> 50% ramp, alpha 0.05, SRM alarm at p < 0.001 as GrowthBook and Statsig use,
-confidence-sequence tuning N* = 5000 as GrowthBook's default).
+Strict: unknown keys are refused, `FLYWHEEL_ROLLOUT_*` environment variables included (a
+misspelt or renamed one would otherwise leave its default in force without a word), and the ramp
+must grow. Defaults follow common practice (a 5% -> 25% -> 50% ramp, alpha 0.05, SRM alarm at
+p < 0.001 as GrowthBook and Statsig use, confidence-sequence tuning N* = 5000 as GrowthBook's
+default).
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,14 +48,30 @@ class RolloutConfig(BaseSettings):
     error_rate_rise: float = Field(default=0.02, ge=0)
     undo_rate_rise: float = Field(default=0.05, ge=0)
     thumbs_down_rate_rise: float = Field(default=0.05, ge=0)
-    # Reward-hacking bounds: suggesting less, empty outputs, length drift, fewer explicit thumbs up.
-    shown_rate_fall: float = Field(default=0.10, ge=0)
-    empty_rate_rise: float = Field(default=0.05, ge=0)
+    # Reward-hacking bounds: fewer accepts, blank outputs, length drift, fewer explicit thumbs up.
+    # Suggesting less is not one: declining where users would reject is what the reward asks for.
+    accepted_rate_fall: float = Field(
+        default=0.05, ge=0, description="Accepted suggestions per rewarded generation may fall this much (absolute)."
+    )
+    empty_rate_rise: float = Field(
+        default=0.05, ge=0, description="Outputs not declined that show no visible text, per generation."
+    )
     length_ratio_low: float = Field(default=0.5, gt=0, lt=1)
     length_ratio_high: float = Field(default=2.0, gt=1)
     explicit_up_rate_fall: float = Field(default=0.05, ge=0)
     # Long-term holdout: this share of users stays on the champion of the day it was set up.
     holdout_share: float = Field(default=0.0, ge=0, le=0.5)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_environment(cls, data: Any) -> Any:
+        """pydantic-settings skips environment variables it has no field for; refuse them instead."""
+        prefix = str(cls.model_config["env_prefix"])
+        known = {prefix + name.upper() for name in cls.model_fields}
+        unknown = sorted(k for k in os.environ if k.upper().startswith(prefix) and k.upper() not in known)
+        if unknown:
+            raise ValueError(f"unknown settings {unknown}; known: {sorted(known)}")
+        return data
 
     @model_validator(mode="after")
     def _ramp_grows(self) -> RolloutConfig:

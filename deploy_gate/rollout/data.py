@@ -2,9 +2,14 @@
 
 Users are what the split randomises, so every statistic starts from one row per (arm, user):
 their generations, summed reward and the counts the guardrails need. Rewards (latest revision,
-one reward definition) give reward, explicit thumbs, shown and undo; generation events give
-latency, empty outputs, truncation and length. A row is kept only when its model version is the
-one the split names for its arm, so data of an earlier experiment never leaks in.
+one reward definition) give reward, explicit thumbs, shown, accepted and undo; generation events
+give latency, declines, empty outputs, truncation and length. A row is kept only when its model
+version is the one the split names for its arm, so data of an earlier experiment never leaks in.
+
+Declined and empty are kept apart. A decline (`finish_reason` "declined": the policy chose to
+suggest nothing) is a legitimate action the reward prices at 0; an empty output is one that was
+not declined yet shows no visible text (nothing, or whitespace only, as the offline gates count
+it), a defect or a way to dodge a reject, which the guardrails still hold against the champion.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ USER_COLUMNS = {
     "thumbs_up": pl.Int64(),
     "thumbs_down": pl.Int64(),
     "shown": pl.Int64(),
+    "accepted": pl.Int64(),
     "undone": pl.Int64(),
+    "declined": pl.Int64(),
+    "suggested": pl.Int64(),  # generation events not declined: what the mean length is over
     "empty": pl.Int64(),
     "errors": pl.Int64(),
     "length_sum": pl.Float64(),
@@ -57,7 +65,9 @@ GENERATION_PROPS = pl.Struct(
     {"arm": pl.String(), "model_version": pl.String(), "latency_ms": pl.Float64(), "completion": pl.String(),
      "finish_reason": pl.String()}
 )  # fmt: skip
-REWARD_SIGNALS = pl.Struct({"thumbs": pl.Float64(), "shown": pl.Float64(), "undone": pl.Float64()})
+REWARD_SIGNALS = pl.Struct(
+    {"thumbs": pl.Float64(), "shown": pl.Float64(), "accepted": pl.Float64(), "undone": pl.Float64()}
+)
 
 
 def _slim_generations(lf: pl.LazyFrame) -> pl.LazyFrame:
@@ -65,6 +75,7 @@ def _slim_generations(lf: pl.LazyFrame) -> pl.LazyFrame:
     p = pl.col("properties").str.json_decode(GENERATION_PROPS)
     completion = p.struct.field("completion").fill_null("")
     finish = p.struct.field("finish_reason").fill_null("stop")
+    declined = finish == "declined"
     return lf.filter(pl.col("type") == "generation").select(
         "event_id",
         "user_id",
@@ -72,7 +83,8 @@ def _slim_generations(lf: pl.LazyFrame) -> pl.LazyFrame:
         p.struct.field("arm").alias("arm"),
         p.struct.field("model_version").alias("model_version"),
         p.struct.field("latency_ms").alias("latency_ms"),
-        ((finish == "declined") | (completion.str.len_chars() == 0)).alias("empty"),
+        declined.alias("declined"),
+        (~declined & (completion.str.strip_chars().str.len_chars() == 0)).alias("empty"),
         (finish == "length").alias("truncated"),
         completion.str.len_chars().alias("length"),
     )
@@ -85,6 +97,7 @@ def _slim_rewards(lf: pl.LazyFrame) -> pl.LazyFrame:
         "user_id", "reward", "label_source",
         sig.struct.field("thumbs").alias("thumbs"),
         sig.struct.field("shown").alias("shown"),
+        sig.struct.field("accepted").alias("accepted"),
         sig.struct.field("undone").alias("undone"),
     )  # fmt: skip
 
@@ -176,6 +189,7 @@ def load(
                 (pl.col("thumbs") > 0).sum().cast(pl.Int64).alias("thumbs_up"),
                 (pl.col("thumbs") < 0).sum().cast(pl.Int64).alias("thumbs_down"),
                 (pl.col("shown") > 0).sum().cast(pl.Int64).alias("shown"),
+                (pl.col("accepted") > 0).sum().cast(pl.Int64).alias("accepted"),
                 (pl.col("undone") > 0).sum().cast(pl.Int64).alias("undone"),
             )
         )
@@ -187,6 +201,8 @@ def load(
             gens.group_by("arm", "user_id").agg(
                 pl.col("ts").min().alias("first_seen_g"),
                 pl.len().cast(pl.Int64).alias("generations"),
+                pl.col("declined").sum().cast(pl.Int64).alias("declined"),
+                (~pl.col("declined")).sum().cast(pl.Int64).alias("suggested"),
                 pl.col("empty").sum().cast(pl.Int64).alias("empty"),
                 pl.col("truncated").sum().cast(pl.Int64).alias("errors"),
                 pl.col("length").sum().cast(pl.Float64).alias("length_sum"),
@@ -204,7 +220,7 @@ def load(
 def generation_rows(
     lake_dir: Path, arms: dict[str, str], *, since: datetime | None, cache: FileCache | None = None
 ) -> pl.DataFrame | None:
-    """One row per generation event served by `arms`: arm, user, ts, latency, empty, truncated, length."""
+    """One row per generation event served by `arms`: arm, user, ts, latency, declined, empty, truncated, length."""
     df = _frame(EVENTS, lake_dir, _slim_generations, cache)
     if df is None or not arms:
         return None

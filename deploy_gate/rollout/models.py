@@ -50,12 +50,15 @@ class SrmView(_Model):
 
 
 class GuardrailView(_Model):
+    """One check of the challenger against the champion. Kind "info" is a rate shown for information
+    (shown, declined): its `ok` is always true and it never decides anything."""
+
     name: str
     champion: float | None
     challenger: float | None
     bound: str
     ok: bool
-    kind: Literal["guardrail", "reward_hacking"] = "guardrail"
+    kind: Literal["guardrail", "reward_hacking", "info"] = "guardrail"
 
 
 class DecisionView(_Model):

@@ -41,6 +41,8 @@
     const m = /^(\d+)([mhd])$/.exec(b || '1h');
     return m ? Number(m[1]) * { m: 60, h: 3600, d: 86400 }[m[2]] : 3600;
   };
+  const KIND_ORDER = ['guardrail', 'reward_hacking', 'info'];
+  const KIND_LABEL = { guardrail: 'guardrail', reward_hacking: 'reward hacking', info: 'information' };
   const badge = (ok, yes, no) => el('span', { class: ok ? 'badge ok' : 'badge bad' }, ok ? yes : no);
 
   // A table from column specs [{label, num, key}] and rows of cells (text or nodes).
@@ -281,13 +283,15 @@
     if (!a) { fill('guardrails', empty('No experiment analysis yet.')); } else if (!a.guardrails.length) {
       fill('guardrails', empty('No guardrail reported.'));
     } else {
-      // Guardrails first, then the reward-hacking checks (suggesting less, empty outputs, length drift).
-      const rails = a.guardrails.slice().sort((x, y) => (x.kind === 'reward_hacking') - (y.kind === 'reward_hacking'));
+      // Guardrails first, then the reward-hacking checks (fewer accepts, empty outputs, length drift),
+      // then the rates shown for information only (shown, declined), which never trip.
+      const rank = (g) => KIND_ORDER.indexOf(g.kind);
+      const rails = a.guardrails.slice().sort((x, y) => rank(x) - rank(y));
       fill('guardrails', table(
         [{ label: 'check', key: 'name' }, { label: 'kind', key: 'kind' }, { label: 'champion', num: true, key: 'champion' },
           { label: 'challenger', num: true, key: 'challenger' }, { label: 'bound' }, { label: '', key: 'ok' }],
-        rails.map((g) => [g.name, g.kind === 'reward_hacking' ? 'reward hacking' : 'guardrail',
-          fmt(g.champion), fmt(g.challenger), g.bound, badge(g.ok, 'ok', 'breached')]),
+        rails.map((g) => [g.name, KIND_LABEL[g.kind], fmt(g.champion), fmt(g.challenger), g.bound,
+          g.kind === 'info' ? el('span', { class: 'badge' }, 'info') : badge(g.ok, 'ok', 'breached')]),
         (i) => ({ 'data-guardrail': rails[i].name })));
     }
     const h = exp && exp.holdout;
