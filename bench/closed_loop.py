@@ -191,15 +191,17 @@ def main() -> None:
             lines += [line for r in records for line in report_cycle(name, r)]
             print(f"{name}: {time.perf_counter() - started:.0f}s", flush=True)
         summary = ["", "| population | base accept | final accept | relative | base shown | final shown "
-                   "| base harmful | final harmful | unwanted shown base -> final |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                   "| base harmful | final harmful | unwanted shown base -> final |",
+                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for _name, (base, records) in results.items():
             for pop, t0 in base.items():
                 t1 = records[-1].truth_eval[pop] if records else t0
                 rel = (t1.accept_rate / t0.accept_rate - 1) if t0.accept_rate else float("nan")
                 unwanted = ("-" if t0.unwanted_shown_rate is None
                             else f"{t0.unwanted_shown_rate:.2f} -> {t1.unwanted_shown_rate:.2f}")  # fmt: skip
-                summary.append(f"| {pop} | {t0.accept_rate:.3f} | {t1.accept_rate:.3f} | {rel:+.0%} | {t0.shown_rate:.2f}"
-                               f" | {t1.shown_rate:.2f} | {t0.harmful_rate:.2f} | {t1.harmful_rate:.2f} | {unwanted} |")  # fmt: skip
+                summary.append(f"| {pop} | {t0.accept_rate:.3f} | {t1.accept_rate:.3f} | {rel:+.0%}"
+                               f" | {t0.shown_rate:.2f} | {t1.shown_rate:.2f} | {t0.harmful_rate:.2f}"
+                               f" | {t1.harmful_rate:.2f} | {unwanted} |")  # fmt: skip
         print("\n".join(summary))
         lines += summary
         if args.control_runs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+from pathlib import Path
 
 import typer
 
@@ -65,6 +66,11 @@ for _name, _module, _help in _COMPONENTS:
     app.add_typer(_sub, name=_name, help=_help)
 
 
+_TRAINER_CONFIG_OPTION = typer.Option(
+    None, help="TrainerConfig JSON for the trainer (default: the demo's, launcher/up.py DEMO_TRAINER_CONFIG)."
+)
+
+
 @app.command()
 def up(
     users: int = typer.Option(8, help="Simulated users driving traffic."),
@@ -72,10 +78,11 @@ def up(
     train_interval: float = typer.Option(120.0, help="Seconds between training cycles (production: hours)."),
     auto_approve: bool = typer.Option(True, help="Approve candidates automatically (demo only)."),
     duration: float = typer.Option(None, help="Stop after this many seconds (default: run until Ctrl-C)."),
+    trainer_config: Path = _TRAINER_CONFIG_OPTION,
 ) -> None:
     """Run the whole loop on one machine: embedded parts, every component, simulated users, dashboard."""
     from flywheel.settings import get_settings
     from launcher.up import run_up
 
     run_up(get_settings(), users=users, bootstrap_seconds=bootstrap_seconds, train_interval_s=train_interval,
-           auto_approve_candidates=auto_approve, duration_s=duration)
+           auto_approve_candidates=auto_approve, duration_s=duration, trainer_config=trainer_config)

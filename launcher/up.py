@@ -94,7 +94,17 @@ class Running:
     log_path: Path
 
 
-def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Running]:
+# The demo's trainer takes bigger steps than production's default (lr 1e-5, made for a model serving real
+# users for hours between cycles): on a few hundred samples every two minutes the embedded model's accept
+# rate should move within minutes. Its baseline is the reward of not suggesting (0 under Cursor's rewards),
+# so each suggestion is weighed against silence, and a declined request teaches nothing by itself.
+# `flywheel up --trainer-config FILE` replaces it (TrainerConfig fields as JSON, trainer/config.py).
+DEMO_TRAINER_CONFIG = {"learning_rate": 3e-4, "epochs": 2, "batch_size": 16, "baseline": 0.0}
+
+
+def start_components(
+    settings: Settings, extra_env: dict[str, str], extra_args: dict[str, list[str]] | None = None
+) -> list[Running]:
     # Eight processes share the machine: one math thread each avoids oversubscribing the cores.
     env = {**os.environ, **settings_env(settings), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            **extra_env, "PYTHONUNBUFFERED": "1"}
@@ -104,6 +114,7 @@ def start_components(settings: Settings, extra_env: dict[str, str]) -> list[Runn
     for name, args in COMPONENTS:
         log_path = logs / f"{name}.log"
         out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+        args = [*args, *(extra_args or {}).get(name, [])]
         proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
         running.append(Running(name, proc, log_path))
@@ -177,11 +188,13 @@ def progress_table(sim: UserSimulator, status: GateStatus, started: float, exper
     table = Table(title=f"Flywheel loop, {time.monotonic() - started:.0f}s")
     table.add_column("arm")
     table.add_column("served", justify="right")
-    table.add_column("declined", justify="right")
-    table.add_column("satisfied / shown", justify="right")
+    table.add_column("shown rate", justify="right")
+    table.add_column("accept rate", justify="right")
+    table.add_column("accept rate, last 100", justify="right")
     for arm in ("champion", "challenger"):
         s = sim.stats
-        table.add_row(arm, str(s.served[arm]), str(s.declined[arm]), f"{s.satisfaction(arm):.3f}")
+        table.add_row(arm, str(s.served[arm]), f"{s.shown_rate(arm):.2f}", f"{s.satisfaction(arm):.3f}",
+                      f"{s.recent_accept_rate(arm):.3f}")  # fmt: skip
     split = status.split
     if split:
         table.caption = (
@@ -211,6 +224,7 @@ def run_up(
     train_interval_s: float,
     auto_approve_candidates: bool,
     duration_s: float | None,
+    trainer_config: Path | None = None,
 ) -> None:
     stack: EmbeddedStack = start_embedded(settings)
     demo: dict[str, object] = {"train_interval_s": train_interval_s}
@@ -225,7 +239,11 @@ def run_up(
     try:
         ensure_topics(s)
         ensure_champion(s, bootstrap_seconds=bootstrap_seconds)
-        running = start_components(s, {k: v for k, v in DEMO_ROLLOUT_ENV.items() if k not in os.environ})
+        if trainer_config is None:
+            trainer_config = s.data_dir / "trainer-demo.json"
+            trainer_config.write_text(json.dumps(DEMO_TRAINER_CONFIG, indent=2) + "\n")
+        running = start_components(s, {k: v for k, v in DEMO_ROLLOUT_ENV.items() if k not in os.environ},
+                                   {"trainer": ["--config", str(trainer_config)]})  # fmt: skip
         base = "http://127.0.0.1"
         wait_healthy({
             "serving": f"{base}:{s.serving_port}/readyz",

@@ -263,8 +263,9 @@ class ClosedLoop:
         except Exception as exc:  # noqa: BLE001 - the refusal is the result (the audit log has it too)
             rec.decision, rec.reason = "refused", str(exc)
         rec.seconds["offline gates+approve"] = time.perf_counter() - started
-        if rec.decision == "refused":
+        if rec.decision == "refused":  # the champion keeps serving; its traffic is the next cycle's new data
             self.gate.reject(candidate, by="closed-loop", reason=f"refused at approval: {rec.reason[:200]}")
+            self.traffic_round(rec.seconds)
             return self._finish(rec)
         started = time.perf_counter()
         self._wait_loaded(candidate)
@@ -289,8 +290,8 @@ class ClosedLoop:
             self.gate.rollback(by="closed-loop", reason="the benchmark's rounds ran out before a decision")
         for arm in ("champion", "challenger"):
             mine = [o for o in served if o.arm == arm]
-            rec.truth_ab[arm] = {p.name: t for p in self.populations
-                                 if (t := measure([o for o in mine if o.population == p.name])) is not None}  # fmt: skip
+            truths = {p.name: measure([o for o in mine if o.population == p.name]) for p in self.populations}
+            rec.truth_ab[arm] = {name: t for name, t in truths.items() if t is not None}
         return self._finish(rec)
 
     def _finish(self, rec: CycleRecord) -> CycleRecord:

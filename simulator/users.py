@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +24,7 @@ from simulator.populations import Population, default_populations
 from simulator.product import Outcome, SimulatedProduct
 
 log = logging.getLogger(__name__)
+RECENT = 100  # shown suggestions per arm in the recent accept rate
 
 
 @dataclass
@@ -32,6 +33,7 @@ class SimulationStats:
     satisfied: Counter[str] = field(default_factory=Counter)  # kept suggestions, per arm
     declined: Counter[str] = field(default_factory=Counter)
     versions: Counter[str] = field(default_factory=Counter)
+    recent: defaultdict[str, deque[bool]] = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT)))
     errors: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -41,12 +43,23 @@ class SimulationStats:
             self.versions[outcome.model_version] += 1
             if not outcome.truth.shown:
                 self.declined[outcome.arm] += 1
-            elif outcome.reaction.kept:
+                return
+            self.recent[outcome.arm].append(outcome.reaction.kept)
+            if outcome.reaction.kept:
                 self.satisfied[outcome.arm] += 1
 
     def satisfaction(self, arm: str) -> float:
+        """The ground-truth accept rate of `arm`'s shown suggestions (kept, not undone), since the start."""
         shown = self.served[arm] - self.declined[arm]
         return self.satisfied[arm] / shown if shown else float("nan")
+
+    def shown_rate(self, arm: str) -> float:
+        return (self.served[arm] - self.declined[arm]) / self.served[arm] if self.served[arm] else float("nan")
+
+    def recent_accept_rate(self, arm: str) -> float:
+        """The accept rate of `arm`'s last `RECENT` shown suggestions: how the version serving now does."""
+        kept = self.recent[arm]
+        return sum(kept) / len(kept) if kept else float("nan")
 
 
 class UserSimulator:
