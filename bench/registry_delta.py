@@ -1,13 +1,19 @@
 """Weight-delta size: the registry's stored delta over the full safetensors file, on real trainer cycles.
 
 For each configuration a fresh registry holds the bootstrapped embedded model as champion (saved in the
-configuration's dtype), the same simulated feedback is in the lake, and `trainer.cycle.run_cycle` trains
-and registers a candidate exactly as in production. Reported per configuration: the full safetensors
-size, the stored delta (weights only, and the whole artifact with tokenizer and config), their ratio,
-the share of values whose bits changed, which encodings won, the delta's encode (register) and apply
-(rebuild + verify on fetch) times, and a bare baseline in the same run: zstd of the full file alone.
+configuration's stored dtype, `save_dtype`, as a champion that was itself a candidate would be), the same
+simulated feedback is in the lake, and `trainer.cycle.run_cycle` trains and registers a candidate exactly
+as in production. Configurations: the trainer's default (trains in float32, stores bfloat16 rounded
+stochastically) for one optimizer step and for whole cycles at each learning rate of the sweep; then, for
+comparison, one step and one default cycle training in bfloat16 itself (the optimizer rounds to nearest)
+and storing float32. Reported per configuration: the full safetensors size, the stored delta (weights
+only, and the whole artifact with tokenizer and config), their ratio, the share of values whose bits
+changed, for the stochastically rounded rows the share one step of exactly the learning rate would change
+(mean of min(1, lr / bfloat16 step) over the champion's values: AdamW's first step moves every weight
+with a gradient by the learning rate), which encodings won, the delta's apply (rebuild + verify on fetch)
+time, and a bare baseline in the same run: zstd of the full file alone.
 
-    python bench/registry_delta.py [--model DIR] [--samples 64] [--lrs 1e-6,1e-5,1e-4]
+    python bench/registry_delta.py [--model DIR] [--samples 64] [--lrs 1e-6,2e-6,3e-6,5e-6,1e-5,1e-4]
 
 Without --model the default preset is bootstrapped (`flywheel model bootstrap`, --bootstrap-seconds).
 """
@@ -15,6 +21,7 @@ Without --model the default preset is bootstrapped (`flywheel model bootstrap`, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -25,6 +32,7 @@ from typing import Any
 
 import torch
 import zstandard
+from safetensors.torch import load_file
 
 from flywheel.contract import ModelLineage
 from flywheel.lm import bootstrap_model, load_policy
@@ -48,11 +56,32 @@ def settings_in(root: Path) -> Settings:
                     redis_prefix=f"bench:{root.name}:")  # fmt: skip
 
 
-def one_config(base: Path, lake: Path, model: Path, dtype: str, config: TrainerConfig) -> dict[str, Any]:
-    root = base / f"{dtype}-lr{config.learning_rate:g}-steps{config.max_steps or 'cycle'}"
+def plans(lrs: list[float]) -> list[tuple[str, TrainerConfig]]:
+    """(label, config): the default config for one step and a cycle per learning rate, then one step and one
+    default cycle training in bfloat16 and storing float32."""
+    default = TrainerConfig()
+    out = [("default", dataclasses.replace(default, max_steps=1))]
+    out += [("default", dataclasses.replace(default, learning_rate=lr)) for lr in lrs]
+    for label, config in (("bf16 train", dataclasses.replace(default, dtype="bfloat16")),
+                          ("fp32 store", dataclasses.replace(default, save_dtype="float32"))):  # fmt: skip
+        out += [(label, dataclasses.replace(config, max_steps=1)), (label, config)]
+    return out
+
+
+def share_one_step_changes(weights: Path, lr: float) -> float:
+    """Share of bfloat16 values that one step of exactly `lr` changes under stochastic rounding: the mean
+    of min(1, lr / step), where a value's step is 2**(exponent - 8) (frexp's mantissa is in [0.5, 1))."""
+    tensors = [t.float().flatten() for t in load_file(weights).values()]
+    values = torch.cat(tensors)
+    step = torch.ldexp(torch.ones_like(values), torch.frexp(values).exponent - 8)
+    return float((lr / step).clamp(max=1.0).mean())
+
+
+def one_config(base: Path, lake: Path, model: Path, label: str, config: TrainerConfig) -> dict[str, Any]:
+    root = base / f"{label.replace(' ', '-')}-lr{config.learning_rate:g}-steps{config.max_steps or 'cycle'}"
     s = settings_in(root)
     shutil.copytree(lake, s.lake_dir)
-    champion_dir = load_policy(model, dtype=dtype).save(root / "champion")
+    champion_dir = load_policy(model, dtype=config.save_dtype).save(root / "champion")
     registry = ModelRegistry(s)
     champion = registry.register(champion_dir, ModelLineage(base="bootstrap"))
     registry.set_alias("champion", champion)
@@ -78,11 +107,15 @@ def one_config(base: Path, lake: Path, model: Path, dtype: str, config: TrainerC
     diff = registry.diff(champion, result.version)
     changed = sum(d.changed for d in diff) / sum(d.elements for d in diff)
     zstd_full = len(zstandard.ZstdCompressor(level=10).compress((rebuilt / WEIGHTS).read_bytes()))
+    rounded = (config.dtype, config.save_dtype) == ("float32", "bfloat16")  # stochastic rounding at save
     return {
-        "dtype": dtype, "lr": config.learning_rate, "steps": int(result.metrics["steps"]), "kind": art.kind,
+        "config": label, "dtype": config.dtype, "save_dtype": config.save_dtype, "lr": config.learning_rate,
+        "steps": int(result.metrics["steps"]), "kind": art.kind,
         "full_safetensors": full_weights, "delta_weights": stored_weights, "artifact_bytes": art.stored_bytes,
         "ratio_weights": full_weights / stored_weights, "ratio_artifact": full_weights / art.stored_bytes,
-        "baseline_zstd_ratio": full_weights / zstd_full, "changed_share": changed, "encodings": dict(encodings),
+        "baseline_zstd_ratio": full_weights / zstd_full, "changed_share": changed,
+        "one_step_lr_share": share_one_step_changes(champion_dir / WEIGHTS, config.learning_rate) if rounded else None,
+        "encodings": dict(encodings),
         "cycle_s": round(cycle_s, 2), "apply_s": round(apply_s, 3),
     }  # fmt: skip
 
@@ -92,8 +125,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="A checkpoint (default: bootstrap the default preset).")
     ap.add_argument("--bootstrap-seconds", type=float, default=120.0)
     ap.add_argument("--samples", type=int, default=64, help="Feedback samples per cycle (batch 8: samples/8 steps).")
-    ap.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="Learning rates to sweep on the whole cycle.")
-    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--lrs", default="1e-6,2e-6,3e-6,5e-6,1e-5,1e-4", help="Learning rates of the default cycles.")
     ap.add_argument("--json", type=Path, help="Also write the rows here.")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -103,26 +135,23 @@ def main() -> None:
                                               progress=False)  # fmt: skip
         s = settings_in(base / "feedback")
         write_events(s, consent_events(USERS))
-        policy = load_policy(model)
+        # Served by the default champion: its bfloat16 values, computed in float32 (as serving does).
+        policy = load_policy(load_policy(model, dtype="bfloat16").save(base / "served"))
         simulate_feedback(s, policy, PROMPTS, lambda g: 1.0 if g.finish_reason != "length" else -1.0,
                           model_version="1", n=args.samples, seed=1, users=USERS)  # fmt: skip
-        default = TrainerConfig()
         rows = []
-        for dtype in args.dtypes.split(","):
-            plans = [TrainerConfig(dtype=dtype, max_steps=1)]  # type: ignore[arg-type]
-            plans += [TrainerConfig(dtype=dtype, learning_rate=float(lr)) for lr in args.lrs.split(",")]  # type: ignore[arg-type]
-            for config in plans:
-                row = one_config(base, s.lake_dir, model, dtype, config)
-                row["default_lr"] = config.learning_rate == default.learning_rate
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for label, config in plans([float(lr) for lr in args.lrs.split(",")]):
+            rows.append(one_config(base, s.lake_dir, model, label, config))
+            print(json.dumps(rows[-1]), flush=True)
     print()
-    print(f"{'dtype':9} {'lr':>7} {'steps':>5} {'full MB':>8} {'delta KB':>9} {'ratio':>7} {'artifact':>8} "
-          f"{'zstd only':>9} {'changed':>8} {'apply s':>7}")  # fmt: skip
+    print(f"{'config':10} {'train':8} {'store':8} {'lr':>7} {'steps':>5} {'full MB':>8} {'delta KB':>9} "
+          f"{'ratio':>7} {'artifact':>8} {'zstd only':>9} {'changed':>8} {'lr/step':>8} {'apply s':>7}")  # fmt: skip
     for r in rows:
-        print(f"{r['dtype']:9} {r['lr']:>7g} {r['steps']:>5} {r['full_safetensors'] / 1e6:>8.2f} "
-              f"{r['delta_weights'] / 1e3:>9.1f} {r['ratio_weights']:>6.1f}x {r['ratio_artifact']:>7.1f}x "
-              f"{r['baseline_zstd_ratio']:>8.2f}x {r['changed_share']:>8.2%} {r['apply_s']:>7.3f}")
+        lr_share = "-" if r["one_step_lr_share"] is None else f"{r['one_step_lr_share']:.2%}"
+        print(f"{r['config']:10} {r['dtype']:8} {r['save_dtype']:8} {r['lr']:>7g} {r['steps']:>5} "
+              f"{r['full_safetensors'] / 1e6:>8.2f} {r['delta_weights'] / 1e3:>9.1f} {r['ratio_weights']:>6.1f}x "
+              f"{r['ratio_artifact']:>7.1f}x {r['baseline_zstd_ratio']:>8.2f}x {r['changed_share']:>8.2%} "
+              f"{lr_share:>8} {r['apply_s']:>7.3f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -164,14 +164,25 @@ def _encode_tensor(parent: memoryview, child: memoryview, dtype: str, w: _Writer
     return {**spec, "segments": [w.append(blob) for blob in blobs]}
 
 
+def _comparable(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether a tensor can be encoded against its parent's namesake: same dtype and shape."""
+    return old is not None and old["dtype"] == new["dtype"] and old["shape"] == new["shape"]
+
+
+def shares_tensors(parent_raw: bytes, child_raw: bytes) -> bool:
+    """Whether any tensor of `child_raw` can be encoded against `parent_raw` (not so after a dtype change):
+    without one, a delta would only hold every tensor again, "raw"."""
+    parent, child = parse_safetensors(parent_raw), parse_safetensors(child_raw)
+    return any(_comparable(parent.tensors.get(name), info) for name, info in child.tensors.items())
+
+
 def make_delta(parent_raw: bytes, child_raw: bytes, level: int = ZSTD_LEVEL) -> bytes:
     """The delta that turns the safetensors file `parent_raw` into `child_raw` exactly."""
     parent, child = parse_safetensors(parent_raw), parse_safetensors(child_raw)
     w = _Writer(level)
     plan: dict[str, dict[str, Any]] = {}
     for name, info in child.tensors.items():
-        old = parent.tensors.get(name)
-        if old is not None and old["dtype"] == info["dtype"] and old["shape"] == info["shape"]:
+        if _comparable(parent.tensors.get(name), info):
             plan[name] = _encode_tensor(parent.data(name), child.data(name), str(info["dtype"]), w)
         else:
             plan[name] = {"enc": "raw", "segments": [w.add(bytes(child.data(name)))]}

@@ -7,10 +7,11 @@ version tag; `fetch` refuses a download that does not match.
 
 A version trained from a parent stores a lossless delta against it (model_registry.delta)
 while the chain of deltas back to a full snapshot is shorter than `registry_max_chain`, and
-its full weights otherwise. `fetch` rebuilds a delta from its (cached, verified) parent and
-checks the result, file by file and tensor by tensor, against the manifest before anyone
-loads it; a broken link (a parent gone, a parent other than the one the delta was made
-against, a corrupt stored file) is an `ArtifactIntegrityError` that says which.
+its full weights otherwise, or when its weights changed dtype (an fp32 parent, a bf16 child).
+`fetch` rebuilds a delta from its (cached, verified) parent and checks the result, file by
+file and tensor by tensor, against the manifest before anyone loads it; a broken link (a
+parent gone, a parent other than the one the delta was made against, a corrupt stored file) is
+an `ArtifactIntegrityError` that says which.
 
 Lineage and gate state live in version tags, and every gate-state change adds one history
 tag (who, when, why), so the history is never rewritten.
@@ -41,7 +42,7 @@ from mlflow.exceptions import MlflowException
 from flywheel.connections import configure_mlflow, experiment_artifact_location
 from flywheel.contract import ModelLineage
 from flywheel.settings import Settings
-from model_registry.delta import SUFFIX, DeltaError, apply_delta, make_delta
+from model_registry.delta import SUFFIX, DeltaError, apply_delta, make_delta, shares_tensors
 from model_registry.diff import TensorDiff, diff_checkpoints
 from model_registry.manifest import (
     ArtifactIntegrityError,
@@ -297,8 +298,14 @@ class ModelRegistry:
             target = out / name
             target.parent.mkdir(parents=True, exist_ok=True)
             if name.endswith(".safetensors") and (parent_dir / name).is_file():
+                parent_raw, child_raw = (parent_dir / name).read_bytes(), (model_dir / name).read_bytes()
                 try:
-                    blob = make_delta((parent_dir / name).read_bytes(), (model_dir / name).read_bytes())
+                    if not shares_tensors(parent_raw, child_raw):
+                        # A delta would hold every tensor again and add a link to the chain for nothing.
+                        log.info("version from %s stored in full: no tensor of %s keeps its parent's dtype"
+                                 " and shape (a dtype change)", parent, name)  # fmt: skip
+                        return model_dir, full
+                    blob = make_delta(parent_raw, child_raw)
                 except DeltaError:  # not a safetensors file after all: stored as it is
                     blob = None
                 if blob is not None and len(blob) < record["bytes"]:

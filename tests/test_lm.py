@@ -1,4 +1,5 @@
-"""The policy model: bootstrap, load, generate (stop rules, seeds), and exact log-prob agreement."""
+"""The policy model: bootstrap, load, generate (stop rules, seeds), exact log-prob agreement, and the
+stochastic rounding that stores trained weights in bfloat16."""
 
 from __future__ import annotations
 
@@ -8,8 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from flywheel.lm import METADATA_FILE, CheckpointError, Policy, bootstrap_model, load_policy, token_logprobs
+from flywheel.lm import (
+    METADATA_FILE,
+    CheckpointError,
+    Policy,
+    bootstrap_model,
+    load_policy,
+    round_parameters_to_bfloat16_,
+    stochastic_round_to_bfloat16,
+    token_logprobs,
+)
 
 PROMPTS = [
     "def ",
@@ -48,7 +59,9 @@ def test_bootstrap_writes_a_hf_checkpoint_with_its_recipe(tiny_model_dir: Path) 
     for name in ("config.json", "model.safetensors", "tokenizer.json", METADATA_FILE):
         assert (tiny_model_dir / name).is_file(), name
     meta = json.loads((tiny_model_dir / METADATA_FILE).read_text())
-    assert meta["preset"] == "test" and meta["seed"] == 0 and meta["steps"] > 0
+    assert meta["preset"] == "test" and meta["seed"] == 0 and meta["steps"] > 0 and meta["dtype"] == "bfloat16"
+    # Stored in bfloat16, the trainer's stored dtype, so its first candidate is a delta against it.
+    assert {t.dtype for t in load_file(tiny_model_dir / "model.safetensors").values()} == {torch.bfloat16}
     # Pretraining learned something: far below the uniform-guess loss ln(512) = 6.24.
     assert meta["final_loss"] < 5.5
 
@@ -62,8 +75,6 @@ def test_bootstrap_reuses_a_matching_model_and_refuses_to_clobber_another(tiny_m
 
 
 def test_bootstrap_is_deterministic_given_the_seed(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
     again = bootstrap_model(tmp_path / "again", preset="test", seed=0, progress=False, max_steps=20)
     twice = bootstrap_model(tmp_path / "twice", preset="test", seed=0, progress=False, max_steps=20)
     a, b = load_file(again / "model.safetensors"), load_file(twice / "model.safetensors")
@@ -192,3 +203,61 @@ def test_bfloat16_loads_and_generates_on_cpu(tiny_model_dir: Path) -> None:
     assert again[0].tolist() == gen.logprobs
     with pytest.raises(ValueError, match="not supported"):
         load_policy(tiny_model_dir, dtype="int4")
+
+
+def _bfloat16_values_with_sub_step_updates(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bfloat16 values as float32, their bfloat16 step, the values moved by 2% to 48% of a step either way).
+
+    Values are sign x (1 + k/128) x 2**e with k in 1..127: exactly bfloat16, never a power of two, so the
+    step is the same on both sides of each."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randint(1, 128, (n,), generator=gen)
+    e = torch.randint(-12, 3, (n,), generator=gen).float()
+    sign = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    base = sign * (1 + k / 128) * 2**e
+    step = 2 ** (e - 7)
+    direction = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    return base, step, base + direction * step * (0.02 + 0.46 * torch.rand(n, generator=gen))
+
+
+def test_stochastic_rounding_keeps_updates_below_half_a_bfloat16_step_on_average() -> None:
+    base, step, x = _bfloat16_values_with_sub_step_updates(64, seed=0)
+    assert torch.equal(x.to(torch.bfloat16).float(), base)  # round to nearest: every update is lost
+    draws = stochastic_round_to_bfloat16(x.repeat(4000, 1), torch.Generator().manual_seed(1)).float()  # (4000, 64)
+    assert ((draws == base) | ((draws - base).abs() == step)).all()  # always one of the two neighbours
+    # Unbiased: the mean draw is the float32 value (the standard error is at most 0.008 step here).
+    error = ((draws.mean(dim=0) - x) / step).abs()
+    assert error.max() < 0.05, f"mean draw off by {error.max():.3f} of a step"
+    moved = (draws != base).float().mean(dim=0)  # each value moves with probability |update| / step
+    assert torch.allclose(moved, (x - base).abs() / step, atol=0.05)
+
+
+def test_stochastic_rounding_is_seeded_and_leaves_bfloat16_and_non_finite_values_alone() -> None:
+    _, _, x = _bfloat16_values_with_sub_step_updates(1000, seed=2)
+    once = stochastic_round_to_bfloat16(x, torch.Generator().manual_seed(7))
+    assert once.dtype == torch.bfloat16
+    assert torch.equal(once, stochastic_round_to_bfloat16(x, torch.Generator().manual_seed(7)))
+    assert not torch.equal(once, stochastic_round_to_bfloat16(x, torch.Generator().manual_seed(8)))
+    exact = x.to(torch.bfloat16)
+    assert torch.equal(stochastic_round_to_bfloat16(exact.float(), torch.Generator().manual_seed(7)), exact)
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
+    out = stochastic_round_to_bfloat16(special, torch.Generator().manual_seed(7)).float()
+    assert out[:2].tolist() == [float("inf"), float("-inf")] and out[2].isnan()
+    assert out[3:].tolist() == [0.0, 0.0] and torch.signbit(out[3:]).tolist() == [False, True]
+
+
+def test_rounding_a_model_keeps_float32_parameters_holding_bfloat16_values(tiny_model_dir: Path) -> None:
+    def trained(seed: int) -> torch.nn.Module:
+        model = load_policy(tiny_model_dir).model  # float32: the bfloat16 checkpoint upcast
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1e-5)  # an update far below most values' bfloat16 step
+        round_parameters_to_bfloat16_(model, seed)
+        return model
+
+    a, b, c = trained(0), trained(0), trained(1)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert pa.dtype == torch.float32 and torch.equal(pa, pa.to(torch.bfloat16).float()), name
+        assert torch.equal(pa, pb), name  # same seed, same weights
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters(), strict=True))
+    assert a.get_input_embeddings().weight is a.get_output_embeddings().weight  # still tied

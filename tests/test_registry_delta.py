@@ -21,8 +21,9 @@ WEIGHTS = "model.safetensors"
 
 
 def trained_step(src: Path, out: Path, seed: int, share: float = 0.05) -> Path:
-    """A checkpoint like one optimizer step's: a few percent of the values nudged, the rest bit-equal."""
-    policy = load_policy(src)
+    """A checkpoint like one optimizer step's: a few percent of the values nudged, the rest bit-equal
+    (in bfloat16, as the trainer stores them)."""
+    policy = load_policy(src, dtype="bfloat16")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in policy.model.parameters():
@@ -73,7 +74,7 @@ def test_a_chain_of_deltas_rebuilds_bit_identically_and_the_limit_writes_a_snaps
             assert (rebuilt / name).read_bytes() == (source / name).read_bytes(), f"v{version} {name}"
         ours, theirs = load_file(rebuilt / WEIGHTS), load_file(source / WEIGHTS)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-        digest = hashlib.sha256(ours["model.embed_tokens.weight"].numpy().tobytes()).hexdigest()
+        digest = hashlib.sha256(ours["model.embed_tokens.weight"].view(torch.uint8).numpy().tobytes()).hexdigest()
         assert registry.manifest(version)["tensors"][WEIGHTS]["model.embed_tokens.weight"]["sha256"] == digest
         registry.verify(version)
 

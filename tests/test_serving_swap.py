@@ -28,7 +28,7 @@ from tests.helpers import read_events
 
 
 def _child(src: Path, out: Path) -> Path:
-    policy = load_policy(src)
+    policy = load_policy(src, dtype="bfloat16")  # the stored dtype, so the child is a delta against `src`
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in policy.model.parameters():

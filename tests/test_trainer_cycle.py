@@ -16,7 +16,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from flywheel.contract import Event, GenerationRecord, ModelLineage, RewardRecord
+from flywheel.contract import DataWindow, Event, GenerationRecord, ModelLineage, RewardRecord
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
 from flywheel.signing import sign_generation
@@ -24,7 +24,7 @@ from model_registry import ModelRegistry
 from simulator.lake_feedback import consent_events, simulate_feedback, write_rewards
 from simulator.telemetry import write_events
 from trainer.config import TrainerConfig
-from trainer.cycle import run_cycle, watermark
+from trainer.cycle import rounding_seed, run_cycle, watermark
 from trainer.data import load_selection
 from trainer.loop import kl_to_reference, score_samples, train_policy
 from trainer.scoring import scorer_for
@@ -104,8 +104,9 @@ def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
     assert lineage.parent_version == first.version and lineage.sample_count == 48
     assert lineage.trainer_config["learning_rate"] == 2e-3 and lineage.data_window is not None
     assert lineage.data_window.start == registry.lineage(first.version).data_window.end
-    # Same device and dtype: serving's scoring function reproduces the logged log-probs exactly,
-    # and the batched training scorer stays within float32 rounding of them.
+    # Same device and dtype (the candidate stored in bfloat16, both sides upcast it to float32): serving's
+    # scoring function reproduces the logged log-probs exactly, and the batched training scorer stays
+    # within float32 rounding of them.
     assert lineage.metrics["exact_mismatch_max_abs"] == 0.0 and lineage.metrics["exact_mismatch_tokens"] > 0
     assert lineage.metrics["mismatch_max_abs"] < 1e-4 and lineage.metrics["mismatch_tokens"] > 0
     run = MlflowClient(tsettings.resolved_mlflow_uri).get_run(second.run_id)
@@ -118,6 +119,57 @@ def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
     artifact = registry.artifact(second.version)
     assert artifact.kind == "delta" and artifact.parent == first.version and artifact.chain_length == 2
     assert run.data.metrics["artifact_stored_bytes"] == artifact.stored_bytes < artifact.checkpoint_bytes
+
+
+def _weight_dtypes(registry: ModelRegistry, version: str) -> set[str]:
+    return {t["dtype"] for t in registry.manifest(version)["tensors"]["model.safetensors"].values()}
+
+
+def test_a_default_cycle_stores_bfloat16_weights_as_a_small_delta_against_the_bfloat16_champion(
+    tsettings: Settings, champion: str
+) -> None:
+    registry = ModelRegistry(tsettings)
+    simulate_feedback(tsettings, load_policy(registry.fetch(champion)), PROMPTS, _ends_early,
+                      model_version=champion, n=16, seed=6, users=USERS)  # fmt: skip
+    result = run_cycle(tsettings, TrainerConfig(), progress=False)
+    assert result.version is not None
+    assert _weight_dtypes(registry, champion) == _weight_dtypes(registry, result.version) == {"BF16"}
+    artifact = registry.artifact(result.version)
+    assert (artifact.kind, artifact.parent, artifact.chain_length) == ("delta", champion, 1)
+    assert artifact.stored_bytes * 4 < artifact.checkpoint_bytes
+    # Updates far below a bfloat16 step (lr 1e-5) still moved some weights: stochastic rounding kept them.
+    changed = sum(d.changed for d in registry.diff(champion, result.version))
+    assert 0 < changed < 0.5 * sum(d.elements for d in registry.diff(champion, result.version))
+
+
+def test_a_float32_champion_gets_a_full_bfloat16_candidate_then_deltas(
+    tsettings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    registry = ModelRegistry(tsettings)
+    own = load_policy(tiny_model_dir).save(tmp_path / "own")  # a user's own float32 checkpoint
+    versions = [registry.register(own, ModelLineage(base="own"))]
+    write_events(tsettings, consent_events(USERS))
+    for i, config in enumerate([TrainerConfig(), TrainerConfig(), TrainerConfig(save_dtype="float32")]):
+        registry.set_alias("champion", versions[-1])
+        simulate_feedback(tsettings, load_policy(registry.fetch(versions[-1])), PROMPTS, _ends_early,
+                          model_version=versions[-1], n=8, seed=20 + i, users=USERS)  # fmt: skip
+        result = run_cycle(tsettings, config, progress=False)
+        assert result.version is not None
+        versions.append(result.version)
+    kinds = [(registry.artifact(v).kind, registry.artifact(v).chain_length) for v in versions]
+    # The dtype changes at the first candidate and at the float32 one: nothing to encode against the parent.
+    assert kinds == [("full", 0), ("full", 0), ("delta", 1), ("full", 0)]
+    assert [_weight_dtypes(registry, v) for v in versions] == [{"F32"}, {"BF16"}, {"BF16"}, {"F32"}]
+    assert registry.lineage(versions[3]).metrics["exact_mismatch_max_abs"] == 0.0
+
+
+def test_each_cycle_rounds_with_its_own_reproducible_draws() -> None:
+    window = DataWindow(end=datetime(2026, 1, 1, tzinfo=UTC), generation_ids_sha256="a" * 64)
+    other = window.model_copy(update={"generation_ids_sha256": "b" * 64})
+    seed = rounding_seed(TrainerConfig(), "3", window)
+    assert seed == rounding_seed(TrainerConfig(), "3", window)
+    assert len({seed, rounding_seed(TrainerConfig(seed=1), "3", window), rounding_seed(TrainerConfig(), "4", window),
+                rounding_seed(TrainerConfig(), "3", other)}) == 4  # fmt: skip
 
 
 def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(

@@ -63,7 +63,9 @@ def test_two_gloo_processes_train_like_one_process_on_the_same_global_batches(
     # lengths (with the length as the reward, a library update once made every reward 0 and nothing trained).
     simulate_feedback(tsettings, policy, PROMPTS, lambda g: float(g.completion_token_ids[0] % 2 == 0),
                       model_version=champion, n=16, seed=7, users=("u0", "u1"))  # fmt: skip
-    per_process = {"batch_size": 4, "learning_rate": 1e-3, "loss_aggregation": "sequence", "epochs": 1}
+    # Stored in float32: rounded to bfloat16, the weights would differ from one process's by a rounding step.
+    per_process = {"batch_size": 4, "learning_rate": 1e-3, "loss_aggregation": "sequence", "epochs": 1,
+                   "save_dtype": "float32"}  # fmt: skip
     config_path = tmp_path / "trainer.json"
     config_path.write_text(json.dumps(per_process))
 

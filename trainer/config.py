@@ -33,7 +33,17 @@ class TrainerConfig:
             objective "kto" or "rwl"; off (the default), they are left out with their reason.
     Optimisation
         learning_rate, weight_decay, batch_size (per process), epochs, max_steps (0 = no cap),
-        grad_clip (0 = off), seed, device ("cpu", "cuda", "cuda:1"), dtype ("float32", "bfloat16").
+        grad_clip (0 = off), seed, device ("cpu", "cuda", "cuda:1"), dtype ("float32", "bfloat16": what
+        training computes in; the champion is loaded in it, a bfloat16 one upcast exactly).
+        save_dtype: what the candidate is stored in. "bfloat16" (the default) keeps the registry's delta
+            against a bfloat16 parent small (a default cycle of the embedded model: 8x under the full
+            file, where float32 gives 1.8x, every value's low bits changing; README, Benchmarks):
+            float32 weights are rounded to bfloat16 stochastically (`flywheel.lm.precision`), so an
+            update smaller than half a bfloat16 step still moves a weight, with probability
+            |update| / step, instead of being lost; seeded by `seed`, the champion and the data (a
+            cycle is reproducible, the next one draws afresh). Serving and the trainer both compute
+            on these values upcast to float32, so they still agree bit for bit. "float32" stores
+            every bit of the trained weights.
         exact_logprobs: train with per-sample forward passes, bit-identical to serving's behaviour
             log-probs (ratio exactly 1 on unchanged weights) but ~5x slower on CPU; the default
             scores each batch in one padded pass (~1e-6 apart from serving in fp32, reported).
@@ -74,6 +84,7 @@ class TrainerConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    save_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     exact_logprobs: bool = False
     exact_check_samples: int = 64
 
@@ -122,6 +133,8 @@ class TrainerConfig:
             errors.append(f"grad_clip={self.grad_clip}: must be >= 0 (0 turns clipping off)")
         if self.dtype not in ("float32", "bfloat16"):
             errors.append(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
+        if self.save_dtype not in ("bfloat16", "float32"):
+            errors.append(f"save_dtype={self.save_dtype!r}: use 'bfloat16' (small deltas) or 'float32'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             errors.append(f"device={self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
         elif self.device.startswith("cuda") and not torch.cuda.is_available():

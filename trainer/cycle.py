@@ -1,13 +1,13 @@
 """One training cycle: champion + new rewards -> a registered candidate (or a reasoned skip).
 
 Steps: read the champion, its watermark and the quarantine list from the registry, select
-eligible samples since the watermark, report train / inference mismatch, train, register the
-candidate with its lineage. The watermark is the end of the champion's own data window (none for
-a base model), so learning accumulates: every candidate trains on all eligible data since its
-parent champion was trained, and a candidate that is rejected or still in its A/B test throws
-away nothing (the next one sees that data again, plus what came since). It moves only when a
-candidate is promoted, so a crash anywhere before registration changes nothing. Every cycle is
-one MLflow run.
+eligible samples since the watermark, report train / inference mismatch, train, round the
+weights to the stored dtype (`TrainerConfig.save_dtype`), register the candidate with its
+lineage. The watermark is the end of the champion's own data window (none for a base model), so
+learning accumulates: every candidate trains on all eligible data since its parent champion was
+trained, and a candidate that is rejected or still in its A/B test throws away nothing (the next
+one sees that data again, plus what came since). It moves only when a candidate is promoted, so a
+crash anywhere before registration changes nothing. Every cycle is one MLflow run.
 
 Distributed (torchrun): every process selects the same samples and trains on its share of
 each batch; process 0 alone logs to MLflow and registers.
@@ -16,6 +16,7 @@ each batch; process 0 alone logs to MLflow and registers.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -32,8 +33,8 @@ import torch.distributed as dist
 from mlflow.entities import Metric, Param, RunTag
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from flywheel.contract import ModelLineage
-from flywheel.lm import Policy, load_policy
+from flywheel.contract import DataWindow, ModelLineage
+from flywheel.lm import Policy, load_policy, round_parameters_to_bfloat16_
 from flywheel.settings import Settings
 from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
@@ -184,6 +185,9 @@ def _train_and_register(
         history = train_policy(
             model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step
         )
+    if config.save_dtype == "bfloat16":
+        # Before the KL, so it measures the weights that will be stored and served.
+        round_parameters_to_bfloat16_(policy.model, rounding_seed(config, champion, selection.window))
     kl = kl_to_reference(policy.model, samples, reference, scorer, policy.pad_id, config.batch_size)
     tokens = sum(len(s.completion_token_ids) for s in samples)
     metrics = {
@@ -214,6 +218,7 @@ def _train_and_register(
         run_id=tracker.run_id,
     )
     with tempfile.TemporaryDirectory(prefix="candidate-", dir=_scratch(settings)) as tmp:
+        policy.model.to(getattr(torch, config.save_dtype))  # exact: rounded above, or an upcast
         policy.save(Path(tmp))
         # Stored as a lossless delta against the champion when the chain allows (model_registry).
         version = registry.register(Path(tmp), lineage)
@@ -303,6 +308,17 @@ def _progress_bar(enabled: bool, total: int, samples: int) -> Iterator[Callable[
             bar.update(task, advance=1, info=info)
 
         yield advance
+
+
+def rounding_seed(config: TrainerConfig, champion: str, window: DataWindow | None) -> int:
+    """The seed of the candidate's stochastic rounding to bfloat16: `config.seed`, the champion and the data.
+
+    The same cycle rounds the same way (reproducible), and each cycle draws afresh: with the same draws
+    every cycle, a weight whose draw is small would round down cycle after cycle, and the small updates
+    stochastic rounding is there to keep would be lost for it after all.
+    """
+    key = f"{config.seed}:{champion}:{window.generation_ids_sha256 if window else ''}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
 
 
 def distributed_rank_world() -> tuple[int, int]:

@@ -3,6 +3,9 @@
 A byte-level BPE tokenizer and a small Llama are trained on the Python standard library's
 own source files (every machine with Python has them), then saved in Hugging Face format
 (safetensors + tokenizer), so the rest of Flywheel treats it like any user checkpoint.
+Trained in float32, saved in bfloat16 (rounded to nearest: there is no parent whose small
+updates could be lost), the dtype the trainer stores its candidates in, so the first one is a
+small delta against it rather than a full copy in another dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig
 
 METADATA_FILE = "flywheel_bootstrap.json"
+SAVE_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -202,10 +206,11 @@ def bootstrap_model(
     """Train a tokenizer and a small Llama on stdlib source; save both in HF format to `out_dir`.
 
     `preset="test"` runs its fixed number of steps (seconds); `"default"` trains until
-    `max_seconds` (default 180) or `max_steps`. Same seed and same number of steps give the
-    same weights. A finished checkpoint already at `out_dir` with the same preset and seed is
-    reused unless `force`. Written to a temporary folder first and renamed, so an interrupted
-    bootstrap never leaves a half checkpoint behind.
+    `max_seconds` (default 180) or `max_steps`. Saved in `SAVE_DTYPE` (bfloat16: see the module
+    docstring). Same seed and same number of steps give the same weights. A finished checkpoint
+    already at `out_dir` with the same preset and seed is reused unless `force`. Written to a
+    temporary folder first and renamed, so an interrupted bootstrap never leaves a half
+    checkpoint behind.
     """
     from transformers import LlamaForCausalLM
 
@@ -284,6 +289,7 @@ def bootstrap_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with quiet_transformers():
+        model.to(SAVE_DTYPE)  # type: ignore[arg-type]  # transformers wraps .to; the stub drops self
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     metadata = {
@@ -296,6 +302,7 @@ def bootstrap_model(
         "tokens_seen": step * cfg.batch_size * cfg.seq_len,
         "corpus": {"source": "python stdlib", "files": len(texts), "tokens": int(stream.numel())},
         "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(SAVE_DTYPE).removeprefix("torch."),
         "config": asdict(cfg),
         "torch": torch.__version__,
     }
