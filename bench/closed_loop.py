@@ -53,7 +53,7 @@ def rollout_config(max_duration_s: float) -> RolloutConfig:
     latency differs by whatever else the machine is doing.
     """
     return RolloutConfig(
-        ramp=[RampStep(share=0.5, min_users=10, min_seconds=0)], max_duration_s=max_duration_s, tuning_n=500,
+        ramp=[RampStep(share=0.5, min_users=10, min_seconds=0)], max_duration_s=max_duration_s, tuning_n=400,
         non_inferiority_margin=0.02, latency_p95_ratio=100.0, srm_min_users=10_000, metrics_port=0,
     )  # fmt: skip
 
@@ -79,6 +79,8 @@ def report_cycle(name: str, r: CycleRecord) -> list[str]:
     lines[0] += f" {'-' if truth is None else f'{truth:+.3f}'} |"
     lines[0] += " " + ", ".join(f"{k} {v:.0f}s" for k, v in r.seconds.items()) + " |"
     lines[0] += f" {'-' if r.turnaround_s is None else f'{r.turnaround_s:.0f}s'} |"
+    for pop, t in r.truth_candidate.items():
+        lines.append(f"|  | | candidate, {pop}: {fmt_truth(t)} | | | | | |")
     for pop, t in r.truth_eval.items():
         lines.append(f"|  | | champion after, {pop}: {fmt_truth(t)} | | | | | |")
     return lines
@@ -152,15 +154,15 @@ def main() -> None:
     ap.add_argument("--populations", default=",".join(p.name for p in default_populations()))
     ap.add_argument("--together", action="store_true", help="all populations on one deployment")
     ap.add_argument("--cycles", type=int, default=5)
-    ap.add_argument("--users", type=int, default=40, help="per population")
-    ap.add_argument("--requests", type=int, default=60, help="per population per traffic round")
-    ap.add_argument("--warmup", type=int, default=2, help="traffic rounds on the base model first")
-    ap.add_argument("--max-rounds", type=int, default=6, help="rounds a cycle waits for the controller")
-    ap.add_argument("--max-duration", type=float, default=180.0, help="the controller's max experiment seconds")
+    ap.add_argument("--users", type=int, default=400, help="per population")
+    ap.add_argument("--requests", type=int, default=400, help="per population per traffic round")
+    ap.add_argument("--warmup", type=int, default=1, help="traffic rounds on the base model first")
+    ap.add_argument("--max-rounds", type=int, default=12, help="rounds a cycle waits for the controller")
+    ap.add_argument("--max-duration", type=float, default=200.0, help="the controller's max experiment seconds")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--window", type=float, default=2.0, help="reward window seconds")
     ap.add_argument("--min-samples", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--baseline", type=float, default=0.0, help="PG baseline: 0 = the value of not suggesting")
     ap.add_argument("--eval-contexts", type=int, default=100)

@@ -34,11 +34,18 @@ def build_serving_app(settings: Settings) -> FastAPI:
     registry = ModelRegistry(settings)
     pool = PolicyPool(store.get, aliased_checkpoints(registry), device=settings.device)
     # A gate's change reaches serving at once through pub/sub; the refresher's poll is the fallback.
-    watch_split(redis, store.channel, pool.refresh, threading.Event())
+    watching = threading.Event()
+    watch_split(redis, store.channel, pool.refresh, watching)
     # Made on first use: serving starts (and answers 503) while Kafka is down.
     producer = LazyProducer(lambda: make_producer(settings), kafka)
+
+    def shut_down() -> None:  # an app run in a test or a benchmark leaves no client behind
+        watching.set()
+        producer.close()
+
     return create_app(
-        pool, producer, settings.events_topic, health=health, signing_key=settings.serving_key.get_secret_value()
+        pool, producer, settings.events_topic, health=health, signing_key=settings.serving_key.get_secret_value(),
+        on_shutdown=shut_down,
     )
 
 

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -80,6 +80,7 @@ def create_app(
     health: ProcessHealth | None = None,
     max_batch: int = 16,
     max_batch_wait_s: float = 0.002,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The serving app; `signing_key` is `Settings.serving_key`, shared with the trainer. `health`: the
     process's dependencies (`serving.build_serving_app` gives Kafka, Redis and MLflow); a `split` check is
@@ -106,6 +107,8 @@ def create_app(
         stop.set()
         batcher.stop()
         thread.join(timeout=5)
+        if on_shutdown is not None:  # what the caller opened for the app (its producer, its split watcher)
+            on_shutdown()
 
     app = FastAPI(title="Flywheel serving", lifespan=lifespan)
     app.state.pool = pool

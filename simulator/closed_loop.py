@@ -287,12 +287,19 @@ class ClosedLoop:
                 break
         else:
             rec.decision, rec.reason = "undecided", f"no decision after {self.plan.max_rounds} rounds"
-            self.gate.rollback(by="closed-loop", reason="the benchmark's rounds ran out before a decision")
+            self._end_undecided(candidate)
         for arm in ("champion", "challenger"):
             mine = [o for o in served if o.arm == arm]
             truths = {p.name: measure([o for o in mine if o.population == p.name]) for p in self.populations}
             rec.truth_ab[arm] = {name: t for name, t in truths.items() if t is not None}
         return self._finish(rec)
+
+    def _end_undecided(self, version: str) -> None:
+        """Take an undecided challenger out of traffic without quarantining what it served: nothing showed
+        it harmful, so its users' feedback stays eligible for the next candidate."""
+        why = "the closed loop's rounds ran out before the controller decided"
+        self.gate.rollback(by="closed-loop", reason=why)
+        self.gate.apply(self.gate.plan_unquarantine(version, by="closed-loop", reason=why))
 
     def _finish(self, rec: CycleRecord) -> CycleRecord:
         started = time.perf_counter()

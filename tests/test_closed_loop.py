@@ -72,14 +72,24 @@ def test_a_short_loop_raises_a_learnable_populations_reward_and_not_when_the_sig
     assert learned_i < base + 0.01, f"trained on inverted reactions: base {base:.3f} -> {learned_i:.3f}"
 
 
+@pytest.fixture(scope="module")
+def exploring_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model declining 15% of requests to start with (the default preset starts at 5%): a tiny model
+    on a few hundred samples needs more declines to learn from in three cycles."""
+    from flywheel.lm import bootstrap_model
+
+    return bootstrap_model(tmp_path_factory.mktemp("model") / "exploring", preset="test", seed=0, progress=False,
+                           decline_prior=0.15)  # fmt: skip
+
+
 def test_declining_the_unwanted_contexts_is_learned_while_accepts_elsewhere_hold(
-    settings: Settings, tiny_model_dir: Path
+    settings: Settings, exploring_model: Path
 ) -> None:
     pop = DecliningPopulation(comment_share=0.5)
-    lp = loop(settings, tiny_model_dir, [pop])
+    lp = loop(settings, exploring_model, [pop], requests=96)
     with lp.running():
         lp.warm_up()
-        records = [lp.cycle(k) for k in range(1, 4)]
+        records = [lp.cycle(k) for k in range(1, 5)]
     base = lp.base_eval[pop.name]
     last = next(r for r in reversed(records) if r.truth_candidate).truth_candidate[pop.name]
     assert base.unwanted_shown_rate is not None and last.unwanted_shown_rate is not None

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -202,13 +202,15 @@ def bootstrap_model(
     progress: bool = True,
     max_steps: int | None = None,
     force: bool = False,
+    decline_prior: float | None = None,
 ) -> Path:
     """Train a tokenizer and a small Llama on stdlib source; save both in HF format to `out_dir`.
 
     `preset="test"` runs its fixed number of steps (seconds); `"default"` trains until
     `max_seconds` (default 180) or `max_steps`. Saved in `SAVE_DTYPE` (bfloat16: see the module
     docstring). Same seed and same number of steps give the same weights. A finished checkpoint
-    already at `out_dir` with the same preset and seed is reused unless `force`. Written to a
+    already at `out_dir` with the same preset, seed and decline prior is reused unless `force`.
+    `decline_prior` overrides the preset's (the share of requests the model starts out declining). Written to a
     temporary folder first and renamed, so an interrupted bootstrap never leaves a half
     checkpoint behind.
     """
@@ -219,15 +221,17 @@ def bootstrap_model(
     if max_seconds is not None and max_seconds <= 0:
         raise ValueError(f"max_seconds must be positive, got {max_seconds}.")
     out_dir = Path(out_dir)
-    cfg = PRESETS[preset]
+    cfg = PRESETS[preset] if decline_prior is None else replace(PRESETS[preset], decline_prior=decline_prior)
     existing = out_dir / METADATA_FILE
     if existing.exists() and not force:
         meta = json.loads(existing.read_text())
-        if meta.get("preset") == preset and meta.get("seed") == seed:
+        # A model made before the decline prior existed is reused as it is.
+        prior = meta.get("config", {}).get("decline_prior", cfg.decline_prior)
+        if meta.get("preset") == preset and meta.get("seed") == seed and prior == cfg.decline_prior:
             return out_dir
         raise FileExistsError(
             f"{out_dir} already holds a model bootstrapped with preset={meta.get('preset')!r} "
-            f"seed={meta.get('seed')!r}; pass force=True (--force) to replace it."
+            f"seed={meta.get('seed')!r} decline_prior={prior!r}; pass force=True (--force) to replace it."
         )
     if max_seconds is None and preset == "default":
         max_seconds = DEFAULT_SECONDS
