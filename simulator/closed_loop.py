@@ -179,7 +179,8 @@ class ClosedLoop:
     @contextmanager
     def running(self) -> Iterator[ClosedLoop]:
         """Serving and the collector up for the loop's life; the workers closed after."""
-        self.serving = TestClient(build_serving_app(self.settings))
+        self.serving_app = build_serving_app(self.settings)
+        self.serving = TestClient(self.serving_app)
         self.collector = TestClient(create_collector(self.settings))
         try:
             with self.serving, self.collector:
@@ -318,7 +319,7 @@ class ClosedLoop:
             return self.registry.register(out, lineage)
 
     def _wait_loaded(self, version: str, timeout_s: float = 120.0) -> None:
-        pool = self.serving.app.state.pool
+        pool = self.serving_app.state.pool
         deadline = time.monotonic() + timeout_s
         while version not in pool.loaded_versions and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -13,9 +13,8 @@ import random
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
-import httpx
 
 from simulator.contexts import Context, ContextPool
 from simulator.populations import Population, Reaction, Truth
@@ -71,10 +70,16 @@ def segment_messages(
     return out
 
 
+class HttpClient(Protocol):
+    """What the product needs of an HTTP client: `httpx.Client`, or a test client of an in-process app."""
+
+    def post(self, url: str, *, json: Any = None, auth: Any = None) -> Any: ...
+
+
 class SimulatedProduct:
     """Serves one population's users through real HTTP clients (or in-process test clients)."""
 
-    def __init__(self, serving: httpx.Client, collector: httpx.Client, write_key: str, contexts: ContextPool,
+    def __init__(self, serving: HttpClient, collector: HttpClient, write_key: str, contexts: ContextPool,
                  *, max_tokens: int = 16, temperature: float | None = None) -> None:
         self._serving = serving
         self._collector = collector
