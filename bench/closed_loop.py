@@ -100,7 +100,7 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
         plan = LoopPlan(cycles=args.cycles, users=args.users, requests=args.requests, warmup_rounds=args.warmup,
                         max_rounds=args.max_rounds, max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
         trainer = TrainerConfig(learning_rate=args.lr, batch_size=16, epochs=args.epochs, baseline=args.baseline,
-                                seed=args.seed)  # fmt: skip
+                                max_samples=args.max_samples, seed=args.seed)  # fmt: skip
         loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer,
                           rollout_config(args.max_duration), SignalsConfig())  # fmt: skip
         with loop.running():
@@ -163,7 +163,10 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=2.0, help="reward window seconds")
     ap.add_argument("--min-samples", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--max-samples", type=int, default=800,
+                    help="newest samples a cycle trains on: bounds the step a cycle takes, so the offline gates'"
+                    " perplexity and KL bounds hold while data accumulates")
     ap.add_argument("--baseline", type=float, default=0.0, help="PG baseline: 0 = the value of not suggesting")
     ap.add_argument("--eval-contexts", type=int, default=100)
     ap.add_argument("--control-runs", type=int, default=0)

@@ -120,10 +120,33 @@ class Settings(BaseSettings):
         description="Feedback window per generation, for surfaces whose reward definition names none; "
         "960 s covers code completion's 15-minute retention check after an accept within a minute.",
     )
+    reward_windows_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Feedback window per surface, for surfaces whose reward definition names none, as JSON "
+        '(e.g. {"chat": 300, "code-completion": 60}); a surface not named here uses reward_window_s.',
+    )
     allowed_lateness_s: float = Field(default=5.0, ge=0)
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)
     challenger_share: float = Field(default=0.2, gt=0, le=1)
+
+    @field_validator("reward_windows_s")
+    @classmethod
+    def _positive_windows(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in value.items() if not v > 0}
+        if bad:
+            raise ValueError(f"every surface's window must be positive seconds; got {bad}")
+        return value
+
+    def window_for(self, surface: str) -> float:
+        """The deployment's feedback window for `surface` (a definition's own `window_s` comes first).
+
+        >>> Settings(reward_windows_s={"chat": 300}).window_for("chat")
+        300.0
+        >>> Settings(reward_window_s=60).window_for("code-completion")
+        60.0
+        """
+        return float(self.reward_windows_s.get(surface, self.reward_window_s))
 
     @field_validator("kafka_bootstrap_servers", "mlflow_tracking_uri", "model_path")
     @classmethod

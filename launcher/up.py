@@ -99,7 +99,7 @@ class Running:
 # rate should move within minutes. Its baseline is the reward of not suggesting (0 under Cursor's rewards),
 # so each suggestion is weighed against silence, and a declined request teaches nothing by itself.
 # `flywheel up --trainer-config FILE` replaces it (TrainerConfig fields as JSON, trainer/config.py).
-DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 2, "batch_size": 16, "baseline": 0.0}
+DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline": 0.0, "max_samples": 800}
 
 
 def start_components(

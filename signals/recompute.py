@@ -193,7 +193,7 @@ def recompute_records(
     now = now or utcnow()
     gens, feedback = plan_windows(
         events,
-        window_s=definition.window(settings.reward_window_s),
+        window_s=definition.window(settings.window_for(definition.surface)),
         lateness_s=settings.allowed_lateness_s,
         idle_grace_s=config.idle_grace_s,
         now=now,

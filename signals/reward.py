@@ -20,9 +20,9 @@ How a reward is decided, in order:
 A definition belongs to one product surface (`surface`, from the generation event's
 `surface` property) and scores only that surface's generations: a model fitted on chat
 thumbs never scores a code suggestion. Its feedback window is `window_s` (None: the
-deployment's `reward_window_s`); it must cover the latest retention checkpoint the
-definition reads (`latest_checkpoint_s`), or those checks fall outside the window and are
-counted out-of-window by the worker (it warns at start).
+deployment's window for the surface, `Settings.window_for`); it must cover the latest
+retention checkpoint the definition reads (`latest_checkpoint_s`), or those checks fall outside
+the window and are counted out-of-window by the worker (it warns at start).
 
 The rule-based reward follows the published Cursor Tab reward (+0.75 accept,
 -0.25 reject), scaled by the accepted fraction and by how much of it survived.
@@ -95,7 +95,7 @@ class RewardDefinition:
     satisfaction: LogisticModel | None = None
     notes: str = ""
     surface: str = DEFAULT_SURFACE
-    window_s: float | None = None  # None: the deployment's `reward_window_s`
+    window_s: float | None = None  # None: the deployment's window for the surface (`Settings.window_for`)
     rules_version: str = ""  # with a satisfaction model: the rules definition it was fitted over
 
     def __post_init__(self) -> None:

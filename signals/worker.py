@@ -348,7 +348,7 @@ class SignalsWorker:
             found = {s: self.definitions.active(s) for s in self.definitions.active_map()}
             self._active = (time.monotonic(), found)
             for surface, d in found.items():
-                window = d.window(self.settings.reward_window_s)
+                window = d.window(self.settings.window_for(d.surface))
                 if window < d.latest_checkpoint_s and d.version not in self._warned:
                     self._warned.add(d.version)  # once per version, not at every re-read
                     log.warning(
@@ -367,7 +367,7 @@ class SignalsWorker:
         return active[surface]
 
     def window_us(self, definition: RewardDefinition) -> int:
-        return int(round(definition.window(self.settings.reward_window_s) * 1e6))
+        return int(round(definition.window(self.settings.window_for(definition.surface)) * 1e6))
 
     def max_window_us(self) -> int:
         """The longest window of any active definition: feedback whose generation has not come by then is orphan."""

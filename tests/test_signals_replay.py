@@ -4,6 +4,8 @@ every event, orphans counted and listed, and the trainer and dashboard reading o
 
 from __future__ import annotations
 
+import pytest
+
 import base64
 import time
 from collections import Counter
@@ -252,10 +254,17 @@ def test_orphans_command_lists_feedback_without_a_generation(settings: Settings)
     assert all(row["types"] == ["accepted"] for row in lines[1:])
 
 
+@pytest.mark.parametrize(
+    "windows",
+    [{"reward_window_s": 600.0},  # the old default: 10 minutes
+     # the same window for code completion alone (per surface); other surfaces keep 16 minutes
+     {"reward_window_s": 960.0, "reward_windows_s": {"code-completion": 600.0, "chat": 30.0}}],
+    ids=["deployment", "per-surface"],
+)  # fmt: skip
 def test_a_window_shorter_than_the_latest_check_warns_and_counts_the_checks_out_of_window(
-    settings: Settings, caplog  # noqa: ANN001
+    settings: Settings, caplog, windows: dict[str, object]  # noqa: ANN001
 ) -> None:
-    settings = settings.model_copy(update={"reward_window_s": 600.0})  # the old default: 10 minutes
+    settings = settings.model_copy(update=windows)
     ensure_topics(settings)
     tel = product_telemetry(start=utcnow() - timedelta(days=3), seed=5, code_users=2, chat_users=0,
                             per_user=4, orphans=0, duplicate_share=0)  # fmt: skip
