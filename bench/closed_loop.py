@@ -187,6 +187,7 @@ def main() -> None:
                   "difference | stage seconds | turnaround |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         print("\n".join(header))
         groups = [("all", pops)] if args.together else [(p.name, [p]) for p in pops]
+        groups = groups if args.cycles else []  # --cycles 0: control runs only
         results: dict[str, tuple[dict[str, Truth], list[CycleRecord]]] = {}
         lines = list(header)
         for name, group in groups:

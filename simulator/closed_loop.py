@@ -315,7 +315,8 @@ class ClosedLoop:
         self.gate.reject(trained, by="closed-loop", reason="control run: replaced by a harmed candidate")
         with tempfile.TemporaryDirectory(dir=self.settings.data_dir) as tmp:
             out = harm(Path(self.registry.fetch(champion)), Path(tmp) / "harmed")
-            lineage = self.registry.lineage(trained).model_copy(update={"parent_version": champion})
+            # Its own run: the trained candidate's run already holds that candidate's artifacts.
+            lineage = self.registry.lineage(trained).model_copy(update={"parent_version": champion, "run_id": None})
             return self.registry.register(out, lineage)
 
     def _wait_loaded(self, version: str, timeout_s: float = 120.0) -> None:
