@@ -46,15 +46,16 @@ from trainer.config import TrainerConfig
 HARM_SCALES = (0.05, 0.1, 0.2, 0.5)
 
 
-def rollout_config(max_duration_s: float) -> RolloutConfig:
-    """One 50% step, decided on the sequential interval or, at the maximum duration, on non-inferiority.
+def rollout_config(max_duration_s: float, margin: float) -> RolloutConfig:
+    """One 50% step, decided on the sequential interval or, at the maximum duration, on non-inferiority
+    within `margin` (0: only a significant win is promoted).
 
     Latency is not a guardrail here: both arms run in one process on a shared machine, so their
     latency differs by whatever else the machine is doing.
     """
     return RolloutConfig(
         ramp=[RampStep(share=0.5, min_users=10, min_seconds=0)], max_duration_s=max_duration_s, tuning_n=400,
-        non_inferiority_margin=0.02, latency_p95_ratio=100.0, srm_min_users=10_000, metrics_port=0,
+        non_inferiority_margin=margin, latency_p95_ratio=100.0, srm_min_users=10_000, metrics_port=0,
     )  # fmt: skip
 
 
@@ -102,13 +103,15 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
         trainer = TrainerConfig(learning_rate=args.lr, batch_size=16, epochs=args.epochs, baseline=args.baseline,
                                 max_samples=args.max_samples, seed=args.seed)  # fmt: skip
         loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer,
-                          rollout_config(args.max_duration), SignalsConfig())  # fmt: skip
+                          rollout_config(args.max_duration, args.margin), SignalsConfig())  # fmt: skip
         with loop.running():
             loop.warm_up()
             if harm_seed is not None:
                 scale = HARM_SCALES[harm_seed % len(HARM_SCALES)]
                 rec = loop.cycle(1, harm=lambda src, out: harm_weights(src, out, scale, harm_seed))
-                print(f"control run {harm_seed}: noise {scale} x std -> {rec.decision}: {rec.reason[:120]}", flush=True)
+                worse = rec.truth_candidate[pops[0].name].reward - loop.base_eval[pops[0].name].reward
+                print(f"control run {harm_seed} ({pops[0].name}): noise {scale} x std, ground-truth reward"
+                      f" {worse:+.3f} against the champion -> {rec.decision}: {rec.reason[:100]}", flush=True)
                 return loop, [rec]
             records = []
             for k in range(1, args.cycles + 1):
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--baseline", type=float, default=0.0, help="PG baseline: 0 = the value of not suggesting")
     ap.add_argument("--eval-contexts", type=int, default=100)
     ap.add_argument("--control-runs", type=int, default=0)
+    ap.add_argument("--margin", type=float, default=0.0,
+                    help="non-inferiority margin at the maximum duration (0: promote only a significant win)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
@@ -211,15 +216,20 @@ def main() -> None:
         print("\n".join(summary))
         lines += summary
         if args.control_runs:
-            control = []
+            control = []  # (decision, ground-truth reward of the harmed challenger minus the champion's)
             for i in range(args.control_runs):
                 pop = pops[i % len(pops)]
-                _, recs = run_deployment(f"control-{i}", [pop], model, args, root,
-                                         harm_seed=args.seed * 1000 + i)
-                control.append(recs[0])
-            promoted = sum(r.decision == "promoted" for r in control)
-            by = {d: sum(r.decision == d for r in control) for d in sorted({r.decision for r in control})}
-            line = f"control runs: {len(control)} harmed challengers, {promoted} promoted; decisions {by}"
+                loop, recs = run_deployment(f"control-{i}", [pop], model, args, root,
+                                            harm_seed=args.seed * 1000 + i)  # fmt: skip
+                worse = recs[0].truth_candidate[pop.name].reward - loop.base_eval[pop.name].reward
+                control.append((recs[0].decision, worse))
+                lines.append(f"control run {i} ({pop.name}, noise {HARM_SCALES[i % len(HARM_SCALES)]} x std):"
+                             f" ground truth {worse:+.3f} against the champion -> {recs[0].decision}")  # fmt: skip
+            promoted = [w for d, w in control if d == "promoted"]
+            by = {d: sum(c == d for c, _ in control) for d in sorted({c for c, _ in control})}
+            worse_total, worse_promoted = sum(w < 0 for _, w in control), sum(w < 0 for w in promoted)
+            line = (f"control runs: {len(control)} harmed challengers, {worse_total} worse than the champion in"
+                    f" ground truth; promoted {len(promoted)}, of them worse {worse_promoted}; decisions {by}")
             print(line)
             lines += ["", line]
         (args.out / "closed_loop.md").write_text("\n".join(lines) + "\n")

@@ -232,7 +232,8 @@ def test_a_model_that_declines_everything_fails_the_decline_bounds_not_the_empty
     sanity = results["sanity"]
     assert sanity.status == "failed" and sanity.detail == "it declines 100% of the prompts (bound 50%)"
     declined = results["declined_rate_vs_champion"]
-    assert declined.status == "failed" and declined.value == 1.0
+    # the rise over the champion, which itself declines a few prompts (the bootstrap's decline prior)
+    assert declined.status == "failed" and 1.0 - CONFIG.max_declined_rate_increase < declined.value <= 1.0
     assert results["empty_rate_vs_champion"].status == "passed" and results["empty_rate_vs_champion"].value == 0.0
 
 
