@@ -15,8 +15,10 @@ trainer's cycle, the gate's offline gates and approval, the rollout controller. 
   wanted no suggestion, the shown rate there.
 
 Then per population: base -> final champion accept rate (relative change), with the harmful rate.
-`--control-runs N` adds N seeded runs whose challenger is harmed (seeded weight noise of 0.05-0.5
-times each matrix's std) in place of the trained one: none may become champion.
+`--control-runs N` adds N seeded runs whose challenger is harmed in place of the trained one: trained on
+the same data with every reward negated (even runs), or seeded weight noise of 0.05-0.5 times each
+matrix's std (odd runs). Each says the harmed challenger's ground truth against the champion's and the
+decision; no challenger worse in ground truth may become champion.
 A PNG of accept rate over cycles per population goes to `--out` with the table (closed_loop.md).
 
     python bench/closed_loop.py [--model DIR] [--populations length,style,...] [--cycles 5]
@@ -31,6 +33,7 @@ import argparse
 import logging
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from deploy_gate.rollout.config import RampStep, RolloutConfig
@@ -38,12 +41,17 @@ from flywheel.lm import PRESETS, bootstrap_model, load_policy
 from flywheel.settings import Settings
 from launcher.embedded import start_embedded
 from signals.config import SignalsConfig
-from simulator.closed_loop import ClosedLoop, CycleRecord, LoopPlan, Truth, harm_weights
+from simulator.closed_loop import ClosedLoop, CycleRecord, LoopPlan, Truth, harm_weights, train_inverted
 from simulator.contexts import held_out_contexts
 from simulator.populations import Population, default_populations
 from trainer.config import TrainerConfig
 
 HARM_SCALES = (0.05, 0.1, 0.2, 0.5)
+
+
+def harm_kind(seed: int) -> str:
+    """Even control runs train on inverted rewards; odd ones add weight noise (scales in turn)."""
+    return "inverted rewards" if seed % 2 == 0 else f"noise {HARM_SCALES[(seed // 2) % len(HARM_SCALES)]} x std"
 
 
 def rollout_config(max_duration_s: float, margin: float) -> RolloutConfig:
@@ -107,10 +115,15 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
         with loop.running():
             loop.warm_up()
             if harm_seed is not None:
-                scale = HARM_SCALES[harm_seed % len(HARM_SCALES)]
-                rec = loop.cycle(1, harm=lambda src, out: harm_weights(src, out, scale, harm_seed))
+                kind = harm_kind(harm_seed)
+                if kind == "inverted rewards":
+                    harmed = partial(train_inverted, loop.settings, loop.trainer, loop.base)
+                    rec = loop.cycle(1, harm=lambda src, out: harmed(out))
+                else:
+                    scale = HARM_SCALES[(harm_seed // 2) % len(HARM_SCALES)]
+                    rec = loop.cycle(1, harm=lambda src, out: harm_weights(src, out, scale, harm_seed))
                 worse = rec.truth_candidate[pops[0].name].reward - loop.base_eval[pops[0].name].reward
-                print(f"control run {harm_seed} ({pops[0].name}): noise {scale} x std, ground-truth reward"
+                print(f"control run {harm_seed} ({pops[0].name}): {kind}, ground-truth reward"
                       f" {worse:+.3f} against the champion -> {rec.decision}: {rec.reason[:100]}", flush=True)
                 return loop, [rec]
             records = []
@@ -218,12 +231,12 @@ def main() -> None:
         if args.control_runs:
             control = []  # (decision, ground-truth reward of the harmed challenger minus the champion's)
             for i in range(args.control_runs):
-                pop = pops[i % len(pops)]
-                loop, recs = run_deployment(f"control-{i}", [pop], model, args, root,
+                target = pops[(i // 2) % len(pops)]  # each population gets both kinds of harm
+                loop, recs = run_deployment(f"control-{i}", [target], model, args, root,
                                             harm_seed=args.seed * 1000 + i)  # fmt: skip
-                worse = recs[0].truth_candidate[pop.name].reward - loop.base_eval[pop.name].reward
+                worse = recs[0].truth_candidate[target.name].reward - loop.base_eval[target.name].reward
                 control.append((recs[0].decision, worse))
-                lines.append(f"control run {i} ({pop.name}, noise {HARM_SCALES[i % len(HARM_SCALES)]} x std):"
+                lines.append(f"control run {i} ({target.name}, {harm_kind(i)}):"
                              f" ground truth {worse:+.3f} against the champion -> {recs[0].decision}")  # fmt: skip
             promoted = [w for d, w in control if d == "promoted"]
             by = {d: sum(c == d for c, _ in control) for d in sorted({c for c, _ in control})}

@@ -12,8 +12,9 @@ offline gates and makes it the challenger; traffic rounds follow (requests, reac
 signals, a controller look) until the controller promotes or rolls it back, or `max_rounds` pass.
 After each cycle the champion is evaluated on a fixed set of held-out contexts with fixed seeds,
 straight through the policy (no events): the independent measurement the A/B test is checked
-against. A control run replaces the trained candidate with a harmed one (`harm_weights`); none may
-become champion.
+against. A control run replaces the trained candidate with a harmed one (`train_inverted`: trained on
+the same data with every reward negated; or `harm_weights`: seeded weight noise); none may become
+champion.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import polars as pl
@@ -136,6 +137,28 @@ def harm_weights(checkpoint: Path, out: Path, scale: float, seed: int) -> Path:
         for p in policy.model.parameters():
             if p.ndim >= 2:
                 p.add_(torch.randn(p.shape, generator=gen) * scale * float(p.std()))
+    return policy.save(out)
+
+
+def train_inverted(settings: Settings, config: TrainerConfig, champion: str, out: Path) -> Path:
+    """A harmed candidate: `champion` trained as the trainer would, on the same eligible data, with every
+    reward negated (what users liked is pushed down). Saved to `out`; nothing is registered."""
+    from trainer.cycle import watermark
+    from trainer.data import load_selection, quarantined_versions
+    from trainer.loop import score_samples, train_policy
+    from trainer.retokenize import text_encoder
+    from trainer.scoring import scorer_for
+
+    registry = ModelRegistry(settings)
+    policy = load_policy(registry.fetch(champion))
+    selection = load_selection(
+        settings, config, watermark=watermark(registry, champion), quarantined=quarantined_versions(registry),
+        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1), encode_text=text_encoder(policy),
+    )  # fmt: skip
+    samples = [replace(s, reward=-s.reward) for s in selection.samples]
+    scorer = scorer_for(config.exact_logprobs)
+    reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
+    train_policy(policy.model, samples, reference, config, scorer, policy.pad_id)
     return policy.save(out)
 
 

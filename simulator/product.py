@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-
 from simulator.contexts import Context, ContextPool
 from simulator.populations import Population, Reaction, Truth
 

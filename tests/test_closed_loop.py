@@ -16,7 +16,7 @@ import pytest
 from deploy_gate.rollout.config import RampStep, RolloutConfig
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
-from simulator.closed_loop import ClosedLoop, LoopPlan, harm_weights
+from simulator.closed_loop import ClosedLoop, LoopPlan, harm_weights, train_inverted
 from simulator.contexts import held_out_contexts
 from simulator.populations import DecliningPopulation, LengthPopulation, Population, Reaction, Truth
 from trainer.config import TrainerConfig
@@ -97,11 +97,18 @@ def test_declining_the_unwanted_contexts_is_learned_while_accepts_elsewhere_hold
     assert last.accept_rate >= base.accept_rate - 0.02, (base, last)
 
 
-def test_a_harmed_challenger_is_never_promoted(settings: Settings, tiny_model_dir: Path) -> None:
-    lp = loop(settings, tiny_model_dir, [LengthPopulation()], cycles_rounds=4)
+@pytest.mark.parametrize("kind", ["inverted rewards", "weight noise"])
+def test_a_harmed_challenger_is_never_promoted(settings: Settings, tiny_model_dir: Path, kind: str) -> None:
+    lp = loop(settings, tiny_model_dir, [LengthPopulation()], cycles_rounds=4, requests=96)
+
+    def harm(src: Path, out: Path) -> Path:
+        if kind == "inverted rewards":
+            return train_inverted(lp.settings, lp.trainer, lp.base, out)
+        return harm_weights(src, out, 0.3, seed=1)
+
     with lp.running():
         lp.warm_up()
-        rec = lp.cycle(1, harm=lambda src, out: harm_weights(src, out, 0.3, seed=1))
+        rec = lp.cycle(1, harm=harm)
     assert rec.harmed and rec.candidate is not None
     assert rec.decision in ("refused", "rolled_back", "undecided"), rec
     assert lp.gate.splits.get().champion_version == lp.base
