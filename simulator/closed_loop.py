@@ -117,7 +117,8 @@ class CycleRecord:
     truth_eval: dict[str, Truth] = field(default_factory=dict)  # the champion after the cycle, per population
     truth_candidate: dict[str, Truth] = field(default_factory=dict)  # the candidate, evaluated the same way
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
-    turnaround_s: float | None = None  # last trained-on feedback -> the candidate serving traffic
+    turnaround_s: float | None = None  # last trained-on feedback -> the candidate serving traffic (training,
+    # offline gates, approval, swap; the reward window and the signals before it are the deployment's)
     harmed: bool = False
 
     def ab_difference(self) -> float | None:
@@ -294,7 +295,7 @@ class ClosedLoop:
         started = time.perf_counter()
         self._wait_loaded(candidate)
         rec.seconds["swap"] = time.perf_counter() - started
-        rec.turnaround_s = time.monotonic() - last_feedback
+        rec.turnaround_s = time.monotonic() - last_feedback - rec.seconds["evaluate"]  # without our own measuring
         self.controller.tick()  # the experiment starts: the first ramp step's share
         served: list[Outcome] = []
         for _ in range(self.plan.max_rounds):
