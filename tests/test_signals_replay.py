@@ -4,13 +4,12 @@ every event, orphans counted and listed, and the trainer and dashboard reading o
 
 from __future__ import annotations
 
-import pytest
-
 import base64
 import time
 from collections import Counter
 from datetime import timedelta
 
+import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
