@@ -39,7 +39,7 @@ from pathlib import Path
 from deploy_gate.rollout.config import RampStep, RolloutConfig
 from flywheel.lm import PRESETS, bootstrap_model, load_policy
 from flywheel.settings import Settings
-from launcher.embedded import start_embedded
+from launcher.embedded import free_port, start_embedded
 from signals.config import SignalsConfig
 from simulator.closed_loop import ClosedLoop, CycleRecord, LoopPlan, Truth, harm_weights, train_inverted
 from simulator.contexts import held_out_contexts
@@ -101,7 +101,7 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
     settings = Settings(data_dir=data, redis_prefix=f"bench-loop:{data.name}:{time.time_ns()}:",
                         reward_window_s=args.window, allowed_lateness_s=0.5,
                         min_train_samples=args.min_samples)  # fmt: skip
-    stack = start_embedded(settings, broker_port=_free_port())
+    stack = start_embedded(settings, broker_port=free_port())
     try:
         preset = args.preset
         contexts = held_out_contexts(300, args.seed, preset=preset)
@@ -134,12 +134,6 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
         return loop, records
     finally:
         stack.stop()
-
-
-def _free_port() -> int:
-    from launcher.embedded import free_port
-
-    return free_port()
 
 
 def plot(results: dict[str, tuple[dict[str, Truth], list[CycleRecord]]], path: Path) -> None:

@@ -51,7 +51,7 @@ from serving import build_serving_app
 from signals.config import SignalsConfig
 from signals.worker import SignalsWorker
 from simulator.contexts import Context, ContextPool, fit_prompts
-from simulator.populations import Population
+from simulator.populations import Population, Reaction
 from simulator.product import Outcome, SimulatedProduct
 from trainer.config import TrainerConfig
 from trainer.cycle import run_cycle
@@ -144,18 +144,13 @@ def harm_weights(checkpoint: Path, out: Path, scale: float, seed: int) -> Path:
 def train_inverted(settings: Settings, config: TrainerConfig, champion: str, out: Path) -> Path:
     """A harmed candidate: `champion` trained as the trainer would, on the same eligible data, with every
     reward negated (what users liked is pushed down). Saved to `out`; nothing is registered."""
-    from trainer.cycle import watermark
-    from trainer.data import load_selection, quarantined_versions
+    from trainer.cycle import select_samples
     from trainer.loop import score_samples, train_policy
-    from trainer.retokenize import text_encoder
     from trainer.scoring import scorer_for
 
     registry = ModelRegistry(settings)
     policy = load_policy(registry.fetch(champion))
-    selection = load_selection(
-        settings, config, watermark=watermark(registry, champion), quarantined=quarantined_versions(registry),
-        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1), encode_text=text_encoder(policy),
-    )  # fmt: skip
+    selection = select_samples(settings, config, registry, champion, policy)
     samples = [replace(s, reward=-s.reward) for s in selection.samples]
     scorer = scorer_for(config.exact_logprobs)
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
@@ -376,8 +371,6 @@ def _eval_set(pool: ContextPool, pop: Population) -> list[Context]:
 
 
 def _eval_outcome(pop: Population, ctx: Context, text: str, finish: str) -> Outcome:
-    from simulator.populations import Reaction
-
     truth = pop.truth(ctx, text, finish)
     return Outcome(pop.name, ctx, "eval", "", "", text, finish, truth, Reaction(shown=truth.shown), 0)
 

@@ -105,6 +105,16 @@ def run_cycle(
     return result
 
 
+def select_samples(
+    settings: Settings, config: TrainerConfig, registry: ModelRegistry, champion: str, policy: Policy
+) -> Selection:
+    """What a cycle from `champion` (loaded as `policy`) trains on: eligible samples since its data window."""
+    return load_selection(
+        settings, config, watermark=watermark(registry, champion), quarantined=quarantined_versions(registry),
+        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1), encode_text=text_encoder(policy),
+    )  # fmt: skip
+
+
 def _plan(
     settings: Settings, config: TrainerConfig, registry: ModelRegistry
 ) -> tuple[tuple[str | None, Selection | None, str], Policy | None]:
@@ -112,13 +122,9 @@ def _plan(
     champion = registry.alias("champion")
     if champion is None:
         return (None, None, "no champion: register a model and set the 'champion' alias first"), None
-    quarantined = quarantined_versions(registry)
     mark = watermark(registry, champion)
     policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
-    selection = load_selection(
-        settings, config, watermark=mark, quarantined=quarantined,
-        encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1), encode_text=text_encoder(policy),
-    )  # fmt: skip
+    selection = select_samples(settings, config, registry, champion, policy)
     minimum = config.min_samples if config.min_samples is not None else settings.min_train_samples
     if len(selection.samples) < minimum:
         reason = (
