@@ -8,6 +8,9 @@ contexts with fixed seeds, never through Flywheel's own numbers.
 from __future__ import annotations
 
 import random
+import threading
+import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,20 @@ from trainer.config import TrainerConfig
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def seeded_ids(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every random id in the loop (serving's generation ids, which order the trainer's samples and seed its
+    rounding; the experiment's salt, which splits users between arms) drawn from a generator seeded per test,
+    so that a run is repeatable. Not a stand-in for any part: each part still runs for real."""
+    rng, lock = random.Random(zlib.crc32(request.node.nodeid.encode())), threading.Lock()
+
+    def uuid4() -> uuid.UUID:
+        with lock:
+            return uuid.UUID(int=rng.getrandbits(128), version=4)
+
+    monkeypatch.setattr(uuid, "uuid4", uuid4)
+
+
 @dataclass(frozen=True)
 class Contrarian(LengthPopulation):
     """Judges like `LengthPopulation` (the ground truth), but its users do the opposite of what they think:
@@ -37,19 +54,24 @@ class Contrarian(LengthPopulation):
 
 
 def loop(settings: Settings, model: Path, pops: list[Population], *, cycles_rounds: int = 1, requests: int = 48,
-         lr: float = 1e-3) -> ClosedLoop:  # fmt: skip
-    plan = LoopPlan(cycles=3, users=24, requests=requests, warmup_rounds=1, max_rounds=cycles_rounds, seed=0)
+         lr: float = 1e-3, eval_contexts: int = 40, eval_repeats: int = 2) -> ClosedLoop:  # fmt: skip
+    plan = LoopPlan(cycles=3, users=24, requests=requests, warmup_rounds=1, max_rounds=cycles_rounds, seed=0,
+                    eval_repeats=eval_repeats)  # fmt: skip
     rollout = RolloutConfig(ramp=[RampStep(share=0.5, min_users=4, min_seconds=0)], max_duration_s=3600,
                             tuning_n=200, latency_p95_ratio=100.0, metrics_port=0)  # fmt: skip
     trainer = TrainerConfig(learning_rate=lr, batch_size=16, epochs=2, baseline=0.0, seed=0)
     return ClosedLoop(settings.model_copy(update={"min_train_samples": 16}), model, pops,
-                      held_out_contexts(120, 1, preset="test"), held_out_contexts(40, 2, preset="test"), plan,
+                      held_out_contexts(120, 1, preset="test"), held_out_contexts(eval_contexts, 2, preset="test"), plan,
                       trainer, rollout, SignalsConfig(refit_every_s=0))  # fmt: skip
 
 
 def learned_reward(settings: Settings, model: Path, pop: Population, cycles: int) -> tuple[float, float]:
-    """(base, last candidate) ground-truth reward of `pop` after `cycles` closed-loop cycles."""
-    lp = loop(settings, model, [pop])
+    """(base, last candidate) ground-truth reward of `pop` after `cycles` closed-loop cycles.
+
+    Ids are seeded (`seeded_ids`), but a run still varies a little (the signals' timings), so the data, the
+    learning rate and the evaluation (80 contexts, 4 samples each) are large enough that the gain is well
+    above that spread: +0.06 to +0.14 over base in repeated runs, against +0.03 asserted."""
+    lp = loop(settings, model, [pop], requests=96, lr=3e-3, eval_contexts=80, eval_repeats=4)
     with lp.running():
         lp.warm_up()
         records = [lp.cycle(k) for k in range(1, cycles + 1)]
