@@ -61,8 +61,8 @@ def loop(settings: Settings, model: Path, pops: list[Population], *, cycles_roun
                             tuning_n=200, latency_p95_ratio=100.0, metrics_port=0)  # fmt: skip
     trainer = TrainerConfig(learning_rate=lr, batch_size=16, epochs=2, baseline=0.0, seed=0)
     return ClosedLoop(settings.model_copy(update={"min_train_samples": 16}), model, pops,
-                      held_out_contexts(120, 1, preset="test"), held_out_contexts(eval_contexts, 2, preset="test"), plan,
-                      trainer, rollout, SignalsConfig(refit_every_s=0))  # fmt: skip
+                      held_out_contexts(120, 1, preset="test"), held_out_contexts(eval_contexts, 2, preset="test"),
+                      plan, trainer, rollout, SignalsConfig(refit_every_s=0))  # fmt: skip
 
 
 def learned_reward(settings: Settings, model: Path, pop: Population, cycles: int) -> tuple[float, float]:
