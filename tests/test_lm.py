@@ -21,6 +21,8 @@ from flywheel.lm import (
     stochastic_round_to_bfloat16,
     token_logprobs,
 )
+from flywheel.lm.bootstrap import pretrain_state_path
+from flywheel.lm.corpus import package_corpus, stdlib_corpus
 
 PROMPTS = [
     "def ",
@@ -81,6 +83,36 @@ def test_bootstrap_is_deterministic_given_the_seed(tiny_model_dir: Path, tmp_pat
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (again / "tokenizer.json").read_text() == (tiny_model_dir / "tokenizer.json").read_text()
+
+
+def test_pretraining_resumed_gives_the_weights_of_one_longer_run(tmp_path: Path) -> None:
+    straight = bootstrap_model(tmp_path / "straight", preset="test", seed=0, progress=False, max_steps=24)
+    split = bootstrap_model(tmp_path / "split", preset="test", seed=0, progress=False, max_steps=10)
+    assert json.loads((split / METADATA_FILE).read_text())["steps"] == 10
+    bootstrap_model(split, preset="test", seed=0, progress=False, max_steps=24, resume=True)
+    meta = json.loads((split / METADATA_FILE).read_text())
+    assert (meta["steps"], meta["resumed_from_step"]) == (24, 10)
+    a, b = load_file(straight / "model.safetensors"), load_file(split / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The state beside the checkpoint, never inside it (registering the checkpoint would upload it).
+    assert pretrain_state_path(split).is_file() and not list(split.glob("*.pt"))
+
+
+def test_resuming_refuses_other_settings_and_a_checkpoint_without_state(tmp_path: Path) -> None:
+    model = bootstrap_model(tmp_path / "m", preset="test", seed=0, progress=False, max_steps=4)
+    with pytest.raises(ValueError, match="decline_prior"):
+        bootstrap_model(model, preset="test", seed=0, progress=False, max_steps=8, resume=True, decline_prior=0.2)
+    pretrain_state_path(model).unlink()
+    with pytest.raises(FileNotFoundError, match="no pretraining state"):
+        bootstrap_model(model, preset="test", seed=0, progress=False, max_steps=8, resume=True)
+
+
+def test_installed_packages_join_the_corpus_without_changing_the_standard_library_sample() -> None:
+    stdlib = stdlib_corpus(40, 2_000, 0)
+    packages = package_corpus(30, 2_000, 0)
+    assert len(packages) >= 20 and not set(packages) & set(stdlib)
+    assert package_corpus(30, 2_000, 0) == packages  # seeded
+    assert package_corpus(0, 2_000, 0) == []
 
 
 def test_save_and_load_round_trip_gives_identical_weights(policy: Policy, tmp_path: Path) -> None:

@@ -20,17 +20,31 @@ def bootstrap(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed for corpus sampling, init and batches.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a model already at --out.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Train the model at --out on for --seconds more (same trajectory).")
+    ] = False,
+    package_files: Annotated[
+        int | None, typer.Option(min=0, help="Installed packages' .py files added to the corpus (default 0).")
+    ] = None,
 ) -> None:
-    """Train a tokenizer and a small Llama on the Python standard library; save in HF format."""
+    """Train a tokenizer and a small Llama on the Python standard library (and installed packages, with
+    --package-files); save in HF format. --resume continues an earlier bootstrap's pretraining."""
     from flywheel.lm import METADATA_FILE, PRESETS, bootstrap_model
 
     if preset not in PRESETS:
         raise typer.BadParameter(f"choose one of {sorted(PRESETS)}", param_hint="--preset")
-    path = bootstrap_model(out, preset=preset, seed=seed, max_seconds=seconds, progress=True, force=force)  # type: ignore[arg-type]
+    try:
+        path = bootstrap_model(out, preset=preset, seed=seed, max_seconds=seconds, progress=True, force=force,  # type: ignore[arg-type]
+                               resume=resume, package_files=package_files)  # fmt: skip
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
     meta = json.loads((path / METADATA_FILE).read_text())
     typer.echo(
-        f"model at {path}: {meta['parameters']:,} parameters, {meta['steps']} steps, "
-        f"final loss {meta['final_loss']:.3f}"
+        f"model at {path}: {meta['parameters']:,} parameters, {meta['steps']} steps"
+        + (f" (resumed at step {meta['resumed_from_step']})" if meta.get("resumed_from_step") else "")
+        + f", {meta['tokens_seen']:,} tokens seen of a {meta['corpus']['tokens']:,}-token corpus,"
+        f" final loss {meta['final_loss']:.3f}"
     )
 
 

@@ -1,4 +1,5 @@
-"""The bootstrap corpus (the Python standard library's own source) and its BPE tokenizer."""
+"""The bootstrap corpus (the Python standard library's own source, optionally installed packages' too)
+and its BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__py
 
 
 def _stdlib_files(skip: frozenset[str]) -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    return _python_files(Path(sysconfig.get_paths()["stdlib"]), skip)
+
+
+def _python_files(root: Path, skip: frozenset[str]) -> list[Path]:
     files: list[Path] = []
     for folder, subdirs, names in os.walk(root):
         # Pruned while walking: site-packages and the test suites are most of the tree.
@@ -35,6 +39,21 @@ def _corpus_files(n_files: int, seed: int) -> list[Path]:
 def stdlib_corpus(n_files: int, max_chars: int, seed: int) -> list[str]:
     """A deterministic sample of the standard library's .py files (sorted, then seeded sample)."""
     texts = [f.read_text(encoding="utf-8", errors="replace")[:max_chars] for f in _corpus_files(n_files, seed)]
+    return [t for t in texts if t.strip()]
+
+
+def package_corpus(n_files: int, max_chars: int, seed: int) -> list[str]:
+    """A deterministic sample of the installed packages' .py files (this interpreter's site-packages).
+
+    Drawn apart from the standard-library sample, which stays the same with or without it, so the
+    held-out files (`held_out_files`, standard library only) are the same too. Test suites are left out.
+    """
+    if n_files <= 0:
+        return []
+    roots = sorted({Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")})
+    files = sorted({f for root in roots if root.is_dir() for f in _python_files(root, _SKIP_DIRS)})
+    picked = random.Random(seed).sample(files, min(n_files, len(files)))
+    texts = [f.read_text(encoding="utf-8", errors="replace")[:max_chars] for f in picked]
     return [t for t in texts if t.strip()]
 
 
