@@ -42,7 +42,7 @@ from flywheel.bus import ensure_topics
 from flywheel.contract import ModelLineage
 from flywheel.lake.tables import REWARDS
 from flywheel.lm import load_policy
-from flywheel.lm.policy import GenerationRequest
+from flywheel.lm.policy import GenerationRequest, Policy
 from flywheel.settings import Settings
 from ingest.collector import create_app as create_collector
 from ingest.worker import IngestWorker
@@ -349,19 +349,27 @@ class ClosedLoop:
     def evaluate(self, version: str) -> dict[str, Truth]:
         """Ground truth of `version` per population on the fixed evaluation contexts (fixed seeds, no events)."""
         policy = load_policy(self.registry.fetch(version))
-        out = {}
-        for pop in self.populations:
-            contexts = _eval_set(self.eval_contexts, pop)
-            requests = [GenerationRequest(c.prompt, self.plan.max_tokens, 1.0, seed=1000 * r + i)
-                        for r in range(self.plan.eval_repeats) for i, c in enumerate(contexts)]  # fmt: skip
-            gens = [g for i in range(0, len(requests), _EVAL_BATCH)
-                    for g in policy.generate_batch(requests[i : i + _EVAL_BATCH])]  # fmt: skip
-            ctxs = [c for _ in range(self.plan.eval_repeats) for c in contexts]
-            outcomes = [_eval_outcome(pop, c, g.completion, g.finish_reason) for c, g in zip(ctxs, gens, strict=True)]
-            truth = measure(outcomes)
-            assert truth is not None
-            out[pop.name] = truth
-        return out
+        return evaluate_policy(policy, self.populations, self.eval_contexts, self.plan.max_tokens,
+                               self.plan.eval_repeats)  # fmt: skip
+
+
+def evaluate_policy(policy: Policy, populations: list[Population], contexts: ContextPool, max_tokens: int = 16,
+                    repeats: int = 2) -> dict[str, Truth]:  # fmt: skip
+    """Ground truth of `policy` per population on `contexts` (each population's mix of code and comment
+    contexts), `repeats` samples per context with fixed seeds, straight through the policy: no events."""
+    out = {}
+    for pop in populations:
+        chosen = _eval_set(contexts, pop)
+        requests = [GenerationRequest(c.prompt, max_tokens, 1.0, seed=1000 * r + i)
+                    for r in range(repeats) for i, c in enumerate(chosen)]  # fmt: skip
+        gens = [g for i in range(0, len(requests), _EVAL_BATCH)
+                for g in policy.generate_batch(requests[i : i + _EVAL_BATCH])]  # fmt: skip
+        ctxs = [c for _ in range(repeats) for c in chosen]
+        outcomes = [_eval_outcome(pop, c, g.completion, g.finish_reason) for c, g in zip(ctxs, gens, strict=True)]
+        truth = measure(outcomes)
+        assert truth is not None
+        out[pop.name] = truth
+    return out
 
 
 def _eval_set(pool: ContextPool, pop: Population) -> list[Context]:
