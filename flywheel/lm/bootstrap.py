@@ -259,7 +259,7 @@ def _resumed_run(cfg: Preset, seed: int, out_dir: Path, key: dict[str, Any]) -> 
             f"{out_dir} has no pretraining state to resume ({path} is missing): it was bootstrapped before "
             "pretraining was resumable, or the state was deleted; bootstrap it again with --force."
         )
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)  # tensors and plain values only: nothing to unpickle
     if saved["key"] != key:
         changed = sorted(k for k in key if saved["key"].get(k) != key[k])
         raise ValueError(f"the pretraining state at {path} was made with other settings ({', '.join(changed)}); "
