@@ -56,12 +56,14 @@ class Contrarian(LengthPopulation):
 
 
 def loop(settings: Settings, model: Path, pops: list[Population], *, cycles_rounds: int = 1, requests: int = 48,
-         lr: float = 1e-3, eval_contexts: int = 40, eval_repeats: int = 2) -> ClosedLoop:  # fmt: skip
+         lr: float = 1e-3, eval_contexts: int = 40, eval_repeats: int = 2, abstain_coef: float = 0.0,
+         ) -> ClosedLoop:  # fmt: skip
     plan = LoopPlan(cycles=3, users=24, requests=requests, warmup_rounds=1, max_rounds=cycles_rounds, seed=0,
                     eval_repeats=eval_repeats)  # fmt: skip
     rollout = RolloutConfig(ramp=[RampStep(share=0.5, min_users=4, min_seconds=0)], max_duration_s=3600,
                             tuning_n=200, latency_p95_ratio=100.0, metrics_port=0)  # fmt: skip
-    trainer = TrainerConfig(learning_rate=lr, batch_size=16, epochs=2, baseline=0.0, seed=0)
+    trainer = TrainerConfig(learning_rate=lr, batch_size=16, epochs=2, baseline=0.0, seed=0,
+                            abstain_coef=abstain_coef)  # fmt: skip
     return ClosedLoop(settings.model_copy(update={"min_train_samples": 16}), model, pops,
                       held_out_contexts(120, 1, preset="test"), held_out_contexts(eval_contexts, 2, preset="test"),
                       plan, trainer, rollout, SignalsConfig(refit_every_s=0))  # fmt: skip
@@ -73,7 +75,8 @@ def learned_reward(settings: Settings, model: Path, pop: Population, cycles: int
     Ids are seeded (`seeded_ids`), but a run still varies a little (the signals' timings), so the data, the
     learning rate and the evaluation (80 contexts, 4 samples each) are large enough that the gain is well
     above that spread: +0.06 to +0.14 over base in repeated runs, against +0.03 asserted."""
-    lp = loop(settings, model, [pop], requests=96, lr=3e-3, eval_contexts=80, eval_repeats=4)
+    lp = loop(settings, model, [pop], requests=96, lr=3e-3, eval_contexts=80, eval_repeats=4,
+              abstain_coef=5.0)  # fmt: skip
     with lp.running():
         lp.warm_up()
         records = [lp.cycle(k) for k in range(1, cycles + 1)]
@@ -119,19 +122,12 @@ def shown_probability(model: Path, contexts: tuple[Context, ...]) -> float:
     return sum(shown) / len(shown)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "not learned yet: with silence worth 0 and a baseline of 0 a declined sample teaches nothing, and a "
-    "rejected suggestion moves only p(end-of-text) of its push to declining. Measured exactly (shown "
-    "probability where unwanted): 0.708 -> 0.671 with 96 requests a round; with 192, 0.708 -> 0.736 "
-    "(0.717 -> 0.723 where wanted). A baseline per context (ridge on the prompt's last hidden state, "
-    "cross-fitted) was tried: on this model it could not tell comment from code contexts (predicted "
-    "0.13 vs 0.07 against true means +0.47 vs -0.22) and nothing changed."
-))  # fmt: skip
 def test_declining_the_unwanted_contexts_is_learned_while_accepts_elsewhere_hold(
     settings: Settings, exploring_model: Path
 ) -> None:
     pop = DecliningPopulation(comment_share=0.5)
-    lp = loop(settings, exploring_model, [pop], requests=96, lr=3e-3, eval_contexts=80, eval_repeats=4)
+    lp = loop(settings, exploring_model, [pop], requests=96, lr=3e-3, eval_contexts=80, eval_repeats=4,
+              abstain_coef=5.0)  # fmt: skip
     with lp.running():
         lp.warm_up()
         records = [lp.cycle(k) for k in range(1, 5)]
@@ -139,11 +135,14 @@ def test_declining_the_unwanted_contexts_is_learned_while_accepts_elsewhere_hold
     assert last.candidate is not None
     base_dir, learned_dir = lp.registry.fetch(lp.base), lp.registry.fetch(last.candidate)
     # Where this population wants no suggestion (comments) the shown rate falls, and by more than where it
-    # wants one: declining is learned for those contexts, not everywhere.
+    # wants one: declining is learned for those contexts, not everywhere. Exact probabilities, no sampling
+    # noise. Measured: fell 0.059 where unwanted (0.708 -> 0.649) and rose 0.088 elsewhere. Without the
+    # trainer's abstain term (a declined sample teaches nothing against a baseline of 0) it fell 0.037;
+    # at abstain_coef 1 it rose 0.029 (0.050 elsewhere); at 10 it rose everywhere and accepts fell.
     comment, code = lp.eval_contexts.comment, lp.eval_contexts.code
     unwanted = shown_probability(base_dir, comment) - shown_probability(learned_dir, comment)
     wanted = shown_probability(base_dir, code) - shown_probability(learned_dir, code)
-    assert unwanted > 0.05 and unwanted > wanted + 0.03, f"shown rate fell {unwanted:+.3f} where unwanted, " \
+    assert unwanted > 0.03 and unwanted > wanted + 0.05, f"shown rate fell {unwanted:+.3f} where unwanted, " \
         f"{wanted:+.3f} elsewhere"
     base, learned = lp.base_eval[pop.name], last.truth_candidate[pop.name]
     assert learned.accept_rate >= base.accept_rate - 0.02, (base, learned)

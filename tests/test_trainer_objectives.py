@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import torch
 
+from flywheel.lm import load_policy
 from trainer.config import TrainerConfig
+from trainer.data import Sample
+from trainer.loop import abstain_loss
 from trainer.objectives import advantages, importance_ratios, kl_k3, kto_loss, policy_gradient_loss
 
 
@@ -148,6 +153,7 @@ def test_kto_matches_the_paper_formula() -> None:
         ({"clip_eps": 1.5}, "clip_eps"),
         ({"is_cap": 0.5}, "is_cap"),
         ({"kl_coef": -1}, "kl_coef"),
+        ({"abstain_coef": -1}, "abstain_coef"),
         ({"device": "tpu"}, "device"),
         ({"replay_fraction": 2}, "replay_fraction"),
         ({"consent_property": " "}, "consent_property"),
@@ -159,3 +165,34 @@ def test_trainer_config_refuses_bad_input_and_says_how_to_fix_it(kwargs: dict, m
     assert TrainerConfig.from_dict(TrainerConfig(objective="kto").to_dict()).objective == "kto"
     with pytest.raises(ValueError, match="unknown TrainerConfig fields"):
         TrainerConfig.from_dict({"lr": 1})
+
+
+def test_the_abstain_term_moves_declining_toward_what_declining_would_have_earned(tiny_model_dir: Path) -> None:
+    """A shown suggestion rejected (reward below declining's 0) makes declining in its context more likely; an
+    accepted one less likely; a declined sample adds nothing (its reward is declining's)."""
+    policy = load_policy(tiny_model_dir)
+    prompt = policy.encode_prompt("# the next line explains why\n# ", max_tokens=8)
+    stop = policy.stop_ids
+
+    def p_decline() -> float:
+        with torch.no_grad():
+            logits = policy.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        return float(torch.softmax(logits, -1)[stop].sum())
+
+    def sample(reward: float, completion: list[int]) -> Sample:
+        return Sample("g", "u", prompt, completion, [0.0] * len(completion), reward, "1", datetime.now(UTC))
+
+    declined = sample(0.5, [stop[0]])
+    assert float(abstain_loss(policy.model, [declined], stop, policy.pad_id, 0.0)) == 0.0
+    start = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    moved = {}
+    for reward in (-0.25, 0.75):
+        policy.model.load_state_dict(start)
+        before = p_decline()
+        optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+        for _ in range(3):
+            optimizer.zero_grad()
+            abstain_loss(policy.model, [sample(reward, [5, 6])], stop, policy.pad_id, 0.0).backward()
+            optimizer.step()
+        moved[reward] = p_decline() - before
+    assert moved[-0.25] > 0 > moved[0.75], moved

@@ -24,6 +24,13 @@ class TrainerConfig:
         baseline: "batch_mean" or a fixed number subtracted from rewards; normalise_advantages
             divides by the batch std.
         loss_aggregation: "sequence" (every sample weighs the same) or "token" (every token does).
+        abstain_coef, abstain_reward: declining (end-of-text first) earns a known reward
+            (`abstain_reward`, 0 under Cursor's scheme) in every context, so each shown sample also
+            says what declining would have earned instead. With `abstain_coef` > 0 the loss adds
+            abstain_coef x mean((r - abstain_reward) x p(decline | prompt)) over shown samples: the
+            exact gradient of the expected reward through the decline choice, with the shown
+            suggestion's reward as its value. Where suggestions are rejected it raises declining,
+            where they are accepted it lowers it. 0 (default) leaves it out.
         kto_beta, kto_lambda_desirable, kto_lambda_undesirable, kto_threshold: KTO's beta, class
             weights, and the reward above which a sample counts as desirable.
         rwl_beta, rwl_max_weight: "rwl" weighs each sample's log-likelihood by exp(advantage / rwl_beta),
@@ -67,6 +74,8 @@ class TrainerConfig:
     baseline: Literal["batch_mean"] | float = "batch_mean"
     normalise_advantages: bool = True
     loss_aggregation: Literal["sequence", "token"] = "sequence"
+    abstain_coef: float = 0.0
+    abstain_reward: float = 0.0
     kto_beta: float = 0.1
     kto_lambda_desirable: float = 1.0
     kto_lambda_undesirable: float = 1.0
@@ -115,6 +124,8 @@ class TrainerConfig:
             errors.append(f"clip_eps={self.clip_eps}: must be in (0, 1); 0.2 is the usual value")
         if self.is_cap < 1.0:
             errors.append(f"is_cap={self.is_cap}: must be >= 1 (a cap below 1 down-weights on-policy tokens)")
+        if self.abstain_coef < 0:
+            errors.append(f"abstain_coef={self.abstain_coef}: must be >= 0")
         if self.kl_coef < 0:
             errors.append(f"kl_coef={self.kl_coef}: must be >= 0")
         if not (self.baseline == "batch_mean" or isinstance(self.baseline, int | float)):

@@ -189,7 +189,8 @@ def _train_and_register(
                 on_step(stats)
 
         history = train_policy(
-            model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step
+            model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step,
+            stop_ids=policy.stop_ids,
         )
     if config.save_dtype == "bfloat16":
         # Before the KL, so it measures the weights that will be stored and served.

@@ -125,6 +125,7 @@ def train_policy(
     rank: int = 0,
     world: int = 1,
     on_step: Callable[[StepStats], None] | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> list[StepStats]:
     """Optimise `model` on `samples` against `reference` log-probs (the starting champion's).
 
@@ -180,6 +181,9 @@ def train_policy(
                     lambda_desirable=config.kto_lambda_desirable,
                     lambda_undesirable=config.kto_lambda_undesirable,
                 )  # fmt: skip
+            if config.abstain_coef and stop_ids:
+                loss = loss + config.abstain_coef * abstain_loss(model, batch, stop_ids, pad_id,
+                                                                 config.abstain_reward)  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -199,6 +203,32 @@ def train_policy(
             if config.max_steps and step >= config.max_steps:
                 return history
     return history
+
+
+def abstain_loss(
+    model: torch.nn.Module, batch: Sequence[Sample], stop_ids: Sequence[int], pad_id: int, abstain_reward: float
+) -> Tensor:
+    """mean((r - abstain_reward) x p(end-of-text first | prompt)) over the batch's shown samples (0 when none).
+
+    Minimised, it moves probability to declining where the suggestion shown earned less than declining
+    would have, and away from it where it earned more (`TrainerConfig.abstain_coef`).
+    """
+    shown = [s for s in batch if not (len(s.completion_token_ids) == 1 and s.completion_token_ids[0] in stop_ids)]
+    device = next(model.parameters()).device
+    if not shown:
+        return torch.zeros((), device=device)
+    width = max(len(s.prompt_token_ids) for s in shown)
+    ids = torch.full((len(shown), width), pad_id, dtype=torch.long, device=device)  # (B, L)
+    mask = torch.zeros((len(shown), width), dtype=torch.long, device=device)  # (B, L)
+    for i, s in enumerate(shown):
+        ids[i, : len(s.prompt_token_ids)] = torch.tensor(list(s.prompt_token_ids), dtype=torch.long)
+        mask[i, : len(s.prompt_token_ids)] = 1
+    last = torch.tensor([len(s.prompt_token_ids) - 1 for s in shown], device=device)  # (B,)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (B, L, V)
+    first = torch.log_softmax(logits[torch.arange(len(shown), device=device), last].float(), dim=-1)  # (B, V)
+    p_decline = first[:, list(stop_ids)].exp().sum(-1)  # (B,)
+    gain = torch.tensor([s.reward - abstain_reward for s in shown], dtype=torch.float32, device=device)  # (B,)
+    return (gain * p_decline).mean()
 
 
 def _all_reduce_grads(params: Sequence[torch.nn.Parameter], world: int) -> None:
