@@ -25,6 +25,7 @@ from simulator.closed_loop import ClosedLoop, LoopPlan, harm_weights, train_inve
 from simulator.contexts import Context, held_out_contexts
 from simulator.populations import DecliningPopulation, LengthPopulation, Population, Reaction, Truth
 from trainer.config import TrainerConfig
+from trainer.loop import decline_probabilities
 
 pytestmark = pytest.mark.slow
 
@@ -112,13 +113,10 @@ def shown_probability(model: Path, contexts: tuple[Context, ...]) -> float:
     """How likely `model` is to show a suggestion in `contexts` (not end-of-text first), on average: the
     expected shown rate there, computed exactly instead of sampled."""
     policy = load_policy(model)
-    shown = []
     with torch.no_grad():
-        for ctx in contexts:
-            ids = policy.encode_prompt(ctx.prompt, max_tokens=16)
-            logits = policy.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-            shown.append(1.0 - torch.softmax(logits, dim=-1)[policy.stop_ids].sum().item())
-    return sum(shown) / len(shown)
+        declined = [float(decline_probabilities(policy.model, [policy.encode_prompt(c.prompt, max_tokens=16)],
+                                                policy.stop_ids, policy.pad_id)[0]) for c in contexts]  # fmt: skip
+    return 1.0 - sum(declined) / len(declined)
 
 
 def test_declining_the_unwanted_contexts_is_learned_while_accepts_elsewhere_hold(

@@ -12,8 +12,9 @@ import torch
 from flywheel.lm import load_policy
 from trainer.config import TrainerConfig
 from trainer.data import Sample
-from trainer.loop import abstain_loss
+from trainer.loop import abstain_loss, decline_probabilities, train_policy
 from trainer.objectives import advantages, importance_ratios, kl_k3, kto_loss, policy_gradient_loss
+from trainer.scoring import scorer_for
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -176,8 +177,7 @@ def test_the_abstain_term_moves_declining_toward_what_declining_would_have_earne
 
     def p_decline() -> float:
         with torch.no_grad():
-            logits = policy.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
-        return float(torch.softmax(logits, -1)[stop].sum())
+            return float(decline_probabilities(policy.model, [prompt], stop, policy.pad_id)[0])
 
     def sample(reward: float, completion: list[int]) -> Sample:
         return Sample("g", "u", prompt, completion, [0.0] * len(completion), reward, "1", datetime.now(UTC))
@@ -196,3 +196,6 @@ def test_the_abstain_term_moves_declining_toward_what_declining_would_have_earne
             optimizer.step()
         moved[reward] = p_decline() - before
     assert moved[-0.25] > 0 > moved[0.75], moved
+    with pytest.raises(ValueError, match="stop_ids"):  # asked for, never silently left out
+        train_policy(policy.model, [sample(-0.25, [5, 6])], [[0.0, 0.0]], TrainerConfig(abstain_coef=1.0),
+                     scorer_for(False), policy.pad_id)  # fmt: skip

@@ -135,6 +135,8 @@ def train_policy(
     """
     if not samples:
         raise ValueError("no samples to train on")
+    if config.abstain_coef and not stop_ids:
+        raise ValueError("abstain_coef needs the policy's end-of-text ids (stop_ids) to know what declining is")
     text_only = sum(s.behaviour_logprobs is None for s in samples)
     if text_only and config.objective == "pg":
         # trainer.data never selects them for "pg"; this keeps any other caller from computing a ratio.
@@ -205,6 +207,23 @@ def train_policy(
     return history
 
 
+def decline_probabilities(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], stop_ids: Sequence[int], pad_id: int
+) -> Tensor:
+    """p(end-of-text first | prompt) per prompt (B,): how likely the policy is to decline there (differentiable)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)  # (B, L)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)  # (B, L)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, : len(p)] = 1
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)  # (B,)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (B, L, V)
+    first = torch.log_softmax(logits[torch.arange(len(prompts), device=device), last].float(), dim=-1)  # (B, V)
+    return first[:, list(stop_ids)].exp().sum(-1)
+
+
 def abstain_loss(
     model: torch.nn.Module, batch: Sequence[Sample], stop_ids: Sequence[int], pad_id: int, abstain_reward: float
 ) -> Tensor:
@@ -217,16 +236,7 @@ def abstain_loss(
     device = next(model.parameters()).device
     if not shown:
         return torch.zeros((), device=device)
-    width = max(len(s.prompt_token_ids) for s in shown)
-    ids = torch.full((len(shown), width), pad_id, dtype=torch.long, device=device)  # (B, L)
-    mask = torch.zeros((len(shown), width), dtype=torch.long, device=device)  # (B, L)
-    for i, s in enumerate(shown):
-        ids[i, : len(s.prompt_token_ids)] = torch.tensor(list(s.prompt_token_ids), dtype=torch.long)
-        mask[i, : len(s.prompt_token_ids)] = 1
-    last = torch.tensor([len(s.prompt_token_ids) - 1 for s in shown], device=device)  # (B,)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (B, L, V)
-    first = torch.log_softmax(logits[torch.arange(len(shown), device=device), last].float(), dim=-1)  # (B, V)
-    p_decline = first[:, list(stop_ids)].exp().sum(-1)  # (B,)
+    p_decline = decline_probabilities(model, [s.prompt_token_ids for s in shown], stop_ids, pad_id)  # (B,)
     gain = torch.tensor([s.reward - abstain_reward for s in shown], dtype=torch.float32, device=device)  # (B,)
     return (gain * p_decline).mean()
 

@@ -239,19 +239,24 @@ def _corpus(cfg: Preset, seed: int) -> list[str]:
     return texts + package_corpus(cfg.package_files, cfg.max_file_chars, seed)
 
 
-def _new_run(cfg: Preset, seed: int) -> _Run:
+def _model_and_optimizer(cfg: Preset, tokenizer: Any) -> tuple[PreTrainedModel, torch.optim.Optimizer]:
     from transformers import LlamaForCausalLM
 
+    model = LlamaForCausalLM(llama_config(cfg, len(tokenizer), tokenizer.eos_token_id))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.peak_lr, weight_decay=0.01, betas=(0.9, 0.95))
+    return model, optimizer
+
+
+def _new_run(cfg: Preset, seed: int) -> _Run:
     texts = _corpus(cfg, seed)
     tokenizer = train_tokenizer(texts, cfg.vocab_size, cfg.context)
     stream = token_stream(tokenizer, texts)  # (n_tokens,)
-    model = LlamaForCausalLM(llama_config(cfg, len(tokenizer), tokenizer.eos_token_id))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.peak_lr, weight_decay=0.01, betas=(0.9, 0.95))
+    model, optimizer = _model_and_optimizer(cfg, tokenizer)
     return _Run(texts, tokenizer, stream, model, optimizer, torch.Generator().manual_seed(seed))
 
 
 def _resumed_run(cfg: Preset, seed: int, out_dir: Path, key: dict[str, Any]) -> _Run:
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     path = pretrain_state_path(out_dir)
     if not path.exists():
@@ -270,9 +275,8 @@ def _resumed_run(cfg: Preset, seed: int, out_dir: Path, key: dict[str, Any]) -> 
     if _digest(stream) != saved["stream_sha256"]:
         raise ValueError(f"the corpus changed since {out_dir} was pretrained (the installed files differ); "
                          "resuming would train on other data: bootstrap again with --force.")  # fmt: skip
-    model = LlamaForCausalLM(llama_config(cfg, len(tokenizer), tokenizer.eos_token_id))
+    model, optimizer = _model_and_optimizer(cfg, tokenizer)
     model.load_state_dict(saved["model"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.peak_lr, weight_decay=0.01, betas=(0.9, 0.95))
     optimizer.load_state_dict(saved["optimizer"])
     windows = torch.Generator()
     windows.set_state(saved["windows"])
