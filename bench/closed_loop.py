@@ -109,7 +109,8 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
         plan = LoopPlan(cycles=args.cycles, users=args.users, requests=args.requests, warmup_rounds=args.warmup,
                         max_rounds=args.max_rounds, max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
         trainer = TrainerConfig(learning_rate=args.lr, batch_size=16, epochs=args.epochs, baseline=args.baseline,
-                                max_samples=args.max_samples, seed=args.seed)  # fmt: skip
+                                max_samples=args.max_samples, abstain_coef=args.abstain_coef,
+                                seed=args.seed)  # fmt: skip
         loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer,
                           rollout_config(args.max_duration, args.margin), SignalsConfig())  # fmt: skip
         with loop.running():
@@ -178,6 +179,8 @@ def main() -> None:
                     help="newest samples a cycle trains on: bounds the step a cycle takes, so the offline gates'"
                     " perplexity and KL bounds hold while data accumulates")
     ap.add_argument("--baseline", type=float, default=0.0, help="PG baseline: 0 = the value of not suggesting")
+    ap.add_argument("--abstain-coef", type=float, default=0.0,
+                    help="weight of the trainer's abstain term (TrainerConfig.abstain_coef; 0: off)")
     ap.add_argument("--eval-contexts", type=int, default=100)
     ap.add_argument("--control-runs", type=int, default=0)
     ap.add_argument("--margin", type=float, default=0.0,

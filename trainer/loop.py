@@ -36,6 +36,7 @@ class StepStats:
     clip_fraction: float
     tokens: int
     mean_reward: float
+    abstain: float = 0.0  # the abstain term's value before its coefficient (0 when off); not in `loss`
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items() if k != "step"}
@@ -183,9 +184,10 @@ def train_policy(
                     lambda_desirable=config.kto_lambda_desirable,
                     lambda_undesirable=config.kto_lambda_undesirable,
                 )  # fmt: skip
+            abstain = torch.zeros(())
             if config.abstain_coef and stop_ids:
-                loss = loss + config.abstain_coef * abstain_loss(model, batch, stop_ids, pad_id,
-                                                                 config.abstain_reward)  # fmt: skip
+                abstain = abstain_loss(model, batch, stop_ids, pad_id, config.abstain_reward)
+                loss = loss + config.abstain_coef * abstain
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -197,7 +199,7 @@ def train_policy(
             record = StepStats(
                 step=step, loss=stats.loss, kl=stats.kl, ratio_mean=stats.ratio_mean,
                 ratio_max=stats.ratio_max, clip_fraction=stats.clip_fraction, tokens=stats.tokens,
-                mean_reward=float(rewards[idx].mean()),
+                mean_reward=float(rewards[idx].mean()), abstain=float(abstain),
             )  # fmt: skip
             history.append(record)
             if on_step is not None:
