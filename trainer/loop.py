@@ -199,7 +199,7 @@ def train_policy(
             record = StepStats(
                 step=step, loss=stats.loss, kl=stats.kl, ratio_mean=stats.ratio_mean,
                 ratio_max=stats.ratio_max, clip_fraction=stats.clip_fraction, tokens=stats.tokens,
-                mean_reward=float(rewards[idx].mean()), abstain=float(abstain),
+                mean_reward=float(rewards[idx].mean()), abstain=float(abstain.detach()),
             )  # fmt: skip
             history.append(record)
             if on_step is not None:
