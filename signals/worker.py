@@ -59,6 +59,7 @@ from flywheel.bus import (
 )
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, RewardRecord
+from flywheel.dead_letters import DeadLetter, dead_letter
 from flywheel.lake import TempFileSweeper
 from flywheel.lake.tables import REWARDS
 from flywheel.ops import (
@@ -70,12 +71,13 @@ from flywheel.ops import (
     run_loop,
 )
 from flywheel.ops.deps import describe
+from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
-from signals.definitions import DefinitionStore
+from signals.definitions import DefinitionStore, UnknownRewardVersion
 from signals.events import FeedbackEvent, GenerationInfo, decode_event, to_us
-from signals.reward import RewardDefinition
+from signals.reward import RewardDefinition, builtin_definition
 from signals.sink import produce_rewards, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
 
@@ -99,6 +101,7 @@ class WorkerStats:
     orphans: int = 0
     records: int = 0
     revisions: int = 0
+    dead_lettered: int = 0
 
     def count(self, outcome: str, n: int = 1) -> None:
         attr = _OUTCOME_ATTR[outcome]
@@ -114,6 +117,7 @@ _OUTCOME_ATTR = {
     "out_of_window": "out_of_window",
     "late": "late_events",
     "orphan": "orphans",
+    "dead_lettered": "dead_lettered",
 }
 
 
@@ -145,6 +149,13 @@ class _Batch:
         self.emitted: dict[int, list[RewardRecord]] = defaultdict(list)
         self.now_us = to_us(_now())
         self.outcomes: Counter[str] = Counter()
+        self.dead: list[DeadLetter] = []
+
+    def refuse(self, reason: str, source: str, original: bytes) -> None:
+        """Dead-letter what this worker cannot score (sent before the batch commits: none is lost)."""
+        self.dead.append(dead_letter(reason, source, original))
+        self.count("dead_lettered")
+        log.warning("signals dead-lettered an event", extra={"reason": reason, "source": source})
 
     def count(self, outcome: str, n: int = 1) -> None:
         if n:
@@ -173,7 +184,7 @@ class _Batch:
             elif st.revision == NOT_EMITTED and st.window_end_us == end:
                 self.emit(gid, st, 0)
 
-    def add(self, p: int, e: Event) -> None:
+    def add(self, p: int, e: Event, origin: Record | None = None) -> None:
         st = self.states.get(e.generation_id)
         if st is None:
             st = self.states[e.generation_id] = GenState(partition=p)
@@ -190,8 +201,15 @@ class _Batch:
             if st.gen is not None:  # another generation event for the same id: the first one counts
                 self.count("duplicate")
                 return
+            try:
+                definition = self.w.definition_for(GenerationInfo.from_event(e).surface)
+            except UnknownRewardVersion as exc:  # the pointer names a version no store holds: not this event's fault,
+                # but it cannot be scored; the stream goes on, and a replay of the letter scores it once fixed
+                st.seen.discard(e.event_id)
+                self.refuse(f"cannot score generation: {exc}", _source(origin), _original(e, origin))
+                return
             self.count("generation")
-            self._open(p, lane, e.generation_id, st, GenerationInfo.from_event(e))
+            self._open(p, lane, e.generation_id, st, GenerationInfo.from_event(e), definition)
             return
         fe = FeedbackEvent.from_event(e)
         if st.gen is None:  # its generation may still come: hold it, and watch for an orphan
@@ -216,10 +234,11 @@ class _Batch:
         else:
             self.count("on_time")
 
-    def _open(self, p: int, lane: int, gid: str, st: GenState, gen: GenerationInfo) -> None:
+    def _open(
+        self, p: int, lane: int, gid: str, st: GenState, gen: GenerationInfo, definition: RewardDefinition
+    ) -> None:
         """The generation is known: pin its surface's active definition and window, sort out the
         feedback that came before it, and close the window now if the watermark is already past it."""
-        definition = self.w.definition_for(gen.surface)
         st.gen, st.version, st.lane = gen, definition.version, lane
         st.window_end_us = gen.ts_us + self.w.window_us(definition)
         early, st.events = st.events, [fe for fe in st.events if fe.ts_us <= st.window_end_us]
@@ -236,9 +255,16 @@ class _Batch:
 
     def emit(self, gid: str, st: GenState, revision: int) -> None:
         assert st.gen is not None and st.window_end_us is not None
-        if st.version is None:  # a state written before versions were pinned on arrival
-            st.version = self.w.definition_for(st.gen.surface).version
-        definition = self.w.definitions.get(st.version)
+        try:
+            if st.version is None:  # a state written before versions were pinned on arrival
+                st.version = self.w.definition_for(st.gen.surface).version
+            definition = self.w.definitions.get(st.version)
+        except UnknownRewardVersion as exc:  # its pinned version is gone from every store
+            if revision == 0:
+                self.plan.zrem.append((self.w.keys.open(st.partition, st.lane), gid))
+            original = st.to_json().encode()
+            self.refuse(f"cannot score generation {gid}: {exc}", f"signals:{self.w.settings.events_topic}", original)
+            return
         record = definition.record(
             st.gen, st.events, window_end_us=st.window_end_us, revision=revision, late_events=st.late
         )
@@ -271,6 +297,14 @@ class _Batch:
 
 # Outcomes worth a log line (the counters have them all).
 _NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan"})
+
+
+def _source(origin: Record | None) -> str:
+    return f"kafka:{origin.topic}/{origin.partition}/{origin.offset}" if origin else "signals"
+
+
+def _original(e: Event, origin: Record | None) -> bytes:
+    return origin.value if origin is not None and origin.value is not None else e.to_bytes()
 
 
 def _now():  # noqa: ANN202 - a seam for reading the clock in one place
@@ -345,7 +379,15 @@ class SignalsWorker:
     def active_definitions(self) -> dict[str, RewardDefinition]:
         """The active definition of each surface (re-read at most every 5 s)."""
         if self._active is None or time.monotonic() - self._active[0] > 5.0:
-            found = {s: self.definitions.active(s) for s in self.definitions.active_map()}
+            found: dict[str, RewardDefinition] = {}
+            for s in self.definitions.active_map():
+                try:
+                    found[s] = self.definitions.active(s)
+                except UnknownRewardVersion:  # left out: `definition_for` raises, and its generations are dead-lettered
+                    if s not in self._warned:
+                        self._warned.add(s)
+                        log.error("the active reward version of a surface cannot be found; its generations are "
+                                  "dead-lettered until it is activated again", extra={"surface": s})
             self._active = (time.monotonic(), found)
             for surface, d in found.items():
                 window = d.window(self.settings.window_for(d.surface))
@@ -360,10 +402,12 @@ class SignalsWorker:
         return self._active[1]
 
     def definition_for(self, surface: str) -> RewardDefinition:
-        """The active definition of `surface` (its built-in rules if none was ever activated)."""
+        """The active definition of `surface`: its built-in rules if none was ever activated, pinned in the
+        pointer on first sight so every reader counts them. `UnknownRewardVersion` when the pointer names a
+        version that no store holds (the caller dead-letters what it could not score)."""
         active = self.active_definitions()
         if surface not in active:
-            active[surface] = self.definitions.active(surface)
+            active[surface] = self.definitions.get(self.definitions.adopt(surface))
         return active[surface]
 
     def window_us(self, definition: RewardDefinition) -> int:
@@ -371,7 +415,8 @@ class SignalsWorker:
 
     def max_window_us(self) -> int:
         """The longest window of any active definition: feedback whose generation has not come by then is orphan."""
-        return max(self.window_us(d) for d in self.active_definitions().values())
+        return max((self.window_us(d) for d in self.active_definitions().values()),
+                   default=self.window_us(builtin_definition(DEFAULT_SURFACE)))
 
     # ------------------------------------------------------------------ loop
 
@@ -439,25 +484,25 @@ class SignalsWorker:
     # ------------------------------------------------------------------ steps
 
     def _process(self, records: list[Record]) -> None:
-        by_partition: dict[int, list[Event]] = defaultdict(list)
+        by_partition: dict[int, list[tuple[Event, Record]]] = defaultdict(list)
         longest = self.max_window_us()
         for r in sorted(records, key=lambda r: (r.partition, r.offset)):
             event = decode_event(r.value, longest)
             if event is None:  # ingest dead-letters it; here it simply carries no signal
                 self.stats.count("invalid")
                 continue
-            by_partition[r.partition].append(event)
+            by_partition[r.partition].append((event, r))
         self.stats.events += sum(len(v) for v in by_partition.values())
         bounds: dict[tuple[int, int], int] = {}
         for p, evs in by_partition.items():
-            bounds[(p, 0)] = max(event_clock_us(e) for e in evs) - self.lateness_us
-            historical = [to_us(e.ts) for e in evs if event_lane(e, self.backfill_after_us)]
+            bounds[(p, 0)] = max(event_clock_us(e) for e, _ in evs) - self.lateness_us
+            historical = [to_us(e.ts) for e, _ in evs if event_lane(e, self.backfill_after_us)]
             bounds[(p, 1)] = (max(historical) - self.lateness_us) if historical else -(2**62)
-        gids = {e.generation_id for evs in by_partition.values() for e in evs}
+        gids = {e.generation_id for evs in by_partition.values() for e, _ in evs}
         batch = _Batch(self, *self.store.load(self.keys, bounds, gids))
         for p, evs in by_partition.items():
-            for e in evs:
-                batch.add(p, e)
+            for e, r in evs:
+                batch.add(p, e, r)
         self._commit(batch)
 
     def _tick_idle(self) -> None:
@@ -473,6 +518,8 @@ class SignalsWorker:
 
     def _commit(self, batch: _Batch) -> None:
         plan = batch.finish()
+        if batch.dead:  # before the commit: a crash in between re-reads them, so a letter may repeat, never vanish
+            self.producer.send_all([d.outgoing(self.settings.dead_letter_topic) for d in batch.dead], timeout_s=30)
         queued = self.store.commit(plan)
         n = sum(len(v) for v in batch.emitted.values())
         if queued != n:

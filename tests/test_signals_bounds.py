@@ -1,0 +1,82 @@
+"""Nothing one event can send stops, skews or floods the signals worker: a product's own surface gets its
+built-in definition, a definition that cannot be found is dead-lettered, a far-future event moves no
+watermark, and one generation's flood of feedback is capped, coalesced and bounded in bytes."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+from flywheel.bus import ensure_topics
+from flywheel.bus.reader import read_topic
+from flywheel.contract import Event, RewardRecord, utcnow
+from flywheel.reward_versions import read_active, write_active
+from flywheel.settings import Settings
+from signals.config import SignalsConfig
+from signals.worker import SignalsWorker
+from simulator.telemetry import feedback_event, generation_event, send
+
+CONFIG = SignalsConfig(idle_after_s=1.5, poll_timeout_s=0.2)
+
+
+def on_surface(e: Event, surface: str) -> Event:
+    return e.model_copy(update={"properties": {**e.properties, "surface": surface}})
+
+
+def rewards(settings: Settings) -> list[RewardRecord]:
+    return [RewardRecord.model_validate_json(r.value) for r in read_topic(settings, settings.rewards_topic)]
+
+
+def dead_letters(settings: Settings) -> list[dict[str, object]]:
+    return [json.loads(r.value) for r in read_topic(settings, settings.dead_letter_topic)]
+
+
+def drain(worker: SignalsWorker, done, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"worker did not finish in {timeout_s}s: {worker.stats}"
+        worker.run_once()
+
+
+def test_a_generation_of_a_new_surface_gets_its_builtin_reward_and_its_pointer(settings: Settings) -> None:
+    ensure_topics(settings)
+    t0 = utcnow() - timedelta(minutes=5)
+    send(settings, [
+        on_surface(generation_event("docs-1", t0), "docs"),
+        feedback_event("docs-1", "accepted", t0 + timedelta(seconds=1)),
+    ])  # fmt: skip
+    worker = SignalsWorker(settings, CONFIG)
+    try:
+        drain(worker, lambda: worker.stats.records >= 1)
+    finally:
+        worker.close()
+    (record,) = rewards(settings)
+    assert (record.generation_id, record.reward_version, record.reward) == ("docs-1", "docs-rules-v1", 0.75)
+    # pinned in the one pointer the trainer and the dashboard read, so they count the surface's rewards
+    assert (read_active(settings.lake_dir) or {}).get("docs") == "docs-rules-v1"
+    assert "docs-rules-v1" in worker.definitions.versions()
+
+
+def test_a_definition_that_cannot_be_found_dead_letters_the_generation_and_the_worker_goes_on(
+    settings: Settings,
+) -> None:
+    ensure_topics(settings)
+    write_active(settings.lake_dir, {"code-completion": "rules-v1", "docs": "sat-docs-gone"})
+    t0 = utcnow() - timedelta(minutes=5)
+    send(settings, [
+        on_surface(generation_event("lost", t0), "docs"),
+        generation_event("kept", t0),
+        feedback_event("kept", "accepted", t0 + timedelta(seconds=1)),
+    ])  # fmt: skip
+    worker = SignalsWorker(settings, CONFIG)
+    try:
+        drain(worker, lambda: worker.stats.records >= 1)
+        for _ in range(3):  # more polls: the worker stays up
+            worker.run_once()
+    finally:
+        worker.close()
+    assert [r.generation_id for r in rewards(settings)] == ["kept"]
+    (letter,) = dead_letters(settings)
+    assert "sat-docs-gone" in str(letter["reason"]) and str(letter["source"]).startswith("kafka:")
+    assert worker.stats.dead_lettered == 1
