@@ -126,6 +126,16 @@ class Settings(BaseSettings):
         '(e.g. {"chat": 300, "code-completion": 60}); a surface not named here uses reward_window_s.',
     )
     allowed_lateness_s: float = Field(default=5.0, ge=0)
+    # An event's time is a client's claim; arrival is ours. Outside this window around its arrival the collector
+    # dead-letters it with the reason (a far-future time would otherwise close every window early).
+    event_time_ahead_s: float = Field(
+        default=24 * 3600.0, ge=0, description="How far after its arrival an event's time may be (clock skew)."
+    )
+    event_time_behind_s: float = Field(
+        default=400 * 86400.0,
+        gt=0,
+        description="How far before its arrival an event's time may be (history sent late: up to a year of it).",
+    )
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)
     challenger_share: float = Field(default=0.2, gt=0, le=1)

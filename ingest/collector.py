@@ -13,7 +13,8 @@ field); unknown or missing: 401 and nothing is produced. Bodies are capped as se
 inflated (413). Every client error is a 4xx with a reason, never a 500: a body that cannot
 be read is a 400, an item that cannot be an event is refused alone (the rest of its batch
 is taken). Refused items and bodies are answered and also produced to the dead-letter topic
-with their bytes (less any `writeKey`/`authorization` value), the reason and the endpoint.
+with their bytes (less any `writeKey`/`authorization` value), the reason and the endpoint;
+so is an event whose time is outside the window around its arrival (`ingest.arrival`).
 Kafka unreachable: 503 with Retry-After. Requests in flight at the same time share one
 send to Kafka (`ingest.group_send`).
 """
@@ -40,6 +41,7 @@ from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
 from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_router
 from flywheel.settings import Settings, get_settings
 from ingest import metrics
+from ingest.arrival import bound_by_arrival
 from ingest.dead_letters import dead_letter
 from ingest.group_send import GroupSender
 from ingest.intake import (
@@ -191,6 +193,7 @@ def create_app(
             except (ValueError, TypeError, OverflowError, RecursionError) as exc:
                 # Items are judged one by one (a bad one is refused alone); this is a body no item reached.
                 raise BodyError(400, f"body cannot be read: {type(exc).__name__}: {exc}") from None
+            intake = bound_by_arrival(intake, received_at, settings.event_time_ahead_s, settings.event_time_behind_s)
         except BodyError as exc:
             if exc.status == 400:
                 # A body we cannot read is still kept (as a dead letter) for the sender to inspect, less its keys.

@@ -2,7 +2,7 @@
 
 It replays the worker's rules (signals/worker.py) per Kafka partition in offset
 order: the first copy of each event id counts; the live watermark is the running
-maximum of max(ts, received_at) minus the allowed lateness, and the historical one the
+maximum of the arrival clock (`received_at`, at most `now`) minus the allowed lateness, and the historical one the
 running maximum of `ts` over events received more than `backfill_after_s` after their
 time; a generation's window (its definition's `window_s`) closes, by the watermark of
 its generation event's lane, at the first row at or after that event where the
@@ -84,9 +84,8 @@ def plan_windows(
         .unique(list(EVENTS.key), keep="first", maintain_order=True)
         .with_columns(
             pl.col("ts").dt.epoch("us").alias("ts_us"),
-            pl.max_horizontal(pl.col("ts").dt.epoch("us"), pl.col("received_at").dt.epoch("us")).alias(
-                "clock"
-            ),
+            # the worker's clock: arrival, never past the wall clock (`signals.worker.event_clock_us`)
+            pl.min_horizontal(pl.col("received_at").dt.epoch("us"), pl.lit(to_us(now))).alias("clock"),
         )
         .with_columns(
             ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us)

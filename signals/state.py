@@ -185,6 +185,15 @@ class StateStore:
                     states[gid] = GenState.from_json(raw)
         return wms, due, states
 
+    def lower_watermarks(self, keys: Keys, ceiling_us: int) -> list[str]:
+        """Lower every watermark above `ceiling_us` to it (the repair of one moved by an event's own clock);
+        returns the lanes lowered. Run at start, before this worker commits anything."""
+        high = {k.decode(): int(v) for k, v in cast(dict[bytes, bytes], self._r.hgetall(keys.wm)).items()}
+        lowered = sorted(k for k, v in high.items() if v > ceiling_us)
+        if lowered:
+            self._r.hset(keys.wm, mapping={k: str(ceiling_us) for k in lowered})
+        return lowered
+
     def outbox_entries(self, keys: Keys, partition: int) -> list[bytes]:
         # Replies are bytes (no decode_responses); the stubs say bytes | str.
         return cast(list[bytes], self._r.lrange(keys.outbox(partition), 0, -1))

@@ -5,9 +5,11 @@ surface's active one when the generation event arrives, pinned in its state) and
 [ts, ts + the definition's window]. A definition never scores another surface.
 
 Event-time windows. Each partition has a live watermark, the largest event clock seen minus
-`allowed_lateness_s`, where an event's clock is max(ts, received_at): the arrival time keeps the
-watermark moving when events carry old timestamps, and it is what lets the batch recompute replay
-the stream exactly from the lake (same partition order, same clocks). A generation whose event
+`allowed_lateness_s`, where an event's clock is its arrival, `received_at` (never later than this
+worker's wall clock): the arrival keeps the watermark moving when events carry old timestamps, a
+client's clock (fast, or forged thousands of years ahead) never moves it, and it is what lets the
+batch recompute replay the stream exactly from the lake (same partition order, same clocks). A
+watermark found beyond the wall clock at start (written before this rule) is lowered to it. A generation whose event
 arrived more than `backfill_after_s` after its time is history being replayed: its window closes
 by the partition's historical watermark instead (the largest `ts` of such events minus the
 lateness), so a replay in time order gives each generation one final record rather than a
@@ -121,8 +123,9 @@ _OUTCOME_ATTR = {
 }
 
 
-def event_clock_us(e: Event) -> int:
-    return max(to_us(e.ts), to_us(e.received_at))
+def event_clock_us(e: Event, now_us: int) -> int:
+    """The clock an event moves its partition's live watermark to: its arrival, bounded by `now_us`."""
+    return min(to_us(e.received_at), now_us)
 
 
 def event_lane(e: Event, backfill_after_us: int) -> int:
@@ -194,7 +197,7 @@ class _Batch:
         st.seen.add(e.event_id)
         self.dirty.add(e.generation_id)
         lane = event_lane(e, self.w.backfill_after_us)
-        self.advance(p, 0, event_clock_us(e) - self.w.lateness_us)
+        self.advance(p, 0, event_clock_us(e, self.now_us) - self.w.lateness_us)
         if lane:
             self.advance(p, 1, to_us(e.ts) - self.w.lateness_us)
         if e.type == EventType.GENERATION:
@@ -335,6 +338,10 @@ class SignalsWorker:
         self.definitions.ensure_pointer()
         self.keys = Keys(settings.redis_prefix, settings.events_topic)
         self.lateness_us = int(round(settings.allowed_lateness_s * 1e6))
+        lowered = self.store.lower_watermarks(self.keys, to_us(_now()) - self.lateness_us)
+        if lowered:
+            log.warning("watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
+                        extra={"lanes": lowered})
         self.backfill_after_us = int(round(self.config.backfill_after_s * 1e6))
         self.group_id = self.config.group_id or f"flywheel-signals.{settings.events_topic}"
         # Made on first use (`consumer`, `producer`): a worker started while Kafka is down waits for it.
@@ -494,8 +501,9 @@ class SignalsWorker:
             by_partition[r.partition].append((event, r))
         self.stats.events += sum(len(v) for v in by_partition.values())
         bounds: dict[tuple[int, int], int] = {}
+        now_us = to_us(_now())
         for p, evs in by_partition.items():
-            bounds[(p, 0)] = max(event_clock_us(e) for e, _ in evs) - self.lateness_us
+            bounds[(p, 0)] = max(event_clock_us(e, now_us) for e, _ in evs) - self.lateness_us
             historical = [to_us(e.ts) for e, _ in evs if event_lane(e, self.backfill_after_us)]
             bounds[(p, 1)] = (max(historical) - self.lateness_us) if historical else -(2**62)
         gids = {e.generation_id for evs in by_partition.values() for e, _ in evs}

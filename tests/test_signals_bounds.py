@@ -80,3 +80,35 @@ def test_a_definition_that_cannot_be_found_dead_letters_the_generation_and_the_w
     (letter,) = dead_letters(settings)
     assert "sat-docs-gone" in str(letter["reason"]) and str(letter["source"]).startswith("kafka:")
     assert worker.stats.dead_lettered == 1
+
+
+def test_a_far_future_event_moves_no_watermark_and_delays_no_first_record(settings: Settings) -> None:
+    ensure_topics(settings)
+    now = utcnow()
+    gens = [generation_event(f"g{i}", now) for i in range(4)]
+    # straight on Kafka, past the collector's time bounds: a feedback event dated thousands of years ahead
+    forged = feedback_event("g0", "thumbs", now.replace(year=5000), received_at=now, value="up")
+    accepts = [feedback_event(f"g{i}", "accepted", now + timedelta(milliseconds=100)) for i in range(4)]
+    send(settings, [*gens, forged, *accepts])
+    worker = SignalsWorker(settings, CONFIG)
+    try:
+        drain(worker, lambda: worker.stats.records >= 4)
+    finally:
+        worker.close()
+    marks = {k.decode(): int(v) for k, v in worker.redis.hgetall(worker.keys.wm).items()}
+    assert marks and max(marks.values()) <= int(utcnow().timestamp() * 1e6)
+    first = {r.generation_id: r for r in rewards(settings) if r.revision == 0}
+    assert len(first) == 4 and all(r.signals.get("accepted") == 1.0 for r in first.values()), first
+    assert worker.stats.out_of_window == 1 and worker.stats.late_events == 0
+
+
+def test_a_poisoned_watermark_is_lowered_to_the_wall_clock_at_start(settings: Settings) -> None:
+    ensure_topics(settings)
+    probe = SignalsWorker(settings, CONFIG)
+    probe.redis.hset(probe.keys.wm, mapping={"0": str(10**17), "h1": str(10**17), "1": "5"})
+    probe.close()
+    worker = SignalsWorker(settings, CONFIG)
+    worker.close()
+    marks = {k.decode(): int(v) for k, v in worker.redis.hgetall(worker.keys.wm).items()}
+    assert marks["1"] == 5, "an honest watermark is left alone"
+    assert marks["0"] == marks["h1"] <= int(utcnow().timestamp() * 1e6)
