@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from flywheel.write_keys import KeyScope, parse_write_keys
+
 # Secrets (every `SecretStr` field) are never empty, and in production at least this long and
 # never their development default. Values are never echoed: errors name the variable only.
 MIN_SECRET_LENGTH = 24
@@ -90,7 +92,8 @@ class Settings(BaseSettings):
     signals_metrics_port: int = Field(default=9102, ge=0, description="Signals worker /metrics and health; 0 = off.")
     write_keys: SecretStr = Field(
         default=SecretStr("dev-write-key"),
-        description="Comma-separated write keys the collector accepts (HTTP basic auth user).",
+        description="Comma-separated write keys the collector accepts (HTTP basic auth user); a key may be "
+        "limited to sources and user-id prefixes: `KEY;source=web;user=acme:` (flywheel/write_keys.py).",
     )
     serving_key: SecretStr = Field(
         default=SecretStr("dev-serving-key"),
@@ -201,9 +204,19 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_write_key_limits(self) -> Settings:
+        self.write_key_scopes  # noqa: B018 - parsed now, so a malformed limit fails at start, not per request
+        return self
+
     @property
     def write_key_set(self) -> frozenset[str]:
-        return frozenset(_secret_items("write_keys", self.write_keys))
+        return frozenset(self.write_key_scopes)
+
+    @property
+    def write_key_scopes(self) -> dict[str, KeyScope]:
+        """Each write key and what it may speak for (`flywheel.write_keys`)."""
+        return parse_write_keys(_secret_items("write_keys", self.write_keys))
 
     @property
     def lake_dir(self) -> Path:

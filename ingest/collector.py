@@ -118,6 +118,7 @@ def create_app(
 ) -> FastAPI:
     holder = ProducerHolder(settings, producer, send_timeout_s)
     write_keys = settings.write_key_set
+    key_scopes = settings.write_key_scopes
     kafka = kafka_dependency(settings)
     health = ProcessHealth("collector", [kafka])
 
@@ -182,6 +183,7 @@ def create_app(
                 await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
+        body_key: str | None = None
         if header_key is None:
             body_key, parsed = body_write_key(body)
             if body_key is None or body_key not in write_keys:
@@ -193,7 +195,8 @@ def create_app(
             except (ValueError, TypeError, OverflowError, RecursionError) as exc:
                 # Items are judged one by one (a bad one is refused alone); this is a body no item reached.
                 raise BodyError(400, f"body cannot be read: {type(exc).__name__}: {exc}") from None
-            intake = bound_by_arrival(intake, received_at, settings.event_time_ahead_s, settings.event_time_behind_s)
+            intake = bound_by_arrival(intake, received_at, settings.event_time_ahead_s, settings.event_time_behind_s,
+                                      key_scopes.get(header_key or body_key or ""))
         except BodyError as exc:
             if exc.status == 400:
                 # A body we cannot read is still kept (as a dead letter) for the sender to inspect, less its keys.

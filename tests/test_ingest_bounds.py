@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from flywheel.bus import ensure_topics
 from flywheel.bus.reader import read_topic
@@ -60,3 +61,31 @@ def test_event_times_outside_the_window_around_arrival_are_dead_lettered_with_th
     assert sorted(e.event_id for e in accepted(settings)) == ["history", "skewed"]
     kept = {json.loads(d.original)["event_id"]: d.reason for d in letters(settings)}
     assert kept.keys() == {"ahead", "far", "ancient"}
+
+
+def test_a_write_key_speaks_only_for_its_sources_and_user_namespaces(settings: Settings) -> None:
+    ensure_topics(settings)
+    scoped = settings.model_copy(update={"write_keys": SecretStr(f"{KEY},k-web;source=web;user=acme:")})
+    web = {"Authorization": "Basic " + base64.b64encode(b"k-web:").decode()}
+    with TestClient(create_app(scoped)) as client:
+        grant = {"properties": {"training_consent": True}}
+        r = client.post("/v1/events", headers=web, json={"events": [
+            native("mine", user_id="acme:1", source="web", **grant),
+            native("other-user", user_id="victim", source="web", **grant),
+            native("other-source", user_id="acme:1", source="ios"),
+        ]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        refused = {x["event_id"]: x["reason"] for x in r.json()["refused"]}
+        assert "may not speak for user 'victim'" in refused["other-user"]
+        assert "may not send events of source 'ios'" in refused["other-source"]
+        # the unlimited key may still send anything
+        r = client.post("/v1/events", headers=AUTH, json={"events": [native("any", user_id="victim", source="ios")]})
+        assert r.json()["accepted"] == 1
+    assert sorted(e.event_id for e in accepted(settings)) == ["any", "mine"]
+    assert sorted(json.loads(d.original)["event_id"] for d in letters(settings)) == ["other-source", "other-user"]
+
+
+def test_a_malformed_write_key_limit_fails_at_start_without_echoing_the_key() -> None:
+    with pytest.raises(ValueError, match="`source=<name>` or `user=<prefix>`") as err:
+        Settings(write_keys=SecretStr("secret-key-value;team=web"))
+    assert "secret-key-value" not in str(err.value)
