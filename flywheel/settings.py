@@ -135,9 +135,9 @@ class Settings(BaseSettings):
         default=24 * 3600.0, ge=0, description="How far after its arrival an event's time may be (clock skew)."
     )
     event_time_behind_s: float = Field(
-        default=400 * 86400.0,
+        default=5 * 366 * 86400.0,
         gt=0,
-        description="How far before its arrival an event's time may be (history sent late: up to a year of it).",
+        description="How far before its arrival an event's time may be (history imported late: five years).",
     )
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)

@@ -2,8 +2,8 @@
 
 A client's clock may be skewed or forged; the collector's arrival time is not.
 An accepted event's `ts` must lie in [received_at - behind, received_at + ahead]
-(`Settings.event_time_behind_s`, `event_time_ahead_s`: a year of history behind, 24 h of clock skew ahead,
-by default). Segment's own correction (`received_at - (sentAt - timestamp)`) is applied first, so a client
+(`Settings.event_time_behind_s`, `event_time_ahead_s`: five years of history behind, 24 h of clock skew
+ahead, by default). Segment's own correction (`received_at - (sentAt - timestamp)`) is applied first, so a client
 whose clock is merely wrong lands inside; what is still outside is dead-lettered with the reason (not
 clamped: a clamped time would be a time nobody sent, and the letter can be replayed once corrected). This is
 what keeps one far-future event from closing every reward window at once downstream.

@@ -41,6 +41,7 @@ class GenState:
     version: str | None = None
     lane: int = 0  # 0: live, 1: historical (its generation event arrived long after its time)
     orphaned: bool = False  # its feedback outlived any window its generation could have had
+    feedback: int = 0  # distinct feedback events taken (capped at `SignalsConfig.max_feedback_per_generation`)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -55,6 +56,7 @@ class GenState:
                 "ver": self.version,
                 "lane": self.lane,
                 "orph": self.orphaned,
+                "nf": self.feedback,
             },
             separators=(",", ":"),
         )
@@ -73,6 +75,7 @@ class GenState:
             version=d["ver"],
             lane=d.get("lane", 0),
             orphaned=d.get("orph", False),
+            feedback=d.get("nf", len(d["ev"])),
         )
 
 

@@ -19,10 +19,18 @@ default on arrival and a revision per later event. When the whole stream has bee
 
 Per event, in partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
-window already closed is late: it yields a corrected record, revision + 1, holding everything
-seen so far. Feedback timed after its window's end is ignored. Feedback whose generation has not
+window already closed is late: the batch then yields one corrected record for its generation,
+whose revision is the number of late events it holds (several late events of one batch make one
+revision). Feedback timed after its window's end is ignored. Feedback whose generation has not
 come yet is held; it is orphan once the watermark passes its time plus the longest window.
 Every event's outcome is counted (`signals/metrics.py`) and the unusual ones logged.
+
+Bounds: a generation keeps at most `max_feedback_per_generation` distinct feedback events, in arrival
+order, each with at most `max_feedback_bytes` of properties; the rest are dead-lettered (`capped`). So
+its state is bounded in bytes (about cap x (bytes + 300) plus its generation), a batch costs each of
+its generations one record at most, and a flood for one generation costs its partition's other
+generations at most the batch it arrived in. A generation whose reward definition cannot be found
+is dead-lettered (`dead_lettered`) and the stream goes on.
 
 Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
@@ -78,7 +86,7 @@ from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore, UnknownRewardVersion
-from signals.events import FeedbackEvent, GenerationInfo, decode_event, to_us
+from signals.events import FeedbackEvent, GenerationInfo, decode_event, properties_bytes, to_us
 from signals.reward import RewardDefinition, builtin_definition
 from signals.sink import produce_rewards, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
@@ -104,6 +112,7 @@ class WorkerStats:
     records: int = 0
     revisions: int = 0
     dead_lettered: int = 0
+    capped: int = 0
 
     def count(self, outcome: str, n: int = 1) -> None:
         attr = _OUTCOME_ATTR[outcome]
@@ -120,6 +129,7 @@ _OUTCOME_ATTR = {
     "late": "late_events",
     "orphan": "orphans",
     "dead_lettered": "dead_lettered",
+    "capped": "capped",
 }
 
 
@@ -153,12 +163,13 @@ class _Batch:
         self.now_us = to_us(_now())
         self.outcomes: Counter[str] = Counter()
         self.dead: list[DeadLetter] = []
+        self.revise: set[str] = set()
 
-    def refuse(self, reason: str, source: str, original: bytes) -> None:
-        """Dead-letter what this worker cannot score (sent before the batch commits: none is lost)."""
+    def refuse(self, reason: str, source: str, original: bytes, outcome: str = "dead_lettered") -> None:
+        """Dead-letter what this worker will not score (sent before the batch commits: none is lost); one log
+        line per batch counts them (`finish`), so a flood of them is not a flood of log lines."""
         self.dead.append(dead_letter(reason, source, original))
-        self.count("dead_lettered")
-        log.warning("signals dead-lettered an event", extra={"reason": reason, "source": source})
+        self.count(outcome)
 
     def count(self, outcome: str, n: int = 1) -> None:
         if n:
@@ -194,12 +205,14 @@ class _Batch:
         if e.event_id in st.seen:
             self.count("duplicate")
             return
-        st.seen.add(e.event_id)
-        self.dirty.add(e.generation_id)
         lane = event_lane(e, self.w.backfill_after_us)
         self.advance(p, 0, event_clock_us(e, self.now_us) - self.w.lateness_us)
         if lane:
             self.advance(p, 1, to_us(e.ts) - self.w.lateness_us)
+        if e.type != EventType.GENERATION and not self._within_bounds(e, st, origin):
+            return
+        st.seen.add(e.event_id)
+        self.dirty.add(e.generation_id)
         if e.type == EventType.GENERATION:
             if st.gen is not None:  # another generation event for the same id: the first one counts
                 self.count("duplicate")
@@ -233,9 +246,26 @@ class _Batch:
             st.late += 1
             self.count("late")
             metrics.LATE_EVENTS.inc()
-            self.emit(e.generation_id, st, st.revision + 1)
+            self.revise.add(e.generation_id)  # one revision per generation per batch, emitted by `finish`
         else:
             self.count("on_time")
+
+    def _within_bounds(self, e: Event, st: GenState, origin: Record | None) -> bool:
+        """Whether feedback event `e` may join its generation's state: at most `max_feedback_per_generation`
+        distinct ones (in arrival order, whatever becomes of them), each at most `max_feedback_bytes` of
+        properties. Beyond either it is dead-lettered and counted `capped`."""
+        cfg = self.w.config
+        if st.feedback >= cfg.max_feedback_per_generation:
+            reason = (f"generation {e.generation_id} already has {cfg.max_feedback_per_generation} feedback events "
+                      "(FLYWHEEL_SIGNALS_MAX_FEEDBACK_PER_GENERATION)")
+        elif (size := properties_bytes(e.properties)) > cfg.max_feedback_bytes:
+            reason = (f"feedback properties are {size} bytes; a generation's state keeps at most "
+                      f"{cfg.max_feedback_bytes} (FLYWHEEL_SIGNALS_MAX_FEEDBACK_BYTES)")
+        else:
+            st.feedback += 1
+            return True
+        self.refuse(reason, _source(origin), _original(e, origin), outcome="capped")
+        return False
 
     def _open(
         self, p: int, lane: int, gid: str, st: GenState, gen: GenerationInfo, definition: RewardDefinition
@@ -280,6 +310,11 @@ class _Batch:
             metrics.CLOSE_LAG.observe(max(0.0, lag_s))
 
     def finish(self) -> CommitPlan:
+        # Coalesced: a generation's late events of this batch make one revision, numbered by the late events it
+        # holds (so it is the recompute's revision of that number, `signals.recompute`).
+        for gid in sorted(self.revise):
+            st = self.states[gid]
+            self.emit(gid, st, st.late)
         ttl = int(self.w.config.state_ttl_s)
         for gid in sorted(self.dirty):
             self.plan.states.append((self.w.keys.gen(gid), self.states[gid].to_json(), ttl))
@@ -299,7 +334,7 @@ class _Batch:
 
 
 # Outcomes worth a log line (the counters have them all).
-_NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan"})
+_NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan", "dead_lettered", "capped"})
 
 
 def _source(origin: Record | None) -> str:

@@ -48,7 +48,7 @@ def test_event_times_outside_the_window_around_arrival_are_dead_lettered_with_th
         native("ahead", ts=(now + timedelta(days=3)).isoformat()),
         native("skewed", ts=(now + timedelta(hours=1)).isoformat()),
         native("far", ts=now.replace(year=5000).isoformat()),
-        native("ancient", ts=(now - timedelta(days=800)).isoformat()),
+        native("ancient", ts=(now - timedelta(days=2000)).isoformat()),
         native("history", ts=(now - timedelta(days=90)).isoformat()),
     ]}  # fmt: skip
     r = client.post("/v1/events", json=body, headers=AUTH)

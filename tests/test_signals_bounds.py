@@ -8,7 +8,7 @@ import json
 import time
 from datetime import timedelta
 
-from flywheel.bus import ensure_topics
+from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, RewardRecord, utcnow
 from flywheel.reward_versions import read_active, write_active
@@ -112,3 +112,43 @@ def test_a_poisoned_watermark_is_lowered_to_the_wall_clock_at_start(settings: Se
     marks = {k.decode(): int(v) for k, v in worker.redis.hgetall(worker.keys.wm).items()}
     assert marks["1"] == 5, "an honest watermark is left alone"
     assert marks["0"] == marks["h1"] <= int(utcnow().timestamp() * 1e6)
+
+
+def test_a_flood_for_one_generation_is_capped_coalesced_and_leaves_another_on_time(settings: Settings) -> None:
+    ensure_topics(settings)
+    config = CONFIG.model_copy(update={"max_feedback_per_generation": 16, "poll_max_records": 500})
+    now = utcnow()
+    old = now - timedelta(minutes=5)  # its window closed long ago: every later feedback is late
+    flood = [generation_event("flooded", old)]
+    flood += [
+        feedback_event("flooded", "copied", old + timedelta(seconds=1), received_at=now, note=f"{i}")
+        for i in range(1200)
+    ]
+    other = [generation_event("other", now), feedback_event("other", "accepted", now + timedelta(milliseconds=100))]
+    key = b"flooded"  # one partition for both: the other generation shares the flooded one's partition
+    producer = make_producer(settings)
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key) for e in [*flood, *other]], timeout_s=30)
+    producer.close()
+    worker = SignalsWorker(settings, config)
+    polls = 0
+    try:
+        def other_done() -> bool:
+            return any(r.generation_id == "other" for r in rewards(settings))
+
+        while not other_done():
+            assert polls < 200, worker.stats
+            worker.run_once()
+            polls += 1
+        state = worker.redis.get(worker.keys.gen("flooded"))
+    finally:
+        worker.close()
+    records = rewards(settings)
+    (first,) = [r for r in records if r.generation_id == "other"]
+    assert first.revision == 0 and first.signals.get("accepted") == 1.0, "its on-time accept is in its first record"
+    flooded = [r for r in records if r.generation_id == "flooded"]
+    # at most one record per micro-batch: the first, then one coalesced revision per batch holding late events
+    assert len(flooded) <= 1 + -(-len(flood) // config.poll_max_records)
+    assert max(r.late_events for r in flooded) == 16 == config.max_feedback_per_generation
+    assert worker.stats.capped == len(flood) - 1 - 16
+    assert len(dead_letters(settings)) == worker.stats.capped
+    assert state is not None and len(state) <= 16 * (config.max_feedback_bytes + 300) + 4096
