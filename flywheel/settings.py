@@ -110,6 +110,12 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of the issued-token store (hashes only); empty: SQLite under data_dir. "
         "Give the gate and the trainer the same one (e.g. the PostgreSQL that holds MLflow).",
     )
+    collector_rate_limit: str = Field(
+        default="200/second", description="Requests per client address the collector takes (429 beyond)."
+    )
+    gate_rate_limit: str = Field(
+        default="20/second", description="Requests per client address the gate takes (429 beyond)."
+    )
     auto_approve: bool = Field(
         default=False,
         description="Approve pending candidates without a person (each approval audited as the "
@@ -142,6 +148,17 @@ class Settings(BaseSettings):
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)
     challenger_share: float = Field(default=0.2, gt=0, le=1)
+
+    @field_validator("collector_rate_limit", "gate_rate_limit")
+    @classmethod
+    def _rate(cls, value: str) -> str:
+        from limits import parse
+
+        try:
+            parse(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a rate; write e.g. '200/second' or '1000/minute'") from None
+        return value
 
     @field_validator("reward_windows_s")
     @classmethod

@@ -15,7 +15,8 @@ be read is a 400, an item that cannot be an event is refused alone (the rest of 
 is taken). Refused items and bodies are answered and also produced to the dead-letter topic
 with their bytes (less any `writeKey`/`authorization` value), the reason and the endpoint;
 so is an event whose time is outside the window around its arrival (`ingest.arrival`).
-Kafka unreachable: 503 with Retry-After. Requests in flight at the same time share one
+Kafka unreachable: 503 with Retry-After. A client past `Settings.collector_rate_limit` gets 429
+(`flywheel.ops.rate_limit`). Requests in flight at the same time share one
 send to Kafka (`ingest.group_send`).
 """
 
@@ -39,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer, make_producer
 from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
 from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_router
+from flywheel.ops.rate_limit import add_rate_limit
 from flywheel.settings import Settings, get_settings
 from ingest import metrics
 from ingest.arrival import bound_by_arrival
@@ -132,6 +134,7 @@ def create_app(
         await run_in_threadpool(holder.close)
 
     app = FastAPI(title="Flywheel collector", lifespan=lifespan)
+    add_rate_limit(app, settings.collector_rate_limit, service="collector")
     app.state.producer_holder = holder
 
     @app.exception_handler(BodyError)
