@@ -218,8 +218,9 @@ def act(
     auth: Authenticator = request.app.state.authenticator
     target = f"version {version}" if version else f"experiment {gate.experiment}"
     try:
-        known: Identity | None = auth.identify(authorization)
-        who, role = known.name, known.role
+        found = auth.identify(authorization)
+        known: Identity | None = found
+        who, role = found.name, found.role
     except NotAuthenticated:
         # No token, or one nobody was ever given: noise anyone can make, counted and logged (throttled), never
         # written to the durable audit. A revoked token names its former holder: that attempt is audited.
