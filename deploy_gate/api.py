@@ -220,7 +220,7 @@ def act(
     try:
         found = auth.identify(authorization)
         known: Identity | None = found
-        who, role = found.name, found.role
+        who, role = found.name, str(found.role)
     except NotAuthenticated:
         # No token, or one nobody was ever given: noise anyone can make, counted and logged (throttled), never
         # written to the durable audit. A revoked token names its former holder: that attempt is audited.
