@@ -13,7 +13,8 @@ field); unknown or missing: 401 and nothing is produced. Bodies are capped as se
 inflated (413). Every client error is a 4xx with a reason, never a 500: a body that cannot
 be read is a 400, an item that cannot be an event is refused alone (the rest of its batch
 is taken). Refused items and bodies are answered and also produced to the dead-letter topic
-with their bytes (less any `writeKey`/`authorization` value), the reason and the endpoint;
+with their bytes (less any credential field at any depth, and any configured write key wherever it
+sits: `ingest.redact`), the reason and the endpoint;
 so is an event whose time is outside the window around its arrival (`ingest.arrival`).
 Kafka unreachable: 503 with Retry-After. A client past `Settings.collector_rate_limit` gets 429
 (`flywheel.ops.rate_limit`). Requests in flight at the same time share one
@@ -39,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer, make_producer
 from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
+from flywheel.logs import redact_access_log
 from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_router
 from flywheel.ops.rate_limit import add_rate_limit
 from flywheel.settings import Settings, get_settings
@@ -57,6 +59,7 @@ from ingest.intake import (
     parse_json,
     segment_intake,
 )
+from ingest.redact import SecretScrubber
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,10 @@ def create_app(
     holder = ProducerHolder(settings, producer, send_timeout_s)
     write_keys = settings.write_key_set
     key_scopes = settings.write_key_scopes
+    # the last step of every dead letter (`ingest.redact`): no configured secret leaves in one
+    scrub = SecretScrubber([*write_keys, settings.serving_key.get_secret_value(),
+                            settings.approval_token.get_secret_value()])  # fmt: skip
+    redact_access_log()
     kafka = kafka_dependency(settings)
     health = ProcessHealth("collector", [kafka])
 
@@ -182,7 +189,7 @@ def create_app(
             if header_key is None:  # no key could be read from it: the sender is unknown
                 raise BodyError(401, MISSING_KEY) from None
             if exc.status == 400:
-                letter = dead_letter(exc.reason, source, body_without_credentials(sent), received_at)
+                letter = scrub.letter(dead_letter(exc.reason, source, body_without_credentials(sent), received_at))
                 await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
@@ -203,7 +210,9 @@ def create_app(
         except BodyError as exc:
             if exc.status == 400:
                 # A body we cannot read is still kept (as a dead letter) for the sender to inspect, less its keys.
-                letter = dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
+                letter = scrub.letter(
+                    dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
+                )
                 await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
@@ -212,7 +221,9 @@ def create_app(
             for e in intake.accepted
         ]
         messages += [
-            dead_letter(r.reason, source, r.original, received_at, r.sent_at).outgoing(settings.dead_letter_topic)
+            scrub.letter(dead_letter(r.reason, source, r.original, received_at, r.sent_at)).outgoing(
+                settings.dead_letter_topic
+            )
             for r in intake.refused
         ]
         metrics.EVENTS_IN.labels("collector", endpoint).inc(len(intake.accepted) + len(intake.refused))

@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
@@ -15,9 +23,11 @@ from pydantic import SecretStr
 from flywheel.bus import ensure_topics
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, utcnow
+from flywheel.logs import redact_access_log
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
+from launcher.embedded import free_port
 
 KEY = "dev-write-key"
 AUTH = {"Authorization": "Basic " + base64.b64encode(f"{KEY}:".encode()).decode()}
@@ -89,3 +99,105 @@ def test_a_malformed_write_key_limit_fails_at_start_without_echoing_the_key() ->
     with pytest.raises(ValueError, match="`source=<name>` or `user=<prefix>`") as err:
         Settings(write_keys=SecretStr("secret-key-value;team=web"))
     assert "secret-key-value" not in str(err.value)
+
+
+SECRET = "s3cr3t-placement-key-0042"
+SECRET_AUTH = {"Authorization": "Basic " + base64.b64encode(f"{SECRET}:".encode()).decode()}
+
+
+def track(message_id: str, **over: Any) -> dict[str, Any]:
+    msg = {"type": "track", "event": "not-a-type", "messageId": message_id, "userId": "u",
+           "properties": {"generation_id": f"g-{message_id}"}}  # fmt: skip
+    return {**msg, **over}
+
+
+# Every place a client can put its write key in what the collector takes; each refused, so each dead-lettered.
+PLACEMENTS: dict[str, tuple[str, bytes, dict[str, str]]] = {
+    "body top level": ("/v1/track", json.dumps(track("t", writeKey=SECRET)).encode(), {}),
+    "escaped key name": ("/v1/batch", b'{"batch": [{"type": "track", "event": "nope", "messageId": "e", '
+                         b'"userId": "u", "write\\u004bey": "' + SECRET.encode() + b'"}]}', SECRET_AUTH),
+    "nested context": ("/v1/batch", json.dumps({"batch": [track("n", context={"library": {
+        "writeKey": SECRET, "headers": {"Authorization": f"Basic {SECRET}"}}})]}).encode(), SECRET_AUTH),
+    "any property": ("/v1/events", json.dumps({"events": [native("p", type="nope", properties={
+        "note": f"key={SECRET}"})]}).encode(), SECRET_AUTH),
+    "form body": ("/v1/batch", f"writeKey={SECRET}&event=accepted".encode(), SECRET_AUTH),
+    "escaped key name, broken json": ("/v1/batch", b'{"write\\u004bey": "' + SECRET.encode() + b'", "batch": [',
+                                      SECRET_AUTH),
+    "broken json": ("/v1/batch", b'{"write_key": "' + SECRET.encode() + b'", "batch": [', SECRET_AUTH),
+    "sentAt": ("/v1/batch", json.dumps({"batch": [track("s")], "sentAt": {"writeKey": SECRET,
+                                                                          "t": SECRET}}).encode(), SECRET_AUTH),
+    "query string": (f"/v1/batch?writeKey={SECRET}", json.dumps({"batch": [track("q")]}).encode(), SECRET_AUTH),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_no_log_line_or_dead_letter_holds_a_configured_secret(
+    placement: str, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    ensure_topics(settings)
+    path, body, headers = PLACEMENTS[placement]
+    keyed = settings.model_copy(update={"write_keys": SecretStr(f"{KEY},{SECRET}")})
+    caplog.set_level(logging.DEBUG)
+    with TestClient(create_app(keyed)) as client:
+        r = client.post(path, content=body, headers={"Content-Type": "application/json", **headers})
+        assert r.status_code in (200, 400), r.text
+    found = read_topic(settings, settings.dead_letter_topic)
+    assert found, "the refusal is kept as a dead letter"
+    forms = [SECRET, base64.b64encode(f"{SECRET}:".encode()).decode()]
+    for record in found:
+        assert not any(f.encode() in record.value for f in forms), record.value
+        letter = DeadLetter.from_bytes(record.value)
+        assert not any(f.encode() in letter.original for f in forms), letter.original
+    # the collector's lines (the test client's own httpx logger writes the URL it was asked to send)
+    served = [caplog.handler.format(r) for r in caplog.records if not r.name.startswith("httpx")]
+    assert served and not any(f in line for f in forms for line in served)
+
+
+def test_access_log_lines_keep_query_names_not_values(caplog: pytest.LogCaptureFixture) -> None:
+    access = logging.getLogger("uvicorn.access")
+    redact_access_log()
+    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+        access.info('%s - "%s %s HTTP/%s" %d', "1.2.3.4:5", "POST", f"/v1/batch?writeKey={SECRET}&x=1", "1.1", 401)
+    assert SECRET not in caplog.text and "/v1/batch?writeKey=[redacted]&x=[redacted]" in caplog.text
+
+
+def test_the_collector_with_several_processes_logs_no_query_secret(settings: Settings, tmp_path) -> None:  # noqa: ANN001
+    """`flywheel ingest collector --workers 2` as a real process tree: its stderr never holds the key."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "FLYWHEEL_WRITE_KEYS": SECRET,
+           "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS": settings.kafka_bootstrap_servers,
+           "FLYWHEEL_DATA_DIR": str(tmp_path), "FLYWHEEL_EVENTS_TOPIC": settings.events_topic,
+           "FLYWHEEL_DEAD_LETTER_TOPIC": settings.dead_letter_topic}  # fmt: skip
+    log_path = tmp_path / "collector.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "flywheel"), "ingest", "collector", "--workers", "2",
+             "--port", str(port)],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+        try:
+            answered = 0
+            deadline = time.monotonic() + 150  # the processes start in seconds, or half a minute on a busy machine
+            while answered < 4 and time.monotonic() < deadline:
+                try:
+                    r = httpx.post(f"http://127.0.0.1:{port}/v1/batch?writeKey={SECRET}", json={"batch": []},
+                                   headers=SECRET_AUTH, timeout=5)
+                    answered += r.status_code == 200
+                except httpx.TransportError:
+                    time.sleep(0.3)
+            assert answered == 4, log_path.read_text()[-2000:]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    text = log_path.read_text()
+    assert "collector: 2 processes" in text and SECRET not in text
+
+
+def test_a_client_past_its_rate_gets_429_and_health_still_answers(settings: Settings) -> None:
+    limited = settings.model_copy(update={"collector_rate_limit": "3/minute"})
+    with TestClient(create_app(limited)) as client:
+        codes = [client.post("/v1/events", json={"events": []}, headers=AUTH).status_code for _ in range(5)]
+        assert codes == [200, 200, 200, 429, 429]
+        r = client.post("/v1/events", json={"events": []}, headers=AUTH)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) > 0 and r.json()["error"] == "rate_limited"
+        assert client.get("/healthz").status_code == 200
