@@ -16,9 +16,10 @@ is taken). Refused items and bodies are answered and also produced to the dead-l
 with their bytes (less any credential field at any depth, and any configured write key wherever it
 sits: `ingest.redact`), the reason and the endpoint;
 so is an event whose time is outside the window around its arrival (`ingest.arrival`).
-Kafka unreachable: 503 with Retry-After. A client past `Settings.collector_rate_limit` gets 429
-(`flywheel.ops.rate_limit`). Requests in flight at the same time share one
-send to Kafka (`ingest.group_send`).
+Parsing and validation run in a worker thread, never on the event loop, so a small request does
+not wait behind a large batch's parse (`bench/collector_latency.py`). Kafka unreachable: 503 with
+Retry-After. A client past `Settings.collector_rate_limit` gets 429 (`flywheel.ops.rate_limit`).
+Requests in flight at the same time share one send to Kafka (`ingest.group_send`).
 """
 
 from __future__ import annotations
@@ -173,24 +174,23 @@ def create_app(
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def take(request: Request, endpoint: str, build: Any) -> dict[str, Any]:
-        # Credentials first: nothing of a body is parsed or validated for a sender without a known write key.
-        header_key = write_key_from_header(request.headers.get("authorization"))
-        if header_key is not None and header_key not in write_keys:
-            raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
-        received_at = datetime.now(UTC)
-        body = sent = await read_body(request)
+    def digest(
+        sent: bytes, encoding: str | None, header_key: str | None, build: Any, received_at: datetime, source: str
+    ) -> tuple[Intake, list[Outgoing]]:
+        """Everything CPU-bound of one request: inflate, find a body's key, parse, validate, bound. Run in a
+        worker thread, so a 4 MB batch never holds the event loop (and every small request behind it) for its
+        whole parse; a body refused whole has its dead letter sent from here too."""
+        body = sent
         parsed: Body | None = None
-        source = f"http:{endpoint}"
         try:
             # Inflated at most to the same limit as sent (a gzip bomb is a 413).
-            body = decode_body(sent, request.headers.get("content-encoding"), max_body_bytes)
+            body = decode_body(sent, encoding, max_body_bytes)
         except BodyError as exc:
             if header_key is None:  # no key could be read from it: the sender is unknown
                 raise BodyError(401, MISSING_KEY) from None
             if exc.status == 400:
                 letter = scrub.letter(dead_letter(exc.reason, source, body_without_credentials(sent), received_at))
-                await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
+                holder.send_all([letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
         body_key: str | None = None
@@ -213,7 +213,7 @@ def create_app(
                 letter = scrub.letter(
                     dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
                 )
-                await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
+                holder.send_all([letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
         messages = [
@@ -226,6 +226,18 @@ def create_app(
             )
             for r in intake.refused
         ]
+        return intake, messages
+
+    async def take(request: Request, endpoint: str, build: Any) -> dict[str, Any]:
+        # Credentials first: nothing of a body is parsed or validated for a sender without a known write key.
+        header_key = write_key_from_header(request.headers.get("authorization"))
+        if header_key is not None and header_key not in write_keys:
+            raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
+        received_at = datetime.now(UTC)
+        sent = await read_body(request)
+        intake, messages = await run_in_threadpool(
+            digest, sent, request.headers.get("content-encoding"), header_key, build, received_at, f"http:{endpoint}"
+        )
         metrics.EVENTS_IN.labels("collector", endpoint).inc(len(intake.accepted) + len(intake.refused))
         if messages:
             await run_in_threadpool(holder.send_all, messages)
