@@ -29,6 +29,7 @@ import binascii
 import logging
 import os
 import threading
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -69,38 +70,53 @@ MISSING_KEY = "missing or unknown write key (send it as the HTTP basic auth user
 RETRY_AFTER_S = 5
 
 
+# A request of at most this many messages is sent on a producer of its own: a producer's flush waits for
+# everything buffered in it, so on a shared one a one-event request waited for a 4 MB batch's whole send.
+SMALL_SEND = 100
+
+
 class ProducerHolder:
-    """Creates the producer on first use, so a collector started before Kafka still answers (503)."""
+    """Creates the producers on first use, so a collector started before Kafka still answers (503). Two lanes,
+    each a producer and a group sender: small requests and the rest (`SMALL_SEND`); an injected producer
+    serves both."""
 
     def __init__(self, settings: Settings, producer: Producer | None, send_timeout_s: float) -> None:
         self._settings = settings
-        self._producer = producer
+        self._injected = producer
+        self._producers: dict[str, Producer] = {}
         self._lock = threading.Lock()
         self.send_timeout_s = send_timeout_s
-        self._group = GroupSender(lambda messages: self.get().send_all(messages, timeout_s=self.send_timeout_s))
+        self._groups = {lane: GroupSender(self._sender(lane)) for lane in ("bulk", "small")}
 
-    def get(self) -> Producer:
+    def _sender(self, lane: str) -> Callable[[list[Outgoing]], None]:
+        return lambda messages: self.get(lane).send_all(messages, timeout_s=self.send_timeout_s)
+
+    def get(self, lane: str = "bulk") -> Producer:
         with self._lock:
-            if self._producer is None:
+            if self._injected is not None:
+                return self._injected
+            if lane not in self._producers:
                 try:
-                    self._producer = make_producer(
+                    self._producers[lane] = make_producer(
                         self._settings, max_block_ms=int(self.send_timeout_s * 1000)
                     )
                 except Exception as exc:  # kafka-python raises NoBrokersAvailable from the constructor
                     raise BrokerUnavailable(
                         f"cannot connect to Kafka at {self._settings.kafka_bootstrap_servers}: {exc}"
                     ) from exc
-            return self._producer
+            return self._producers[lane]
 
     def send_all(self, messages: list[Outgoing]) -> None:
-        """Returns once Kafka acknowledged `messages`; concurrent requests share one send (`GroupSender`)."""
-        self._group.send_all(messages)
+        """Returns once Kafka acknowledged `messages`; concurrent requests of a lane share one send
+        (`GroupSender`)."""
+        self._groups["small" if len(messages) <= SMALL_SEND else "bulk"].send_all(messages)
 
     def close(self) -> None:
         with self._lock:
-            if self._producer is not None:
-                self._producer.close()
-                self._producer = None
+            for producer in [*self._producers.values(), *([self._injected] if self._injected else [])]:
+                producer.close()
+            self._producers.clear()
+            self._injected = None
 
 
 def write_key_from_header(authorization: str | None) -> str | None:
