@@ -373,10 +373,7 @@ class SignalsWorker:
         self.definitions.ensure_pointer()
         self.keys = Keys(settings.redis_prefix, settings.events_topic)
         self.lateness_us = int(round(settings.allowed_lateness_s * 1e6))
-        lowered = self.store.lower_watermarks(self.keys, to_us(_now()) - self.lateness_us)
-        if lowered:
-            log.warning("watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
-                        extra={"lanes": lowered})
+        self._repaired = False  # watermarks checked against the wall clock (`_repair_watermarks`)
         self.backfill_after_us = int(round(self.config.backfill_after_s * 1e6))
         self.group_id = self.config.group_id or f"flywheel-signals.{settings.events_topic}"
         # Made on first use (`consumer`, `producer`): a worker started while Kafka is down waits for it.
@@ -462,8 +459,19 @@ class SignalsWorker:
 
     # ------------------------------------------------------------------ loop
 
+    def _repair_watermarks(self) -> None:
+        """Lower any watermark beyond the wall clock (an event's own time moved it before clocks were arrival):
+        once, before this worker's first batch (in the loop, so a Redis outage at start is waited out)."""
+        lowered = self.store.lower_watermarks(self.keys, to_us(_now()) - self.lateness_us)
+        if lowered:
+            log.warning("watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
+                        extra={"lanes": lowered})
+        self._repaired = True
+
     def run_once(self) -> int:
         """Poll once, process, commit; returns the number of records sent out."""
+        if not self._repaired:
+            self._repair_watermarks()
         sent = self.flush_outbox()
         records = self.consumer.poll_batch(self.config.poll_max_records, self.config.poll_timeout_s)
         assigned = self.consumer.assignment()
