@@ -84,7 +84,8 @@ class DefinitionStore:
         stored = {k.decode() for k in cast(list[bytes], self._r.hkeys(self._hash))}
         if self._dir.exists():
             stored |= {p.stem for p in self._dir.glob("*.json") if p.stem != "active"}
-        return sorted(stored | set(self.active_map().values()))
+        active = self.active_map()  # the built-in surfaces and every surface in the pointer
+        return sorted(stored | set(active.values()) | {builtin_definition(s).version for s in active})
 
     def active_map(self) -> dict[str, str]:
         """`{surface: active version}` for every surface with a pointer or a built-in."""
