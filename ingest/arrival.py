@@ -23,7 +23,7 @@ from ingest.intake import Intake, Refusal
 def time_refusal(ts: datetime, received_at: datetime, ahead_s: float, behind_s: float) -> str | None:
     """Why `ts` is outside the window around `received_at`, or None when it is inside.
 
-    >>> from datetime import UTC
+    >>> from datetime import UTC, timedelta
     >>> at = datetime(2026, 1, 1, tzinfo=UTC)
     >>> time_refusal(at + timedelta(hours=1), at, 86400, 86400) is None
     True
