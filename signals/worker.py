@@ -461,7 +461,8 @@ class SignalsWorker:
 
     def _repair_watermarks(self) -> None:
         """Lower any watermark beyond the wall clock (an event's own time moved it before clocks were arrival):
-        once, before this worker's first batch (in the loop, so a Redis outage at start is waited out)."""
+        once, before this worker's first batch or idle tick reads them (in the loop, so an outage at start is
+        waited out like any other)."""
         lowered = self.store.lower_watermarks(self.keys, to_us(_now()) - self.lateness_us)
         if lowered:
             log.warning("watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
@@ -470,8 +471,6 @@ class SignalsWorker:
 
     def run_once(self) -> int:
         """Poll once, process, commit; returns the number of records sent out."""
-        if not self._repaired:
-            self._repair_watermarks()
         sent = self.flush_outbox()
         records = self.consumer.poll_batch(self.config.poll_max_records, self.config.poll_timeout_s)
         assigned = self.consumer.assignment()
@@ -534,6 +533,8 @@ class SignalsWorker:
     # ------------------------------------------------------------------ steps
 
     def _process(self, records: list[Record]) -> None:
+        if not self._repaired:
+            self._repair_watermarks()
         by_partition: dict[int, list[tuple[Event, Record]]] = defaultdict(list)
         longest = self.max_window_us()
         for r in sorted(records, key=lambda r: (r.partition, r.offset)):
@@ -557,6 +558,8 @@ class SignalsWorker:
         self._commit(batch)
 
     def _tick_idle(self) -> None:
+        if not self._repaired:
+            self._repair_watermarks()
         assigned = [p for t, p in self.consumer.assignment() if t == self.settings.events_topic]
         if not assigned:
             return
