@@ -175,8 +175,8 @@ class Settings(BaseSettings):
             self.kafka_sasl_username and self.kafka_sasl_password is not None
         ):
             raise ValueError(
-                f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs FLYWHEEL_KAFKA_SASL_USERNAME and "
-                "FLYWHEEL_KAFKA_SASL_PASSWORD; set both, or PLAINTEXT for a cluster without authentication"
+                f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs FLYWHEEL_KAFKA_SASL_USERNAME "
+                "and FLYWHEEL_KAFKA_SASL_PASSWORD; set both, or PLAINTEXT for a cluster without authentication"
             )
         return self
 

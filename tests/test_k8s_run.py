@@ -134,7 +134,8 @@ def test_each_deployment_answers_its_readiness_probe(
             if args is None:
                 continue  # an engine (MLflow, MinIO): not Flywheel's to run here
             probe = c["readinessProbe"]["httpGet"]
-            declared = next(p["containerPort"] for p in c["ports"] if probe["port"] in (p.get("name"), p["containerPort"]))
+            declared = next(p["containerPort"] for p in c["ports"]
+                            if probe["port"] in (p.get("name"), p["containerPort"]))
             env = local_env(c)
             setting = PORT_SETTING[tuple(w for w in args if not w.startswith("-"))]
             assert _port_of(env, setting) == declared, f"{dep['metadata']['name']} listens elsewhere than its probe"
