@@ -72,7 +72,7 @@ def _load_acl(port: int, acl: str) -> None:
 def _port_of(env: dict[str, str], setting: str) -> int:
     if setting in env:
         return int(env[setting])
-    for cls, prefix in kc._settings_classes():
+    for cls, prefix in kc.settings_classes():
         name = setting.removeprefix(prefix).lower()
         if setting.startswith(prefix) and name in cls.model_fields:
             return int(cls.model_fields[name].default)
