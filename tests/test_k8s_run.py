@@ -13,6 +13,8 @@ What is mapped, since no cluster runs here (and nothing else is):
 - Kafka's SASL login to PLAINTEXT (the embedded broker has no SCRAM) and the token store's PostgreSQL to
   SQLite (no PostgreSQL runs here);
 - the init Job, run first as the overlay gives it, registers a tiny model instead of bootstrapping one.
+
+Before that, each process's Redis URL tries to write beside the traffic split: only the gate's user may.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from launcher.embedded import free_port
 from tests import k8s_checks as kc
@@ -59,8 +62,6 @@ def valkey_with_acl(tmp_path: Path) -> object:
 
 
 def _load_acl(port: int, acl: str) -> None:
-    import redis
-
     admin = redis.Redis(host="127.0.0.1", port=port)
     users = [line.split() for line in acl.splitlines() if line.startswith("user ")]
     # The default user last: once it is off, this connection stays logged in, and nobody else may.
@@ -89,10 +90,10 @@ def test_each_deployment_answers_its_readiness_probe(
     broker: str, mlflow_template: Path, tiny_model_dir: Path, valkey_with_acl: object, tmp_path: Path
 ) -> None:
     m = kc.build(kc.K8S / "overlays" / "dev")
-    acl = m.data("Secret", next(s["metadata"]["name"] for s in m.of("Secret")
-                                if s["metadata"]["name"].startswith("flywheel-valkey-users")))["users.acl"]
+    valkey_users = m.data("Secret", next(s["metadata"]["name"] for s in m.of("Secret")
+                                         if s["metadata"]["name"].startswith("flywheel-valkey-users")))
     port = valkey_with_acl.port  # type: ignore[attr-defined]
-    _load_acl(port, acl)
+    _load_acl(port, valkey_users["users.acl"])
     shutil.copyfile(mlflow_template, tmp_path / "mlflow.db")
     data = tmp_path / "data"
     data.mkdir()
@@ -119,6 +120,20 @@ def test_each_deployment_answers_its_readiness_probe(
         args = kc.flywheel_args(c)
         assert args is not None
         return [str(kc.BIN / "flywheel"), *args]
+
+    # The ACL as the overlay gives it: only the gate's user may write under the traffic split's key.
+    writers = set()
+    for key, url in sorted(valkey_users.items()):
+        if key.endswith("-url"):
+            client = redis.Redis.from_url(_mapped(url, hosts))
+            try:
+                client.set("flywheel:traffic_split:acl-probe", key)
+                writers.add(key)
+            except redis.exceptions.NoPermissionError:
+                pass
+            finally:
+                client.close()
+    assert writers == {"gate-url"}
 
     # The init Job first: serving is ready only once a champion and its split exist.
     job = m.get("Job", "flywheel-init")["spec"]["template"]["spec"]["containers"][0]
