@@ -37,7 +37,7 @@ from flywheel.contract import (
     InvalidEvent,
     check_properties,
 )
-from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, properties_of, property_problems
+from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, properties_of, property_problems, truncated
 from flywheel.lake.tables import EVENTS
 from ingest.compact_json import compact_json_encoder
 from ingest.lake_sink import rows_frame
@@ -250,7 +250,11 @@ def _property_misfits(frame: pl.DataFrame) -> list[int]:
                     checked.append(True)
                 except _UNDECODABLE:
                     decoded.append(None)
-                    checked.append(not property_problems(str(event_type), _PROPERTIES_DECODER.decode(text)))
+                    props = _PROPERTIES_DECODER.decode(text)
+                    # An over-long text to cut (`truncated`) goes to pydantic too, which cuts it.
+                    checked.append(
+                        not property_problems(str(event_type), props) and truncated(str(event_type), props) is None
+                    )
         rows = group["_i"].to_list()
         for k, props in enumerate(decoded):
             if props is None:
