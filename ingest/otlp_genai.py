@@ -30,11 +30,11 @@ ids the product's own span context holds, so feedback can name it. The event id 
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import msgspec
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
@@ -56,6 +56,7 @@ _MESSAGE_EVENTS = {
 }
 _USER_KEYS = ("user.id", "enduser.id")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_decode_json = msgspec.json.Decoder().decode
 
 
 class Ignored(Exception):  # noqa: N818 - an outcome, not an error
@@ -66,17 +67,14 @@ class Ignored(Exception):  # noqa: N818 - an outcome, not an error
         self.why = why
 
 
+_SCALARS = frozenset({"string_value", "int_value", "double_value", "bool_value"})
+
+
 def any_value(value: AnyValue) -> Any:
     """An OTLP `AnyValue` as plain Python (arrays: lists, key-value lists: dicts, bytes: base64 text)."""
     kind = value.WhichOneof("value")
-    if kind == "string_value":
-        return value.string_value
-    if kind == "int_value":
-        return value.int_value
-    if kind == "double_value":
-        return value.double_value
-    if kind == "bool_value":
-        return value.bool_value
+    if kind in _SCALARS:
+        return getattr(value, kind)
     if kind == "array_value":
         return [any_value(v) for v in value.array_value.values]
     if kind == "kvlist_value":
@@ -90,12 +88,33 @@ def attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
     return {kv.key: any_value(kv.value) for kv in pairs}
 
 
+# The span attributes read (`span_attributes`), and the resource attributes (`resource_attributes`).
+_SPAN_KEYS = frozenset({
+    "gen_ai.operation.name", "gen_ai.response.id", "gen_ai.response.model", "gen_ai.request.model",
+    "gen_ai.response.finish_reasons", "gen_ai.request.temperature", "gen_ai.usage.input_tokens",
+    "gen_ai.usage.output_tokens", "gen_ai.provider.name", "gen_ai.system", "gen_ai.conversation.id",
+    "gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
+    "user.id", "enduser.id", "session.id", "flywheel.surface",
+})  # fmt: skip
+_RESOURCE_KEYS = frozenset({"user.id", "enduser.id", "session.id", "flywheel.surface"})
+_INDEXED = ("gen_ai.prompt.", "gen_ai.completion.")
+
+
+def span_attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
+    """The attributes Flywheel reads from a span, converted; the others (a span has many) are passed over."""
+    return {kv.key: any_value(kv.value) for kv in pairs if kv.key in _SPAN_KEYS or kv.key.startswith(_INDEXED)}
+
+
+def resource_attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
+    return {kv.key: any_value(kv.value) for kv in pairs if kv.key in _RESOURCE_KEYS}
+
+
 def _structured(value: Any) -> Any:
     """A value instrumentations may send as JSON text or structured: parsed when it is JSON text."""
     if isinstance(value, str) and value[:1] in ("[", "{"):
         try:
-            return json.loads(value)
-        except ValueError:
+            return _decode_json(value)
+        except (ValueError, RecursionError):  # not JSON after all (msgspec.DecodeError is a ValueError)
             return value
     return value
 
@@ -246,7 +265,7 @@ def _first(attrs: Mapping[str, Any], resource: Mapping[str, Any], keys: Iterable
 
 def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime) -> Event:
     """The generation event of one span; raises `Ignored` (not a text generation) or `InvalidEvent` (why not)."""
-    attrs = attributes(span.attributes)
+    attrs = span_attributes(span.attributes)
     operation = attrs.get("gen_ai.operation.name")
     if operation is None:
         raise Ignored("not_gen_ai")
@@ -283,8 +302,6 @@ def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime
         "completion": completion,
         "model_version": str(model),
         "surface": str(_first(attrs, resource, ("flywheel.surface",)) or GENERATION_OPERATIONS[operation]),
-        "trace_id": trace,
-        "span_id": span_id,
     }
     if span.end_time_unix_nano > span.start_time_unix_nano > 0:
         properties["latency_ms"] = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
@@ -305,10 +322,11 @@ def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime
         ("gen_ai.usage.output_tokens", "output_tokens"),
         ("gen_ai.provider.name", "provider"),
         ("gen_ai.system", "provider"),
-        ("gen_ai.request.model", "request_model"),
     ):
         if key in attrs and name not in properties:
             properties[name] = attrs[key]
+    if attrs.get("gen_ai.request.model", model) != model:
+        properties["request_model"] = attrs["gen_ai.request.model"]
     response_id = attrs.get("gen_ai.response.id")
     generation_id = str(response_id) if response_id not in (None, "") else f"{trace}-{span_id}"
     session = _first(attrs, resource, ("gen_ai.conversation.id", "session.id"))
