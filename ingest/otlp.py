@@ -39,7 +39,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from flywheel.contract import InvalidEvent
+from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
 from ingest.doors import Door
 from ingest.intake import BodyError, Intake, Refusal, parse_json
 from ingest.otlp_genai import Ignored, resource_attributes, span_to_event
@@ -225,6 +225,20 @@ def traces_intake(
                     intake.refused.append(Refusal(index, event_id, reason, original))
                 index += 1
     return intake, ignored
+
+
+def replay_span(original: bytes, received_at: datetime) -> Event:
+    """The event a dead-lettered span (OTLP/JSON of a request holding it alone) makes today; else `InvalidEvent`."""
+    try:
+        request = decode_request(original, JSON)
+    except BodyError as exc:
+        raise InvalidEvent(exc.reason) from None
+    intake, ignored = traces_intake(request, received_at, MAX_EVENT_BYTES)
+    if intake.refused:
+        raise InvalidEvent(intake.refused[0].reason)
+    if not intake.accepted:
+        raise InvalidEvent(f"not a generation span ({', '.join(ignored) or 'no span'})")
+    return intake.accepted[0]
 
 
 def _answer(media: str, intake: Intake) -> Response:

@@ -5,6 +5,7 @@ ids gives them rewards. The same through OTLP/JSON. Bad input: a 4xx or a dead l
 from __future__ import annotations
 
 import base64
+import dataclasses
 import gzip
 import json
 import threading
@@ -34,11 +35,12 @@ from prometheus_client import REGISTRY
 
 from flywheel.bus import ensure_topics
 from flywheel.bus.reader import read_topic
-from flywheel.contract import Event, utcnow
+from flywheel.contract import Event, InvalidEvent, utcnow
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
+from ingest.replay import revalidate
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port, wait_for_port
 from signals.recompute import recompute_records
@@ -359,3 +361,16 @@ def test_a_body_past_the_limit_is_a_413(settings: Settings) -> None:
         )
     assert r.status_code == 413 and bomb.status_code == 413
     assert read_topic(settings, settings.events_topic) == []
+
+
+def test_a_dead_lettered_span_replays_after_a_fix_as_the_door_maps_it(client: TestClient, settings: Settings) -> None:
+    r = client.post("/v1/traces", content=body(good(4, **{"user.id": None})), headers=PROTOBUF)
+    assert r.status_code == 200
+    (letter,) = [DeadLetter.from_bytes(rec.value) for rec in read_topic(settings, settings.dead_letter_topic)]
+    with pytest.raises(InvalidEvent, match="no user"):
+        revalidate(letter)
+    doc = json.loads(letter.original)  # the fix: the span's resource names the user
+    doc["resourceSpans"][0]["resource"] = {"attributes": [{"key": "enduser.id", "value": {"stringValue": "u4"}}]}
+    event = revalidate(dataclasses.replace(letter, original=json.dumps(doc).encode()))
+    assert (event.event_id, event.user_id, event.source) == (f"otlp-{4:032x}-{4:016x}", "u4", "otlp")
+    assert event.properties["prompt"] == "question 4" and event.properties["completion"] == "answer 4"

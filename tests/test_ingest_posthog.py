@@ -4,6 +4,7 @@ cannot be an event and a body that cannot be read are dead-lettered with their r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -17,11 +18,12 @@ from prometheus_client import REGISTRY
 
 from flywheel.bus import ensure_topics
 from flywheel.bus.reader import read_topic
-from flywheel.contract import Event
+from flywheel.contract import Event, InvalidEvent
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
+from ingest.replay import revalidate
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port, wait_for_port
 
@@ -158,3 +160,19 @@ def test_a_body_that_cannot_be_read_is_a_400_dead_lettered_without_its_key(
     assert r.status_code == 400 and "batch" in r.json()["error"]
     (letter,) = [DeadLetter.from_bytes(rec.value) for rec in read_topic(settings, settings.dead_letter_topic)]
     assert KEY.encode() not in letter.original and json.loads(letter.original)["batch"] == "not a list"
+
+
+def test_a_dead_lettered_message_replays_after_a_fix(client: TestClient, settings: Settings) -> None:
+    msg = {"event": "thumbs", "uuid": "no-user", "properties": {"generation_id": "g", "value": "up", "$lib": "x"}}
+    assert client.post("/batch/", json={"api_key": KEY, "batch": [msg]}).json()["accepted"] == 0
+    (letter,) = [DeadLetter.from_bytes(rec.value) for rec in read_topic(settings, settings.dead_letter_topic)]
+    with pytest.raises(InvalidEvent, match="userId or anonymousId"):
+        revalidate(letter)
+    fixed = dataclasses.replace(letter, original=json.dumps({**msg, "distinct_id": "u"}).encode())
+    event = revalidate(fixed)
+    assert (event.event_id, event.user_id, event.source, event.properties) == (
+        "no-user",
+        "u",
+        "posthog",
+        {"value": "up"},
+    )
