@@ -103,7 +103,7 @@ def otlp_request(batch: int, start: int) -> ExportTraceServiceRequest:
 
 
 def otlp_json(request: ExportTraceServiceRequest) -> bytes:
-    doc = json_format.MessageToDict(request)
+    doc = json_format.MessageToDict(request, use_integers_for_enums=True)  # as OTLP/JSON says
     for rs in doc["resourceSpans"]:
         for ss in rs["scopeSpans"]:
             for span in ss["spans"]:

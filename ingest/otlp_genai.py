@@ -101,8 +101,16 @@ _INDEXED = ("gen_ai.prompt.", "gen_ai.completion.")
 
 
 def span_attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
-    """The attributes Flywheel reads from a span, converted; the others (a span has many) are passed over."""
-    return {kv.key: any_value(kv.value) for kv in pairs if kv.key in _SPAN_KEYS or kv.key.startswith(_INDEXED)}
+    """The attributes Flywheel reads from a span, converted; the others (a span has many) are passed over.
+    (Each read of a protobuf field makes a new Python object: each is read once.)"""
+    out = {}
+    for kv in pairs:
+        key = kv.key
+        if key in _SPAN_KEYS or key.startswith(_INDEXED):
+            value = kv.value
+            kind = value.WhichOneof("value")
+            out[key] = getattr(value, kind) if kind in _SCALARS else any_value(value)
+    return out
 
 
 def resource_attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:

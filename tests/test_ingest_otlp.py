@@ -195,7 +195,7 @@ def test_official_otlp_http_exporter_lands_generations_once_and_segment_feedback
 
 def otlp_json(spans: Sequence[ReadableSpan]) -> bytes:
     """The official encoder's request as OTLP/JSON (ids in hex, as the specification says)."""
-    doc = json_format.MessageToDict(encode_spans(spans))
+    doc = json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True)  # as OTLP/JSON says
     for rs in doc["resourceSpans"]:
         for ss in rs["scopeSpans"]:
             for span in ss["spans"]:
