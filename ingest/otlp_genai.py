@@ -311,8 +311,9 @@ def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime
         "model_version": str(model),
         "surface": str(_first(attrs, resource, ("flywheel.surface",)) or GENERATION_OPERATIONS[operation]),
     }
-    if span.end_time_unix_nano > span.start_time_unix_nano > 0:
-        properties["latency_ms"] = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano  # each read of a field makes a new object
+    if end > start > 0:
+        properties["latency_ms"] = (end - start) / 1e6
     reasons = attrs.get("gen_ai.response.finish_reasons")
     reason = (
         reasons[0] if isinstance(reasons, list) and reasons else reasons if isinstance(reasons, str) else finish_reason
@@ -344,7 +345,7 @@ def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime
         generation_id=generation_id,
         user_id=str(user),
         session_id=str(session or ""),
-        ts=_time(span.end_time_unix_nano or span.start_time_unix_nano, received_at),
+        ts=_time(end or start, received_at),
         received_at=received_at,
         source=OTLP_SOURCE,
         properties=properties,

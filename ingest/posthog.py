@@ -11,7 +11,7 @@
   `$...`: the library's name and version, geo-IP and person-profile flags) are not the product's and are
   left out; every other property is kept. The events are the same events, with `source` "posthog".
 - PostHog's own events (named `$...`: `$pageview`, `$identify`, `$feature_flag_called`, ...) are not
-  feedback: ignored and counted (`flywheel_collector_ignored_total`), not dead-lettered.
+  feedback: ignored and counted (`flywheel_collector_ignored_total{why}`: the name, or `$other`), not dead-lettered.
 - A message that cannot be an event is refused alone with its reason, dead-lettered, and listed in the
   answer (`refused`); a body that cannot be read is a 400, dead-lettered with its key redacted.
 """
@@ -36,6 +36,12 @@ ENDPOINTS = ("/batch/", "/capture/", "/e/")
 MISSING_KEY = "missing or unknown API key (posthog-python sends it as api_key: use a Flywheel write key)"
 _ITEM_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
 _KEY_NAMES = ("api_key", "token")
+# PostHog's own events, counted by name when ignored; any other `$` name is counted as `$other`.
+_OWN_EVENTS = frozenset({
+    "$pageview", "$pageleave", "$screen", "$autocapture", "$identify", "$groupidentify", "$create_alias",
+    "$set", "$feature_flag_called", "$exception", "$web_vitals", "$snapshot", "$rageclick", "$opt_in",
+    "$ai_generation", "$ai_span", "$ai_trace", "$ai_embedding", "$ai_feedback", "$ai_metric",
+})  # fmt: skip
 _KEY_TEXT = re.compile(rb'("(?:api_key|token)"\s*:\s*)"(?:[^"\\]|\\.)*"', re.IGNORECASE)
 
 
@@ -124,7 +130,7 @@ def posthog_intake(
         event_id = _item_id(msg, "uuid")
         name = msg.get("event") if isinstance(msg, dict) else None
         if isinstance(name, str) and name.startswith("$"):
-            ignored[name[:64]] += 1
+            ignored[name if name in _OWN_EVENTS else "$other"] += 1  # a bounded set of metric labels
             continue
         raw = _item_bytes(
             {k: v for k, v in msg.items() if k not in _KEY_NAMES} if isinstance(msg, dict) else msg, lenient
