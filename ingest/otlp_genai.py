@@ -54,7 +54,13 @@ _MESSAGE_EVENTS = {
     "gen_ai.assistant.message": "assistant",
     "gen_ai.tool.message": "tool",
 }
-_USER_KEYS = ("user.id", "enduser.id")
+# Span attributes kept as they are, under these names.
+_ALSO_KEPT = (
+    ("gen_ai.usage.input_tokens", "input_tokens"),
+    ("gen_ai.usage.output_tokens", "output_tokens"),
+    ("gen_ai.provider.name", "provider"),
+    ("gen_ai.system", "provider"),
+)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _decode_json = msgspec.json.Decoder().decode
 
@@ -96,7 +102,7 @@ _SPAN_KEYS = frozenset({
     "gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
     "user.id", "enduser.id", "session.id", "flywheel.surface",
 })  # fmt: skip
-_RESOURCE_KEYS = frozenset({"user.id", "enduser.id", "session.id", "flywheel.surface"})
+_RESOURCE_KEYS = frozenset({"user.id", "enduser.id", "session.id", "gen_ai.conversation.id", "flywheel.surface"})
 _INDEXED = ("gen_ai.prompt.", "gen_ai.completion.")
 
 
@@ -262,15 +268,6 @@ def _time(nanos: int, received_at: datetime) -> datetime:
     return _EPOCH + timedelta(microseconds=nanos // 1000)
 
 
-def _first(attrs: Mapping[str, Any], resource: Mapping[str, Any], keys: Iterable[str]) -> Any:
-    for source in (attrs, resource):
-        for key in keys:
-            value = source.get(key)
-            if value not in (None, ""):
-                return value
-    return None
-
-
 def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime) -> Event:
     """The generation event of one span; raises `Ignored` (not a text generation) or `InvalidEvent` (why not)."""
     attrs = span_attributes(span.attributes)
@@ -299,17 +296,19 @@ def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime
         )
     if completion == "":
         raise Ignored("no_text_output")
-    user = _first(attrs, resource, _USER_KEYS)
-    if user is None:
+    user = attrs.get("user.id") or attrs.get("enduser.id") or resource.get("user.id") or resource.get("enduser.id")
+    if not user:
         raise InvalidEvent(f"span {trace}-{span_id}: no user; set user.id or enduser.id on the span or its resource")
-    model = _first(attrs, {}, ("gen_ai.response.model", "gen_ai.request.model"))
-    if model is None:
+    requested = attrs.get("gen_ai.request.model")
+    model = attrs.get("gen_ai.response.model") or requested
+    if not model:
         raise InvalidEvent(f"span {trace}-{span_id}: no model; gen_ai.response.model or gen_ai.request.model is needed")
+    surface = attrs.get("flywheel.surface") or resource.get("flywheel.surface") or GENERATION_OPERATIONS[operation]
     properties: dict[str, Any] = {
         "prompt": prompt,
         "completion": completion,
         "model_version": str(model),
-        "surface": str(_first(attrs, resource, ("flywheel.surface",)) or GENERATION_OPERATIONS[operation]),
+        "surface": str(surface),
     }
     start, end = span.start_time_unix_nano, span.end_time_unix_nano  # each read of a field makes a new object
     if end > start > 0:
@@ -326,19 +325,17 @@ def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime
     temperature = attrs.get("gen_ai.request.temperature")
     if isinstance(temperature, int | float) and not isinstance(temperature, bool):
         properties["temperature"] = float(temperature)
-    for key, name in (
-        ("gen_ai.usage.input_tokens", "input_tokens"),
-        ("gen_ai.usage.output_tokens", "output_tokens"),
-        ("gen_ai.provider.name", "provider"),
-        ("gen_ai.system", "provider"),
-    ):
+    for key, name in _ALSO_KEPT:
         if key in attrs and name not in properties:
             properties[name] = attrs[key]
-    if attrs.get("gen_ai.request.model", model) != model:
-        properties["request_model"] = attrs["gen_ai.request.model"]
+    if requested and requested != model:
+        properties["request_model"] = requested
     response_id = attrs.get("gen_ai.response.id")
     generation_id = str(response_id) if response_id not in (None, "") else f"{trace}-{span_id}"
-    session = _first(attrs, resource, ("gen_ai.conversation.id", "session.id"))
+    session = (
+        attrs.get("gen_ai.conversation.id") or attrs.get("session.id") or resource.get("gen_ai.conversation.id")
+        or resource.get("session.id")
+    )  # fmt: skip
     return Event(
         event_id=f"otlp-{trace}-{span_id}",
         type=EventType.GENERATION,
