@@ -37,8 +37,9 @@ from typing import Any
 import msgspec
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from pydantic import ValidationError
 
-from flywheel.contract import Event, EventType, InvalidEvent
+from flywheel.contract import Event, EventType, InvalidEvent, describe_validation_error
 from flywheel.event_properties import FINISH_REASON_ALIASES
 
 OTLP_SOURCE = "otlp"
@@ -336,14 +337,17 @@ def span_to_event(span: Span, resource: Mapping[str, Any], received_at: datetime
         attrs.get("gen_ai.conversation.id") or attrs.get("session.id") or resource.get("gen_ai.conversation.id")
         or resource.get("session.id")
     )  # fmt: skip
-    return Event(
-        event_id=f"otlp-{trace}-{span_id}",
-        type=EventType.GENERATION,
-        generation_id=generation_id,
-        user_id=str(user),
-        session_id=str(session or ""),
-        ts=_time(end or start, received_at),
-        received_at=received_at,
-        source=OTLP_SOURCE,
-        properties=properties,
-    )
+    try:
+        return Event(
+            event_id=f"otlp-{trace}-{span_id}",
+            type=EventType.GENERATION,
+            generation_id=generation_id,
+            user_id=str(user),
+            session_id=str(session or ""),
+            ts=_time(end or start, received_at),
+            received_at=received_at,
+            source=OTLP_SOURCE,
+            properties=properties,
+        )
+    except ValidationError as exc:  # the contract's reason, as the other doors give it
+        raise InvalidEvent(f"span {trace}-{span_id}: {describe_validation_error(exc)}") from None

@@ -18,6 +18,9 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 from google.protobuf import json_format
+from hypothesis import given
+from hypothesis import settings as settings_for_fuzz
+from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -40,6 +43,7 @@ from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
+from ingest.otlp import traces_intake
 from ingest.replay import revalidate
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port, wait_for_port
@@ -374,3 +378,25 @@ def test_a_dead_lettered_span_replays_after_a_fix_as_the_door_maps_it(client: Te
     event = revalidate(dataclasses.replace(letter, original=json.dumps(doc).encode()))
     assert (event.event_id, event.user_id, event.source) == (f"otlp-{4:032x}-{4:016x}", "u4", "otlp")
     assert event.properties["prompt"] == "question 4" and event.properties["completion"] == "answer 4"
+
+
+_KEYS = ["gen_ai.operation.name", "gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.response.id",
+         "gen_ai.response.model", "user.id", "gen_ai.response.finish_reasons", "gen_ai.request.temperature",
+         "gen_ai.prompt.0.content", "gen_ai.completion.0.content", "flywheel.surface", "other"]  # fmt: skip
+_TEXTS = ["chat", "text_completion", "embeddings", "summon", "", "[]", "{}", "[{}]", messages("user", "q"),
+          '[{"role": "assistant", "parts": [{"type": "tool_call"}]}]', '[{"parts": [{"type": "text", "content": 3}]}]',
+          "x" * 300, "Stop"]  # fmt: skip
+_VALUES = st.sampled_from(_TEXTS) | st.integers(-(2**63), 2**63 - 1)
+_NONE = dict.fromkeys(("gen_ai.operation.name", "gen_ai.response.model", "user.id", "gen_ai.input.messages",
+                       "gen_ai.output.messages"))  # fmt: skip
+
+
+@settings_for_fuzz(max_examples=200, deadline=None)
+@given(spans=st.lists(st.dictionaries(st.sampled_from(_KEYS), _VALUES, max_size=8), min_size=1, max_size=6))
+def test_every_span_is_taken_ignored_or_refused_and_nothing_raises(spans: list[dict[str, object]]) -> None:
+    request = ExportTraceServiceRequest.FromString(
+        body(*(good(i + 1, **{**_NONE, **attrs}) for i, attrs in enumerate(spans)))
+    )
+    intake, ignored = traces_intake(request, utcnow(), 262_144)
+    assert len(intake.accepted) + len(intake.refused) + sum(ignored.values()) == len(spans)
+    assert all(r.reason for r in intake.refused)

@@ -105,20 +105,27 @@ def test_a_message_that_cannot_be_an_event_is_refused_alone_with_its_reason(
         {"event": "Clicked Buy", "distinct_id": "u", "uuid": "not-a-type", "properties": {"generation_id": "g"}},
         {"event": "followup", "distinct_id": "u", "uuid": "long",
          "properties": {"generation_id": "g", "text": "x" * 9000}},
+        {"event": "thumbs", "distinct_id": "u", "uuid": "huge",
+         "properties": {"generation_id": "g", "value": "up", "blob": "y" * 300_000}},
     ]  # fmt: skip
+    refused_before = REGISTRY.get_sample_value("flywheel_ingest_events_refused_total", {"stage": "collector"}) or 0
     r = client.post("/batch/", json={"api_key": KEY, "batch": batch, "sent_at": "2026-01-01T00:00:00Z"})
+    refused_after = REGISTRY.get_sample_value("flywheel_ingest_events_refused_total", {"stage": "collector"})
+    assert refused_after == refused_before + 3  # counted, as well as answered and dead-lettered
     assert r.status_code == 200, r.text
     doc = r.json()
     assert doc["status"] == 1 and doc["accepted"] == 2
     assert [(x["event_id"], x["reason"]) for x in doc["refused"]] == [
         ("no-user", "userId or anonymousId: one is required"),
         ("not-a-type", doc["refused"][1]["reason"]),
+        ("huge", doc["refused"][2]["reason"]),
     ]
+    assert "the limit is 262144" in doc["refused"][2]["reason"]
     assert "'Clicked Buy' is not an event type" in doc["refused"][1]["reason"]
     events = {e.event_id: e for e in (Event.from_bytes(r.value) for r in read_topic(settings, settings.events_topic))}
     assert set(events) == {"ok", "long"} and events["long"].properties["text_truncated"] is True
     letters = [DeadLetter.from_bytes(rec.value) for rec in read_topic(settings, settings.dead_letter_topic)]
-    assert sorted(json.loads(d.original)["uuid"] for d in letters) == ["no-user", "not-a-type"]
+    assert sorted(json.loads(d.original)["uuid"] for d in letters) == ["huge", "no-user", "not-a-type"]
     assert all(d.source == "http:/batch/" and d.sent_at == "2026-01-01T00:00:00Z" for d in letters)
 
 
