@@ -29,9 +29,9 @@ from flywheel.event_properties import (
     FINISH_REASON_ALIASES,
     FINISH_REASONS,
     generation_properties,
+    normalised,
     properties_json_schema,
     property_problems,
-    truncated,
 )
 
 SCHEMA_VERSION = 1
@@ -116,7 +116,7 @@ class Event(BaseModel):
             v, problems = generation_properties(v, _GENERATION_NAMES, _GENERATION_NULLABLE)
         elif event_type is not None:
             problems = property_problems(event_type.value, v)
-            v = truncated(event_type.value, v) or v if not problems else v
+            v = normalised(event_type.value, v) or v if not problems else v
         else:
             problems = []
         if problems:

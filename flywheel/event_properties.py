@@ -51,8 +51,16 @@ class Prop:
     maximum: float | None = None
     choices: tuple[str, ...] = ()
     max_length: int | None = None
-    # Over `max_length`: cut to it and `<name>_truncated` set (`truncated`), rather than refused.
+    # Over `max_length`: cut to it and `<name>_truncated` set (`normalised`), rather than refused.
     truncate: bool = False
+    # Other APIs' names for `choices` (lower case, each with the choice it means): mapped by `normalised`.
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def choice_for(self, value: Any) -> str | None:
+        """The choice `value` names (itself, or an alias in any case), or None."""
+        if value in self.choices:
+            return str(value)
+        return dict(self.aliases).get(value.lower()) if isinstance(value, str) else None
 
     def expected(self) -> str:
         """What the property must hold, in words ("a number in [0, 1]")."""
@@ -80,7 +88,7 @@ class Prop:
             ok = isinstance(value, str)
         if not ok:
             return f"must be {self.expected()}, got {_shown(value)} ({_json_type(value)})"
-        if self.choices and value not in self.choices:
+        if self.choices and self.choice_for(value) is None:
             return f"must be {self.expected()}, got {_shown(value)}"
         if (self.minimum is not None and value < self.minimum) or (self.maximum is not None and value > self.maximum):
             return f"must be {self.expected()}, got {_shown(value)}"
@@ -92,6 +100,8 @@ class Prop:
         out: dict[str, Any] = {"type": _JSON_TYPE[self.kind], "description": self.description}
         if self.choices:
             out["enum"] = list(self.choices)
+        if self.aliases:
+            out["x-aliases"] = dict(self.aliases)  # also taken, in any case, and stored as the choice
         if self.minimum is not None:
             out["minimum"] = self.minimum
         if self.maximum is not None:
@@ -126,6 +136,14 @@ def _shown(value: Any) -> str:
 
 
 _SECONDS = "Seconds from the accept to this measurement."
+# What other feedback APIs call a vote (Langfuse, PostHog surveys, OpenAI's and Anthropic's consoles, plain UIs).
+THUMBS_ALIASES: tuple[tuple[str, str], ...] = (
+    *((name, "up") for name in ("thumbs_up", "thumbsup", "like", "liked", "positive", "good", "helpful", "+1")),
+    *((name, "down") for name in ("thumbs_down", "thumbsdown", "dislike", "disliked", "negative", "bad",
+                                  "unhelpful", "-1")),
+    ("up", "up"),
+    ("down", "down"),
+)  # fmt: skip
 # Feedback texts are kept up to this many characters (sentiment reads no further); the rest is cut, and flagged.
 MAX_TEXT_CHARS = 8192
 # Properties any feedback event may carry.
@@ -170,7 +188,15 @@ FEEDBACK_PROPERTIES: dict[str, dict[str, Prop]] = {
     "copied": {},
     "regenerated": {},
     "thumbs": {
-        "value": Prop("string", "The vote; the latest one wins.", required=True, choices=("up", "down")),
+        "value": Prop(
+            "string",
+            "The vote; the latest one wins. Other names for it are taken (any case) and stored as up or down,"
+            " the value sent kept in value_as_sent.",
+            required=True,
+            choices=("up", "down"),
+            aliases=THUMBS_ALIASES,
+        ),
+        "value_as_sent": Prop("string", "Set by Flywheel: the vote as sent, when it was another name for up or down."),
         "comment": Prop(
             "string",
             f"The user's comment; its sentiment is a signal. Longer than {MAX_TEXT_CHARS} characters: cut to"
@@ -261,23 +287,32 @@ def properties_json_schema(event_type: str) -> dict[str, Any]:
     }
 
 
-def truncated(event_type: str, properties: Mapping[str, Any]) -> dict[str, Any] | None:
-    """`properties` with each over-long text of a truncating property cut to its limit and `<name>_truncated`
-    set true; None when none is over (the common case: nothing copied).
+def normalised(event_type: str, properties: Mapping[str, Any]) -> dict[str, Any] | None:
+    """`properties` (valid) as they are stored: each over-long text of a truncating property cut to its limit
+    with `<name>_truncated` set true, each alias of a choice replaced by the choice with the value sent kept in
+    `<name>_as_sent`; None when nothing changes (the common case: nothing copied).
 
-    >>> truncated("followup", {"text": "x" * 9000})["text_truncated"]
+    >>> normalised("followup", {"text": "x" * 9000})["text_truncated"]
     True
-    >>> truncated("followup", {"text": "thanks"}) is None
+    >>> normalised("thumbs", {"value": "Like"})
+    {'value': 'up', 'value_as_sent': 'Like'}
+    >>> normalised("followup", {"text": "thanks"}) is None
     True
     """
     spec = FEEDBACK_PROPERTIES.get(event_type, {})
     out: dict[str, Any] | None = None
     for name, prop in spec.items():
         value = properties.get(name)
-        if prop.truncate and prop.max_length is not None and isinstance(value, str) and len(value) > prop.max_length:
+        if not isinstance(value, str):
+            continue
+        if prop.truncate and prop.max_length is not None and len(value) > prop.max_length:
             out = dict(properties) if out is None else out
             out[name] = value[: prop.max_length]
             out[f"{name}_truncated"] = True
+        if prop.aliases and value not in prop.choices and (choice := prop.choice_for(value)) is not None:
+            out = dict(properties) if out is None else out
+            out[name] = choice
+            out[f"{name}_as_sent"] = value
     return out
 
 

@@ -37,7 +37,7 @@ from flywheel.contract import (
     InvalidEvent,
     check_properties,
 )
-from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, properties_of, property_problems, truncated
+from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, normalised, properties_of, property_problems
 from flywheel.lake.tables import EVENTS
 from ingest.compact_json import compact_json_encoder
 from ingest.lake_sink import rows_frame
@@ -251,9 +251,9 @@ def _property_misfits(frame: pl.DataFrame) -> list[int]:
                 except _UNDECODABLE:
                     decoded.append(None)
                     props = _PROPERTIES_DECODER.decode(text)
-                    # An over-long text to cut (`truncated`) goes to pydantic too, which cuts it.
+                    # One that is stored otherwise than sent (`normalised`: a text cut, an alias) goes to pydantic too.
                     checked.append(
-                        not property_problems(str(event_type), props) and truncated(str(event_type), props) is None
+                        not property_problems(str(event_type), props) and normalised(str(event_type), props) is None
                     )
         rows = group["_i"].to_list()
         for k, props in enumerate(decoded):

@@ -105,17 +105,28 @@ def test_an_over_long_text_is_cut_with_a_flag(event_type: str, name: str) -> Non
     assert f"{name}_truncated" in FEEDBACK_PROPERTIES[event_type]
 
 
-def test_fast_path_cuts_like_pydantic() -> None:
+@pytest.mark.parametrize(("sent", "stored"), [("Like", "up"), ("thumbs_down", "down"), ("UP", "up"), ("-1", "down")])
+def test_other_apis_votes_are_mapped_and_kept_as_sent(sent: str, stored: str) -> None:
+    event = Event(type="thumbs", generation_id="g", user_id="u", properties={"value": sent})
+    assert event.properties == {"value": stored, "value_as_sent": sent}
+    assert Event(type="thumbs", generation_id="g", user_id="u", properties={"value": stored}).properties == {
+        "value": stored
+    }
+
+
+def test_fast_path_cuts_and_maps_like_pydantic() -> None:
     base = {"generation_id": "g", "user_id": "u", "ts": "2026-01-01T00:00:00Z", "received_at": "2026-01-01T00:00:00Z"}
     values = [
         json.dumps({**base, "event_id": "long", "type": "followup", "properties": {"text": "x" * 9000}}).encode(),
         json.dumps({**base, "event_id": "short", "type": "followup", "properties": {"text": "ok"}}).encode(),
+        json.dumps({**base, "event_id": "vote", "type": "thumbs", "properties": {"value": "Like"}}).encode(),
     ]
-    valid, refused = validate_batch(RecordBatch(["t", "t"], [0, 0], [0, 1], values))
+    valid, refused = validate_batch(RecordBatch(["t"] * 3, [0] * 3, [0, 1, 2], values))
     assert refused == []
     stored = dict(zip(valid["event_id"].to_list(), valid["properties"].to_list(), strict=True))
     assert json.loads(stored["long"]) == {"text": "x" * MAX_TEXT_CHARS, "text_truncated": True}
     assert json.loads(stored["short"]) == {"text": "ok"}
+    assert json.loads(stored["vote"]) == {"value": "up", "value_as_sent": "Like"}
 
 
 def test_through_the_collector_and_worker_the_lake_keeps_extras_mapped_values_and_cut_texts(settings: Settings) -> None:
