@@ -11,7 +11,9 @@ signals read exactly these names (signals/features.py), the collector publishes 
   letter or two (`seconds_after_acept`; similarity 0.8 or more).
 A refusal names the property and says what was expected; nothing is silently defaulted. A text longer
 than its property's limit (a follow-up's `text`, a thumbs `comment`: 8,192 characters) is not refused: it
-is cut to the limit and `<name>_truncated` is set true (`truncated`), so the feedback is kept and says so.
+is cut to the limit and `<name>_truncated` is set true, so the feedback is kept and says so; and another API's
+name for a choice (a thumbs `value` of `like`, `thumbs_down`, `-1`) is stored as the choice, the value sent in
+`<name>_as_sent` (`normalised`, applied by `Event`; ingest's fast path hands such events to it).
 
 Other unknown names are kept, as sent, in the lake and ignored by the reward: products attach their own
 context (a language, a file type, a consent flag under another name) and the lake is the place to keep it.
