@@ -43,7 +43,7 @@ from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.otlp import traces_intake
+from ingest.otlp import _as_fields, decode_request, traces_intake
 from ingest.replay import revalidate
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port, wait_for_port
@@ -400,3 +400,19 @@ def test_every_span_is_taken_ignored_or_refused_and_nothing_raises(spans: list[d
     intake, ignored = traces_intake(request, utcnow(), 262_144)
     assert len(intake.accepted) + len(intake.refused) + sum(ignored.values()) == len(spans)
     assert all(r.reason for r in intake.refused)
+
+
+def test_otlp_json_the_shortcut_does_not_take_is_decoded_by_protobufs_parser_to_the_same_request() -> None:
+    spans = genai_spans()
+    compact = otlp_json(spans)
+    doc = json.loads(compact)
+    first = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    first["start_time_unix_nano"] = first.pop("startTimeUnixNano")  # the field's own name, which proto3 JSON allows
+    first["kind"] = "SPAN_KIND_CLIENT"  # an enum by name
+    unusual = json.dumps(doc, indent=2).encode()  # spaced out, as Go's protojson may write it
+    with pytest.raises(TypeError):  # the constructors' shortcut does not take it ...
+        ExportTraceServiceRequest(**_as_fields(json.loads(unusual)))
+    expected = encode_spans(spans)
+    expected.resource_spans[0].scope_spans[0].spans[0].kind = Span.SPAN_KIND_CLIENT
+    assert decode_request(unusual, "application/json") == expected  # ... protobuf's parser does
+    assert decode_request(compact, "application/json") == encode_spans(spans)
