@@ -99,6 +99,12 @@ class Settings(BaseSettings):
         default=SecretStr("dev-write-key"),
         description="Comma-separated write keys the collector accepts (HTTP basic auth user).",
     )
+    otlp_write_key_header: str = Field(
+        default="x-flywheel-write-key",
+        pattern=r"^[A-Za-z0-9-]{1,64}$",
+        description="Header in which the collector's OTLP door also reads the write key (besides Authorization: "
+        "Bearer or Basic); an HTTP header name of letters, digits and dashes.",
+    )
     serving_key: SecretStr = Field(
         default=SecretStr("dev-serving-key"),
         description="HMAC key serving signs its generation events with; the trainer learns off-policy only "
