@@ -308,8 +308,8 @@ def create_app(
     # The doors for telemetry products already send: OpenTelemetry GenAI traces, PostHog's capture API.
     door = Door(
         settings, holder.send_all, write_keys, max_body_bytes, max_event_bytes,
-        bound=lambda intake, at: bound_by_arrival(intake, at, settings.event_time_ahead_s,
-                                                  settings.event_time_behind_s),
+        bound=lambda intake, at, key: bound_by_arrival(intake, at, settings.event_time_ahead_s,
+                                                       settings.event_time_behind_s, key_scopes.get(key or "")),
         scrub=scrub.letter,
     )  # fmt: skip
     app.include_router(otlp_router(door))

@@ -32,9 +32,10 @@ class Door:
     write_keys: frozenset[str]
     max_body_bytes: int
     max_event_bytes: int
-    # What the Segment and native doors do too (ingest/collector.py): event times bounded by arrival
-    # (`ingest.arrival`), and no configured secret in a dead letter (`ingest.redact`).
-    bound: Callable[[Intake, datetime], Intake] = lambda intake, _at: intake
+    # What the Segment and native doors do too (ingest/collector.py): event times bounded by arrival and
+    # events by what the write key may speak for (`ingest.arrival`), no configured secret in a dead letter
+    # (`ingest.redact`).
+    bound: Callable[[Intake, datetime, str | None], Intake] = lambda intake, _at, _key: intake
     scrub: Callable[[DeadLetter], DeadLetter] = lambda letter: letter
 
     async def read_body(self, request: Request) -> bytes:
@@ -62,10 +63,13 @@ class Door:
             await run_in_threadpool(self.send_all, [letter.outgoing(self.settings.dead_letter_topic)])
             metrics.DEAD_LETTERED.labels("collector").inc()
 
-    async def deliver(self, endpoint: str, intake: Intake, received_at: datetime, ignored: Mapping[str, int]) -> None:
-        """Produce `intake`'s events (keyed by generation id) and its refusals' dead letters; count everything."""
+    async def deliver(
+        self, endpoint: str, intake: Intake, received_at: datetime, ignored: Mapping[str, int], key: str | None = None
+    ) -> None:
+        """Produce `intake`'s events (keyed by generation id) and its refusals' dead letters; count everything.
+        `key`: the write key the request came with (its limits apply)."""
         settings = self.settings
-        intake = self.bound(intake, received_at)
+        intake = self.bound(intake, received_at, key)
         messages = [
             Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in intake.accepted
         ]

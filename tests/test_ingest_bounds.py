@@ -201,3 +201,23 @@ def test_a_client_past_its_rate_gets_429_and_health_still_answers(settings: Sett
         r = client.post("/v1/events", json={"events": []}, headers=AUTH)
         assert r.status_code == 429 and int(r.headers["retry-after"]) > 0 and r.json()["error"] == "rate_limited"
         assert client.get("/healthz").status_code == 200
+
+
+def test_the_posthog_door_keeps_the_same_bounds(settings: Settings) -> None:
+    ensure_topics(settings)
+    scoped = settings.model_copy(update={"write_keys": SecretStr(f"{KEY},k-web;user=acme:")})
+    far = utcnow().replace(year=5000).isoformat()
+    batch = [
+        {"event": "shown", "distinct_id": "acme:1", "uuid": "ok", "properties": {"generation_id": "g"}},
+        {"event": "shown", "distinct_id": "victim", "uuid": "other-user",
+         "properties": {"generation_id": "g", "training_consent": True}},
+        {"event": "shown", "distinct_id": "acme:2", "uuid": "far", "timestamp": far,
+         "properties": {"generation_id": "g"}},
+    ]  # fmt: skip
+    with TestClient(create_app(scoped)) as client:
+        r = client.post("/batch/", json={"api_key": "k-web", "batch": batch})
+        assert r.status_code == 200, r.text
+    assert [e.event_id for e in accepted(settings)] == ["ok"]
+    reasons = {json.loads(d.original)["event_id"]: d.reason for d in letters(settings)}
+    assert "may not speak for user 'victim'" in reasons["other-user"]
+    assert "FLYWHEEL_EVENT_TIME_AHEAD_S" in reasons["far"]
