@@ -26,7 +26,7 @@ from deploy_gate.errors import GateError
 from deploy_gate.gate import DeployGate
 from deploy_gate.plan import Plan
 from deploy_gate.rollout import data
-from deploy_gate.rollout.analysis import StepContext, analyse, cumulative_effect
+from deploy_gate.rollout.analysis import StepContext, analyse, bucket_for, cumulative_effect
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.models import (
     AnalysisView,
@@ -34,6 +34,7 @@ from deploy_gate.rollout.models import (
     ExperimentView,
     HoldoutView,
     RampView,
+    SrmPeriod,
     TimelineEntry,
 )
 from flywheel.contract import TrafficSplit, utcnow
@@ -65,6 +66,8 @@ class ExperimentRecord(BaseModel):
     analysis: AnalysisView | None = None
     holdout: HoldoutView | None = None
     holdout_since: datetime | None = None
+    # The shares in force since the SRM test was (re-)armed, as the split had them: what SRM tests against.
+    srm_periods: list[SrmPeriod] = Field(default_factory=list)
 
     def note(self, at: datetime, event: str, by: str = CONTROLLER_ACTOR) -> None:
         self.timeline = [*self.timeline, TimelineEntry(at=at, event=event, by=by)][-TIMELINE_MAX:]
@@ -111,6 +114,11 @@ class RolloutController:
             analysis=rec.analysis,
             timeline=rec.timeline,
             holdout=rec.holdout if split and split.holdout_version else None,
+            srm_periods=rec.srm_periods,
+            bucket=bucket_for(
+                ((rec.ramp[-1].left_at or self.clock()) - rec.started_at).total_seconds()
+                if rec.started_at and rec.ramp else self.config.max_duration_s
+            ),
         )
 
     # ---- the loop ------------------------------------------------------------------------
@@ -179,12 +187,18 @@ class RolloutController:
         elif split.state == "running" and rec.state == "frozen":
             rec.state = "ramping"
             rec.note(now, f"resumed at {split.challenger_share:.0%}", by=split.changed_by)
+            # Re-armed: what froze it was seen and acted on; the test starts afresh from the resume.
+            rec.srm_periods = [SrmPeriod(share=split.challenger_share, since=self._since(split, rec, now))]
+        self._track_share(rec, split, now)
         assert split.challenger_version is not None
         arms = {"champion": split.champion_version, "challenger": split.challenger_version}
-        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.started_at, cache=self._cache)
+        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.started_at, cache=self._cache,
+                        pre_period_s=self.config.pre_period_s)  # fmt: skip
         step = self._step(rec)
         assert rec.started_at is not None
-        rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now)
+        starts = [r.entered_at for r in rec.ramp[: step.index + 1] if r.entered_at is not None]
+        rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now, step_starts=starts,
+                               srm_periods=rec.srm_periods)  # fmt: skip
         if rec.analysis is not None and rec.state == "ramping":
             self._act(rec, split, step, now)
         self._holdout(self.gate.splits.get() or split, rec)
@@ -214,7 +228,28 @@ class RolloutController:
             lambda: self.gate.plan_ramp(first, by=CONTROLLER_ACTOR, reason="ramp step 1")
         ):
             rec.note(now, f"ramp to {first:.0%}")
+            self._new_period(rec, first, now)
         return rec, self.gate.splits.get() or split
+
+    @staticmethod
+    def _since(split: TrafficSplit, rec: ExperimentRecord, now: datetime) -> datetime:
+        """When the split's share came into force: its own change time, unless that is outside this look."""
+        last = rec.srm_periods[-1].since if rec.srm_periods else rec.started_at
+        changed = split.changed_at
+        return changed if last is not None and last <= changed <= now else now
+
+    def _track_share(self, rec: ExperimentRecord, split: TrafficSplit, now: datetime) -> None:
+        """A new SRM period whenever the share in force changes, whoever changed it (controller or person)."""
+        share = split.challenger_share
+        if rec.srm_periods and abs(rec.srm_periods[-1].share - share) < 1e-12:
+            return
+        self._new_period(rec, share, self._since(split, rec, now))
+
+    @staticmethod
+    def _new_period(rec: ExperimentRecord, share: float, since: datetime) -> None:
+        if rec.srm_periods:
+            rec.srm_periods[-1] = rec.srm_periods[-1].model_copy(update={"until": since})
+        rec.srm_periods = [*rec.srm_periods, SrmPeriod(share=share, since=since)]
 
     def _step(self, rec: ExperimentRecord) -> StepContext:
         i = min(rec.step, len(rec.ramp) - 1)
@@ -240,6 +275,7 @@ class RolloutController:
         elif d.action == "ramp":
             nxt = rec.ramp[step.index + 1]
             if self._apply(lambda: self.gate.plan_ramp(nxt.share, by=CONTROLLER_ACTOR, reason=d.reason)):
+                self._new_period(rec, nxt.share, now)
                 rec.ramp[step.index].left_at = now
                 nxt.entered_at = now
                 rec.step = step.index + 1
