@@ -1,13 +1,7 @@
 """Simulated experiments run through the controller's own rules, thousands at once (numpy).
 
-Users are clustered as real products' are: a few heavy users (3% by default, about 200
-generations each) carry over half of the generations, the rest make about 5. Each user has their
-own propensity to accept (Beta around 0.35), kept between the pre-experiment period and the
-experiment when `persistence` is 1 (what regression adjustment feeds on) and drawn afresh when it
-is 0. A challenger whose users accept `accept_factor` times as often changes the reward, the
-accepted rate and the thumbs as a real one would.
-
-Each experiment runs the ramp of a `RolloutConfig` look by look: new users arrive (Poisson), are
+Users come from `deploy_gate.rollout.population` (clustered: a few heavy users carry most
+generations). Each experiment runs the ramp of a `RolloutConfig` look by look: new users arrive (Poisson), are
 assigned at the share of the step in force, and belong to that step; after every look the same
 `deploy_gate.rollout.rules.judge` the controller calls decides, and a ramp, promotion, rollback or
 freeze is applied as the controller applies it. The sequential SRM test counts users per step
@@ -26,23 +20,8 @@ import numpy as np
 
 from deploy_gate.rollout import rules
 from deploy_gate.rollout.config import RolloutConfig
-from deploy_gate.rollout.evidence import MOMENTS, srm_log_bayes_factor
-
-
-@dataclass(frozen=True)
-class Population:
-    heavy_share: float = 0.03
-    heavy_generations: float = 200.0
-    light_generations: float = 5.0
-    accept: float = 0.35  # mean P(accept | shown)
-    accept_concentration: float = 10.0  # Beta(accept·c, (1 − accept)·c) per user
-    shown: float = 0.85
-    undo: float = 0.05
-    thumbs: float = 0.1
-    error: float = 0.01
-    latency_ms: float = 50.0
-    returning: float = 0.7  # share of users seen before the experiment (a pre-period to adjust on)
-    persistence: float = 1.0  # 1: a user's propensity is the same before and during; 0: independent
+from deploy_gate.rollout.evidence import MOMENTS, compare, detectable, srm_log_bayes_factor
+from deploy_gate.rollout.population import Population, covariate, pre_rate, users
 
 
 @dataclass(frozen=True)
@@ -66,56 +45,10 @@ class Outcomes:
     margin: np.ndarray
     estimate: np.ndarray  # final adjusted estimate
     raw_estimate: np.ndarray
+    pooled_estimate: np.ndarray  # the same users with the steps pooled (what the controller did before strata)
 
     def share(self, *codes: int) -> float:
         return float(np.isin(self.code, codes).mean())
-
-
-def _users(
-    rng: np.random.Generator, m: int, pop: Population, factor: np.ndarray, level: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Per-user columns (the controller's USER_COLUMNS that the rules read) for `m` users."""
-    heavy = rng.random(m) < pop.heavy_share
-    k = np.where(heavy, rng.poisson(pop.heavy_generations, m), 1 + rng.poisson(pop.light_generations - 1, m))
-    c = pop.accept_concentration
-    base = rng.beta(pop.accept * c, (1 - pop.accept) * c, m)
-    p = np.clip(base * factor * level, 0.0, 1.0)
-    shown = rng.binomial(k, pop.shown)
-    accepted = rng.binomial(shown, p)
-    rejected = shown - accepted
-    undone = rng.binomial(accepted, pop.undo)
-    up = rng.binomial(accepted - undone, pop.thumbs)
-    down = rng.binomial(rejected, pop.thumbs)
-    reward = 0.75 * (accepted - undone - up) - 0.1 * undone + up - 0.25 * (rejected - down) - down
-    # The pre-experiment period: returning users, same kind of user, same or fresh propensity.
-    back = rng.random(m) < pop.returning
-    k_pre = np.where(back, np.where(heavy, rng.poisson(pop.heavy_generations, m), 1 + rng.poisson(4, m)), 0)
-    fresh = rng.beta(pop.accept * c, (1 - pop.accept) * c, m)
-    p_pre = np.where(rng.random(m) < pop.persistence, base, fresh)
-    shown_pre = rng.binomial(k_pre, pop.shown)
-    acc_pre = rng.binomial(shown_pre, p_pre)
-    reward_pre = 0.75 * acc_pre - 0.25 * (shown_pre - acc_pre)
-    mu = rng.lognormal(math.log(pop.latency_ms), 0.2, m)
-    kf = k.astype(float)
-    return {
-        "generations": kf, "reward_n": kf, "reward_sum": reward.astype(float),
-        "pre_reward_sum": reward_pre.astype(float), "pre_reward_n": k_pre.astype(float),
-        "thumbs_up": up.astype(float), "thumbs_down": down.astype(float), "shown": shown.astype(float),
-        "accepted": accepted.astype(float), "undone": undone.astype(float), "declined": (k - shown).astype(float),
-        "suggested": shown.astype(float), "empty": np.zeros(m), "errors": rng.binomial(k, pop.error).astype(float),
-        "length_sum": shown * rng.lognormal(math.log(40), 0.3, m),
-        "latency_sum": kf * mu + np.sqrt(kf) * 0.3 * mu * rng.standard_normal(m),
-    }  # fmt: skip
-
-
-def pre_rate(pop: Population) -> float:
-    """The population's pre-period reward per generation: the centre of each user's covariate."""
-    return pop.shown * (pop.accept - 0.25)
-
-
-def covariate(cols: dict[str, np.ndarray], rate: float) -> np.ndarray:
-    """A user's pre-period reward above the pre-period rate (0 for a new user): what CUPED adjusts on."""
-    return cols["pre_reward_sum"] - rate * cols["pre_reward_n"]
 
 
 def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
@@ -138,6 +71,7 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
     margin = np.full(e_, np.nan)
     est = np.full(e_, np.nan)
     raw = np.full(e_, np.nan)
+    pooled = np.full(e_, np.nan)
     rate = scenario.users / cfg.max_duration_s * scenario.look_s
     # Past the maximum duration a step may still wait out its minimum time: look until that is over too.
     horizon = cfg.max_duration_s + sum(s.min_seconds for s in cfg.ramp) + scenario.look_s
@@ -158,7 +92,7 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
                 m = who.size
             factor = np.where(arm == 1, scenario.accept_factor, 1.0)
             level = np.full(m, 1.0 + scenario.drift * t / cfg.max_duration_s)
-            cols = _users(rng, m, pop, factor, level)
+            cols = users(rng, m, pop, factor, level)
             z = covariate(cols, centre)
             flat = (who * steps + st) * 2 + arm
             size = e_ * steps * 2
@@ -191,12 +125,11 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
             code[end], at[end] = j.code[end], t
             seen[end] = j.primary.comparison.users[end]
             s2 = j.primary.comparison.variance * j.primary.comparison.users
-            from deploy_gate.rollout.evidence import detectable
-
             mde[end] = detectable(s2, j.primary.comparison.users, j.primary.alpha, cfg.tuning_n)[end]
             margin[end] = j.margin[end]
             est[end], raw[end] = j.primary.comparison.adjusted[end], j.primary.comparison.estimate[end]
+            pooled[end] = compare(cells[rules.PRIMARY.name].sum(axis=1, keepdims=True)).estimate[end]
             done |= end
         if done.all():
             break
-    return Outcomes(code, at, seen, ever, mde, margin, est, raw)
+    return Outcomes(code, at, seen, ever, mde, margin, est, raw, pooled)

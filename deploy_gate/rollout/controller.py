@@ -68,6 +68,7 @@ class ExperimentRecord(BaseModel):
     holdout_since: datetime | None = None
     # The shares in force since the SRM test was (re-)armed, as the split had them: what SRM tests against.
     srm_periods: list[SrmPeriod] = Field(default_factory=list)
+    looked_at: datetime | None = None  # the last tick that looked at this experiment
 
     def note(self, at: datetime, event: str, by: str = CONTROLLER_ACTOR) -> None:
         self.timeline = [*self.timeline, TimelineEntry(at=at, event=event, by=by)][-TIMELINE_MAX:]
@@ -188,7 +189,7 @@ class RolloutController:
             rec.state = "ramping"
             rec.note(now, f"resumed at {split.challenger_share:.0%}", by=split.changed_by)
             # Re-armed: what froze it was seen and acted on; the test starts afresh from the resume.
-            rec.srm_periods = [SrmPeriod(share=split.challenger_share, since=self._since(split, rec, now))]
+            rec.srm_periods = [SrmPeriod(share=split.challenger_share, since=self._since(split, rec, now)[1])]
         self._track_share(rec, split, now)
         assert split.challenger_version is not None
         arms = {"champion": split.champion_version, "challenger": split.challenger_version}
@@ -201,6 +202,7 @@ class RolloutController:
                                srm_periods=rec.srm_periods)  # fmt: skip
         if rec.analysis is not None and rec.state == "ramping":
             self._act(rec, split, step, now)
+        rec.looked_at = now
         self._holdout(self.gate.splits.get() or split, rec)
         self._save(rec)
         return rec
@@ -232,23 +234,28 @@ class RolloutController:
         return rec, self.gate.splits.get() or split
 
     @staticmethod
-    def _since(split: TrafficSplit, rec: ExperimentRecord, now: datetime) -> datetime:
-        """When the split's share came into force: its own change time, unless that is outside this look."""
-        last = rec.srm_periods[-1].since if rec.srm_periods else rec.started_at
+    def _since(split: TrafficSplit, rec: ExperimentRecord, now: datetime) -> tuple[datetime, datetime]:
+        """(end of the old share, start of the new one) for a change this controller did not make.
+
+        The split's own change time when it falls since the last look; otherwise the change happened at an
+        unknown moment since the last look, and the users first seen in between are counted in neither.
+        """
+        last = rec.looked_at or rec.started_at or now
         changed = split.changed_at
-        return changed if last is not None and last <= changed <= now else now
+        return (changed, changed) if last <= changed <= now else (last, now)
 
     def _track_share(self, rec: ExperimentRecord, split: TrafficSplit, now: datetime) -> None:
         """A new SRM period whenever the share in force changes, whoever changed it (controller or person)."""
         share = split.challenger_share
         if rec.srm_periods and abs(rec.srm_periods[-1].share - share) < 1e-12:
             return
-        self._new_period(rec, share, self._since(split, rec, now))
+        end_old, start_new = self._since(split, rec, now)
+        self._new_period(rec, share, start_new, end_old)
 
     @staticmethod
-    def _new_period(rec: ExperimentRecord, share: float, since: datetime) -> None:
+    def _new_period(rec: ExperimentRecord, share: float, since: datetime, until: datetime | None = None) -> None:
         if rec.srm_periods:
-            rec.srm_periods[-1] = rec.srm_periods[-1].model_copy(update={"until": since})
+            rec.srm_periods[-1] = rec.srm_periods[-1].model_copy(update={"until": until or since})
         rec.srm_periods = [*rec.srm_periods, SrmPeriod(share=share, since=since)]
 
     def _step(self, rec: ExperimentRecord) -> StepContext:
