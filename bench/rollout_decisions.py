@@ -90,14 +90,16 @@ def vectorised(experiments: int) -> None:
     cfg = RolloutConfig()
     drift = simulate(Scenario(cfg, 20000, 3600.0, drift=0.3), experiments, seed=3)
     print(f"drift: both arms' accept rate +30% over 14 days, defaults, 20,000 users: A/A wrong "
-          f"{drift.share(*rules.WRONG_ON_AA):.1%}; mean estimate stratified by step {np.nanmean(drift.raw_estimate):+.4f} "
+          f"{drift.share(*rules.WRONG_ON_AA):.1%}; mean estimate stratified by step "
+          f"{np.nanmean(drift.raw_estimate):+.4f} "
           f"(adjusted {np.nanmean(drift.estimate):+.4f}), the steps pooled {np.nanmean(drift.pooled_estimate):+.4f} "
           f"(sd of one estimate {np.nanstd(drift.raw_estimate):.4f})")  # fmt: skip
     one = configurations()[2]
     big = simulate(Scenario(one[1], one[2], one[3], accept_factor=0.8), experiments, seed=6)
+    promoted = big.share(rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR)
     print(f"{one[0]}: a challenger whose users accept 20% less (true {harm_size(one[1], factor=0.8):+.3f}, beyond the "
-          f"stated minimum detectable difference): promoted {big.share(rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR):.1%}"
-          f", rolled back as worse or on a guardrail {big.share(rules.ROLLBACK_WORSE, rules.ROLLBACK_GUARDRAIL):.1%}")
+          f"stated minimum detectable difference): promoted {promoted:.1%}, rolled back as worse or on a guardrail "
+          f"{big.share(rules.ROLLBACK_WORSE, rules.ROLLBACK_GUARDRAIL):.1%}")
     lost = simulate(Scenario(cfg, 20000, 3600.0, srm_loss=0.05), experiments, seed=4)
     print(f"SRM power: 5% of the challenger's users lost, defaults, 20,000 users: frozen "
           f"{lost.share(rules.FREEZE_SRM):.1%}")
@@ -187,7 +189,8 @@ def through_analyse(experiments: int) -> None:
                 if view is None:
                     continue
                 d = view.difference
-                excluded |= d is not None and (d.sequential_ci[0] > 0 or d.sequential_ci[1] < 0)
+                decisive = getattr(d, "decisive", True)  # the code before the evidence floor trusted every interval
+                excluded |= d is not None and decisive and (d.sequential_ci[0] > 0 or d.sequential_ci[1] < 0)
                 action, reason = view.decision.action, view.decision.reason
                 if action == "ramp":
                     step, entered = step + 1, now

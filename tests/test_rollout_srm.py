@@ -16,14 +16,20 @@ from deploy_gate.gate import DeployGate
 from deploy_gate.rollout import RolloutController
 from deploy_gate.rollout.controller import ExperimentRecord
 from flywheel.settings import Settings
-from tests.rollout_sim import Behaviour, Drop, write_batch
+from tests.rollout_sim import Drop, write_batch
 from tests.test_rollout import CHAMPION, Clock, config, gate, registry, versions  # noqa: F401 - fixtures
 
 
 def _feed(
-    controller: RolloutController, gate: DeployGate, settings: Settings, clock: Clock, batches: int, *,
-    rng: random.Random, drop: Drop | None = None,
-) -> ExperimentRecord:  # fmt: skip
+    controller: RolloutController,
+    gate: DeployGate,  # noqa: F811
+    settings: Settings,
+    clock: Clock,
+    batches: int,
+    *,
+    rng: random.Random,
+    drop: Drop | None = None,
+) -> ExperimentRecord:
     rec = controller.record()
     for _ in range(batches):
         split = gate.splits.get()

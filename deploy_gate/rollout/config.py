@@ -39,8 +39,9 @@ class RolloutConfig(BaseSettings):
     srm_min_users: int = Field(default=100, ge=2, description="Users in a step before SRM is checked.")
     max_duration_s: float = Field(default=14 * 86400, gt=0, description="Then decide on non-inferiority.")
     non_inferiority_share: float = Field(
-        default=0.1, gt=0, lt=1,
-        description="Allowed loss at the maximum duration, as a share of the champion's mean reward (0.1: 10%).",
+        default=0.1, ge=0, lt=1,
+        description="Allowed loss at the maximum duration, as a share of the champion's mean reward (0.1: 10%; "
+        "0: only a significant win is promoted).",
     )
     pre_period_s: float = Field(
         default=14 * 86400, ge=0,

@@ -117,7 +117,7 @@ class RolloutController:
             holdout=rec.holdout if split and split.holdout_version else None,
             srm_periods=rec.srm_periods,
             bucket=bucket_for(
-                ((rec.ramp[-1].left_at or self.clock()) - rec.started_at).total_seconds()
+                ((rec.ramp[-1].left_at or rec.looked_at or rec.started_at) - rec.started_at).total_seconds()
                 if rec.started_at and rec.ramp else self.config.max_duration_s
             ),
         )

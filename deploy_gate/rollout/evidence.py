@@ -151,14 +151,13 @@ def sequential_p_value(
 ) -> np.ndarray:
     """The smallest α' at which the confidence sequence (ρ tuned for `alpha`) excludes 0.
 
-    Solving |d| = half-width for α' in eq. (9): p = sqrt(Nρ²+1)·exp(−d²·N·ρ² / (2·s²·(Nρ²+1))), capped at 1,
-    with s² = N·Var. NaN where the variance is undefined.
+    Solving |d| = half-width for α' in eq. (9), half² = s²·2(Nρ²+1)/(N²ρ²)·log(sqrt(Nρ²+1)/α') with s² = N·Var:
+    p = sqrt(Nρ²+1)·exp(−d²·N·ρ² / (2·Var·(Nρ²+1))), capped at 1. NaN where the variance is undefined.
     """
     r2 = rho2(alpha, tuning)
     n = np.maximum(users, 1.0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        s2 = n * variance
-        p = np.sqrt(n * r2 + 1) * np.exp(-(estimate**2) * n * r2 / (2 * s2 * (n * r2 + 1)))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        p = np.sqrt(n * r2 + 1) * np.exp(-(estimate**2) * n * r2 / (2 * variance * (n * r2 + 1)))
     return np.minimum(p, 1.0)
 
 

@@ -57,6 +57,7 @@ class DifferenceView(_Model):
     adjusted_estimate: float | None = None
     unadjusted_sequential_ci: tuple[float, float] | None = None
     variance_reduction: float | None = None  # 1 - Var(adjusted) / Var(unadjusted)
+    decisive: bool = True  # False below the evidence floor: the interval is shown, not yet trusted or acted on
     strata: list[StratumView] = []
 
 

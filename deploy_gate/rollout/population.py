@@ -83,12 +83,3 @@ def covariate(cols: dict[str, np.ndarray], rate: float) -> np.ndarray:
 
 
 
-
-def pre_rate(pop: Population) -> float:
-    """The population's pre-period reward per generation: the centre of each user's covariate."""
-    return pop.shown * (pop.accept - 0.25)
-
-
-def covariate(cols: dict[str, np.ndarray], rate: float) -> np.ndarray:
-    """A user's pre-period reward above the pre-period rate (0 for a new user): what CUPED adjusts on."""
-    return cols["pre_reward_sum"] - rate * cols["pre_reward_n"]
