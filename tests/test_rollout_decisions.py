@@ -137,6 +137,43 @@ def test_four_identical_users_give_no_decision_through_analyse() -> None:
     assert view.difference is None and view.power is not None and view.power.detectable_now is None
 
 
+def _frame(cols: dict[str, np.ndarray], arm: np.ndarray, t0: datetime) -> pl.DataFrame:
+    from deploy_gate.rollout.data import USER_COLUMNS
+
+    n = arm.size
+    data = {c: cols[c] if c in cols else np.zeros(n) for c in USER_COLUMNS if c not in ("arm", "user_id", "first_seen")}
+    frame = pl.DataFrame({"arm": arm, "user_id": [f"u{i}" for i in range(n)], "first_seen": [t0] * n, **data})
+    return frame.select([pl.col(c).cast(t) for c, t in USER_COLUMNS.items()])
+
+
+def test_the_gate_states_what_the_traffic_can_resolve_before_and_during_the_experiment() -> None:
+    from deploy_gate.rollout.analysis import StepContext, analyse, plan
+    from deploy_gate.rollout.data import Aggregates
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    pop = Population()
+    rng = np.random.default_rng(29)
+    n = 2000
+    cols = users(rng, n, pop, np.ones(n), np.ones(n))
+    champion_only = Aggregates(_frame(cols, np.array(["champion"] * n), t0), {}, {}, "r", pre_rate(pop))
+    before = plan(champion_only, RolloutConfig(), running_s=3600.0)
+    assert before is not None and before.note.startswith("before the challenger has rewards")
+    assert before.detectable_now is not None and 0.03 < before.detectable_now < 0.2
+    assert before.users_for_margin is not None and before.users_for_margin > n  # 10% of the level: far more users
+    arm = np.where(rng.random(n) < 0.5, "challenger", "champion")
+    agg = Aggregates(_frame(cols, arm, t0), {}, {}, "r", pre_rate(pop))
+    step = StepContext(index=0, share=0.5, min_users=1, min_seconds=0, entered_at=t0, last=True)
+    cfg = RolloutConfig(max_duration_s=3600.0)
+    view = analyse(agg, step, cfg, started_at=t0, now=t0 + timedelta(hours=1))
+    assert view is not None and view.power is not None and view.difference is not None
+    assert view.power.users == n and view.power.detectable_now is not None
+    assert set(view.power.users_for_changes) == {"-10%", "+5%", "+10%", "+20%"}
+    # At the maximum duration an unresolved margin rolls back as inconclusive, saying what it would need.
+    assert view.decision.action == "rollback" and view.decision.reason.startswith("inconclusive")
+    assert f"needs {view.power.users_for_margin} users" in view.decision.reason
+    assert view.difference.variance_reduction is not None and view.difference.variance_reduction > 0.2
+
+
 # ---- golden values ---------------------------------------------------------------------------------
 
 

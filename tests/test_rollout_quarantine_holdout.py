@@ -178,7 +178,7 @@ def test_experiment_api_answers_the_contract(
     controller.tick()
     body = client.get("/api/experiment").json()
     assert set(body) == {"experiment", "state", "champion", "challenger", "holdout_version", "share", "ramp", "step",
-                         "analysis", "timeline", "holdout", "srm_periods", "bucket"}  # fmt: skip
+                         "analysis", "timeline", "holdout", "srm_periods", "plan", "bucket"}  # fmt: skip
     assert body["bucket"] == "1m" and [p["share"] for p in body["srm_periods"]] == [0.5]  # a 5-minute experiment
     assert (body["state"], body["champion"], body["challenger"], body["share"]) == ("ramping", champion, candidate, 0.5)
     a = body["analysis"]

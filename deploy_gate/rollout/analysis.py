@@ -186,6 +186,28 @@ def analyse(
     )  # fmt: skip
 
 
+def plan(agg: Aggregates, config: RolloutConfig, *, running_s: float) -> PowerView | None:
+    """Before the challenger has rewards: what the experiment could resolve, judged from the champion's users.
+
+    The champion's users, split in two alternately, stand in for an equal challenger; the minimum detectable
+    difference and the users each target needs follow from their per-user variance, as during the experiment.
+    """
+    users = first_arm_users(agg).filter(pl.col("arm") == "champion")
+    if users.height < 4:
+        return None
+    halves = users.with_columns(
+        pl.when(pl.int_range(pl.len()) % 2 == 0).then(pl.lit("champion")).otherwise(pl.lit("challenger")).alias("arm"),
+        pl.lit(0, pl.Int64).alias("stratum"),
+    )
+    c = cells(halves, 1, agg.pre_rate)
+    n = np.array([0])
+    clock = rules.Clock(n, n, n, n, np.array([False]), n)
+    j = rules.judge(c, np.array([False]), clock, config)
+    view = power_view(j, config, running_s=running_s)
+    note = f"before the challenger has rewards, from the champion's users: {view.note}"
+    return view.model_copy(update={"note": note})
+
+
 def _num(v: float | np.floating) -> float | None:
     return float(v) if np.isfinite(v) else None
 

@@ -26,13 +26,14 @@ from deploy_gate.errors import GateError
 from deploy_gate.gate import DeployGate
 from deploy_gate.plan import Plan
 from deploy_gate.rollout import data
-from deploy_gate.rollout.analysis import StepContext, analyse, bucket_for, cumulative_effect
+from deploy_gate.rollout.analysis import StepContext, analyse, bucket_for, cumulative_effect, plan
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.models import (
     AnalysisView,
     ExperimentState,
     ExperimentView,
     HoldoutView,
+    PowerView,
     RampView,
     SrmPeriod,
     TimelineEntry,
@@ -69,6 +70,7 @@ class ExperimentRecord(BaseModel):
     # The shares in force since the SRM test was (re-)armed, as the split had them: what SRM tests against.
     srm_periods: list[SrmPeriod] = Field(default_factory=list)
     looked_at: datetime | None = None  # the last tick that looked at this experiment
+    plan: PowerView | None = None  # before the challenger has rewards, from the champion's users
 
     def note(self, at: datetime, event: str, by: str = CONTROLLER_ACTOR) -> None:
         self.timeline = [*self.timeline, TimelineEntry(at=at, event=event, by=by)][-TIMELINE_MAX:]
@@ -116,6 +118,7 @@ class RolloutController:
             timeline=rec.timeline,
             holdout=rec.holdout if split and split.holdout_version else None,
             srm_periods=rec.srm_periods,
+            plan=rec.plan if rec.analysis is None else None,
             bucket=bucket_for(
                 ((rec.ramp[-1].left_at or rec.looked_at or rec.started_at) - rec.started_at).total_seconds()
                 if rec.started_at and rec.ramp else self.config.max_duration_s
@@ -200,6 +203,8 @@ class RolloutController:
         starts = [r.entered_at for r in rec.ramp[: step.index + 1] if r.entered_at is not None]
         rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now, step_starts=starts,
                                srm_periods=rec.srm_periods)  # fmt: skip
+        if rec.analysis is None:
+            rec.plan = plan(agg, self.config, running_s=(now - rec.started_at).total_seconds())
         if rec.analysis is not None and rec.state == "ramping":
             self._act(rec, split, step, now)
         rec.looked_at = now

@@ -165,6 +165,7 @@ class ExperimentView(_Model):
     timeline: list[TimelineEntry]
     holdout: HoldoutView | None
     srm_periods: list[SrmPeriod] = []
+    plan: PowerView | None = None  # before the challenger has rewards: what the traffic could resolve
     bucket: str = "1h"  # the time chart's bucket, following the experiment's length
 
 
