@@ -105,6 +105,30 @@ def vectorised(experiments: int) -> None:
           f"{lost.share(rules.FREEZE_SRM):.1%}")
 
 
+def srm_calibration(experiments: int = 100_000) -> None:
+    """The sequential SRM test alone on many more experiments: its false-alarm rate against its alpha."""
+    import math
+
+    from deploy_gate.rollout.evidence import srm_log_bayes_factor
+
+    rng = np.random.default_rng(8)
+    cfg = RolloutConfig()
+    shares = np.array([s.share for s in cfg.ramp])
+    theta = np.stack([1 - shares, shares], axis=-1)
+    counts = np.zeros((experiments, len(shares), 2))
+    alarm = np.zeros(experiments, dtype=bool)
+    for look in range(1, 337):  # 14 days of hourly looks, 20,000 users; steps change after 20 and 60 hours
+        step = 0 if look <= 20 else 1 if look <= 60 else 2
+        n = rng.poisson(20000 / 336, experiments)
+        challenger = rng.binomial(n, shares[step])
+        counts[:, step, 1] += challenger
+        counts[:, step, 0] += n - challenger
+        log_bf = srm_log_bayes_factor(counts, np.broadcast_to(theta, counts.shape)).sum(axis=-1)
+        alarm |= log_bf >= math.log(1 / cfg.srm_alpha)
+    print(f"SRM alone, {experiments:,} A/A experiments of 20,000 users over the default ramp, looked at hourly: "
+          f"false alarms {alarm.mean():.3%} (alpha {cfg.srm_alpha:.1%})")
+
+
 def harm_size(cfg: RolloutConfig, pop: Population | None = None, factor: float = 0.9) -> float:
     """True difference in reward per generation of a challenger whose users accept `factor` times as often."""
     pop = pop or Population()
@@ -215,6 +239,7 @@ def main() -> None:
         return
     check_demo_matches_launcher()
     vectorised(args.experiments)
+    srm_calibration()
     power_curves()
 
 
