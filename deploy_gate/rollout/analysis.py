@@ -245,9 +245,10 @@ def _bound_text(m: rules.Metric, config: RolloutConfig) -> str:
         return (f"{config.length_ratio_low:g} x champion <= challenger <= {config.length_ratio_high:g} x champion "
                 "(trips when the interval leaves it)")  # fmt: skip
     bound = getattr(config, m.bound_field or "", None)
+    if m.harm == "ratio":
+        return f"challenger <= {bound:g} x champion, per user (trips when the interval is beyond it)"
     word = "rise" if m.harm == "rise" else "fall"
-    tolerated = f"tolerated up to {bound:g} x champion" if m.name == "latency_ms" else f"tolerated {word} {bound:g}"
-    return f"trips on any {word} the interval shows; {tolerated}"
+    return f"trips on any {word} the interval shows; tolerated {word} {bound:g}"
 
 
 def guardrails(j: rules.Judgement, config: RolloutConfig) -> list[GuardrailView]:

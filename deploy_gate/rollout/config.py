@@ -51,7 +51,9 @@ class RolloutConfig(BaseSettings):
     interval_s: float = Field(default=30.0, gt=0, description="Seconds between ticks.")
     metrics_port: int = Field(default=8005, ge=0, description="/metrics, /healthz, /readyz; 0 = off.")
     # Guardrail bounds (challenger against champion); rates are shares of generations.
-    latency_p95_ratio: float = Field(default=1.2, gt=1)
+    latency_p95_ratio: float = Field(
+        default=1.2, gt=1, description="Trips when each user's mean latency is shown above this x the champion's."
+    )
     latency_min_generations: int = Field(default=100, ge=1)
     error_rate_rise: float = Field(default=0.02, ge=0)
     undo_rate_rise: float = Field(default=0.05, ge=0)

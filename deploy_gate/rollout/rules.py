@@ -15,8 +15,10 @@ whatever the configuration (the bench measures each):
   not decide on a tuned-down test. Zero or undefined variance is no evidence either.
 - **Guardrails are deterioration tests.** A guardrail trips when its interval shows any harm (the
   whole interval on the harmful side of 0), so a harm smaller than the configured bound is caught
-  too; the bound is what the dashboard reports as shown or not. Mean length is the exception: it
-  may drift both ways within its ratio bounds and trips only when the interval leaves them.
+  too; the bound is what the dashboard reports beside it. Two exceptions keep a tolerance: mean
+  length may drift both ways within its ratio bounds, and latency (each user's mean) may rise up to
+  `latency_p95_ratio` x the champion's, since two versions served by one machine differ by whatever
+  else it does; each trips when its interval leaves the tolerance.
 - **A relative non-inferiority margin.** At the maximum duration the challenger is promoted if the
   interval's lower end is above −(margin share × the champion's level); without a positive champion
   level there is no margin and nothing is promoted as non-inferior.
@@ -37,7 +39,7 @@ from deploy_gate.rollout.evidence import Comparison, compare, half_width, sequen
 # Users per arm (in comparable steps) before any test may decide; see the module's doc and the bench.
 MIN_ARM_USERS = 200
 
-Harm = Literal["rise", "fall", "drift"]
+Harm = Literal["rise", "fall", "drift", "ratio"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ PRIMARY = Metric("satisfaction", "reward_sum", "reward_n", None, "primary")
 # drifting in length; explicit thumbs are the one signal it cannot shape. Accepts are known once a
 # generation's reward is, so they are counted per rewarded generation.
 GUARDRAILS = (
-    Metric("latency_ms", "latency_sum", "generations", "rise", "guardrail", "latency_p95_ratio"),
+    Metric("latency_ms", "latency_sum", "generations", "ratio", "guardrail", "latency_p95_ratio"),
     Metric("error_rate", "errors", "generations", "rise", "guardrail", "error_rate_rise"),
     Metric("undo_rate", "undone", "generations", "rise", "guardrail", "undo_rate_rise"),
     Metric("thumbs_down_rate", "thumbs_down", "generations", "rise", "guardrail", "thumbs_down_rate_rise"),
@@ -152,6 +154,8 @@ def guardrail_harm(metric: Metric, iv: Interval, config: RolloutConfig) -> np.nd
         if metric.harm == "fall":
             return iv.hi < 0
         level = iv.comparison.level
+        if metric.harm == "ratio":  # latency: a tolerance, not a deterioration test (see the module's doc)
+            return iv.lo > (config.latency_p95_ratio - 1) * level
         return (iv.lo > (config.length_ratio_high - 1) * level) | (iv.hi < (config.length_ratio_low - 1) * level)
 
 
