@@ -171,6 +171,7 @@ def analyse(
     diff = difference_view(j, c, config)
     action: DecisionAction = rules.ACTION[code]  # type: ignore[assignment]
     reason = explain(code, j, step, srm_view, rails, power, step_users, config, clock)
+    decision = DecisionView(action=action, reason=reason, at=now, inconclusive=code in rules.INCONCLUSIVE)
     arms = {
         a: ArmView(
             users=int(users.filter(pl.col("arm") == a).height),
@@ -182,7 +183,7 @@ def analyse(
     }
     return AnalysisView(
         reward_version=agg.reward_version, arms=arms, difference=diff, srm=srm_view, guardrails=rails,
-        decision=DecisionView(action=action, reason=reason, at=now), power=power, flags=_flags(users, diff),
+        decision=decision, power=power, flags=_flags(users, diff),
     )  # fmt: skip
 
 

@@ -284,6 +284,8 @@ class RolloutController:
                 rec.state = "rolled_back"
                 rec.ramp[step.index].left_at = now
                 rec.note(now, f"rolled back {split.challenger_version}: {d.reason}")
+                if d.inconclusive and split.challenger_version:
+                    self._unquarantine(rec, split.challenger_version, now)
         elif d.action == "ramp":
             nxt = rec.ramp[step.index + 1]
             if self._apply(lambda: self.gate.plan_ramp(nxt.share, by=CONTROLLER_ACTOR, reason=d.reason)):
@@ -303,6 +305,14 @@ class RolloutController:
                 rec.state = "promoted"
                 rec.ramp[step.index].left_at = now
                 rec.note(now, f"promoted {version}: {d.reason}")
+
+    def _unquarantine(self, rec: ExperimentRecord, version: str, now: datetime) -> None:
+        """An inconclusive rollback showed no harm: what the version served stays eligible for training
+        (a rollback quarantines by default; a flywheel whose candidates all end inconclusive would
+        otherwise stop learning from the traffic they served)."""
+        why = "inconclusive: nothing showed it harmful, so its served data stays eligible for training"
+        if self._apply(lambda: self.gate.plan_unquarantine(version, by=CONTROLLER_ACTOR, reason=why)):
+            rec.note(now, f"{version} not quarantined: {why}")
 
     def _apply(self, make: Callable[[], Plan]) -> bool:
         try:

@@ -100,6 +100,8 @@ class DecisionView(_Model):
     action: DecisionAction
     reason: str
     at: datetime
+    # A rollback for want of evidence, not for harm shown: the version's served data is not quarantined.
+    inconclusive: bool = False
 
 
 class PowerView(_Model):

@@ -94,6 +94,8 @@ ACTION = {
     ROLLBACK_WORSE: "rollback", CONTINUE_MIN_TIME: "continue", RAMP: "ramp", PROMOTE_WIN: "promote",
     PROMOTE_NON_INFERIOR: "promote", ROLLBACK_INCONCLUSIVE: "rollback", CONTINUE_LAST: "continue",
 }  # fmt: skip
+# Rollbacks for want of evidence: nothing showed the challenger harmful.
+INCONCLUSIVE = (ROLLBACK_STEP_USERS, ROLLBACK_NO_EVIDENCE, ROLLBACK_INCONCLUSIVE)
 # What the A/A figure counts as wrong: a win or a loss claimed where there is none.
 WRONG_ON_AA = (ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, PROMOTE_WIN)
 
