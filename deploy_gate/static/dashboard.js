@@ -250,7 +250,10 @@
   function renderDifference(exp) {
     const a = exp && exp.analysis;
     if (!a) {
-      fill('difference', empty('No experiment analysis yet.'));
+      // Before the challenger has rewards the gate still says what this traffic could resolve.
+      fill('difference', exp && exp.plan
+        ? el('p', { class: 'muted', 'data-field': 'power-note' }, exp.plan.note)
+        : empty('No experiment analysis yet.'));
       fill('srm', empty('No experiment analysis yet.'));
       return;
     }
