@@ -165,6 +165,34 @@ def power_curves() -> None:
             adj = float(users_to_resolve(cmp.variance * 2 * n, true, alpha, cfg.tuning_n)[0])
             row.append(f"{change:+.0%} ({true:+.4f}): {raw:,.0f} -> {adj:,.0f} ({raw / adj:.2f}x)")
         print(f"  behaviour {'persists' if persistence else 'does not persist'}: " + "; ".join(row))
+    check_power(cfg, alpha)
+
+
+def check_power(cfg: RolloutConfig, alpha: float, experiments: int = 1000) -> None:
+    """The users-needed formula against simulation: at the stated users, the share of experiments whose
+    adjusted interval excludes 0 (one look at that size) should be about 80%."""
+    from deploy_gate.rollout.evidence import compare, half_width, moments, users_to_resolve
+    from deploy_gate.rollout.population import covariate, pre_rate
+
+    pop = Population()
+    rng = np.random.default_rng(9)
+    big = 100_000
+    a = users(rng, big, pop, np.ones(big), np.ones(big))
+    b = users(rng, big, pop, np.full(big, 1.2), np.ones(big))
+    probe = compare(np.stack([moments(c["reward_n"], c["reward_sum"], covariate(c, pre_rate(pop))) for c in (a, b)])[
+        None, None])  # fmt: skip
+    need = float(users_to_resolve(probe.variance * 2 * big, float(probe.estimate[0]), alpha, cfg.tuning_n)[0])
+    half = int(need // 2)
+    cells = np.zeros((experiments, 1, 2, 10))
+    for arm, factor in ((0, 1.0), (1, 1.2)):
+        c = users(rng, experiments * half, pop, np.full(experiments * half, factor), np.ones(experiments * half))
+        z = covariate(c, pre_rate(pop))
+        cells[:, 0, arm] = moments(c["reward_n"].reshape(experiments, half), c["reward_sum"].reshape(experiments, half),
+                                   z.reshape(experiments, half))  # fmt: skip
+    cmp = compare(cells)
+    lo = cmp.adjusted - half_width(cmp.variance, cmp.users, alpha, cfg.tuning_n)
+    print(f"  check: +20% at the stated {2 * half:,} users, {experiments} simulated experiments: the adjusted interval "
+          f"excludes 0 in {(lo > 0).mean():.1%} (target 80%)")
 
 
 def through_analyse(experiments: int) -> None:
