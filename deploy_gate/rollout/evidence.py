@@ -203,7 +203,7 @@ def detectable(
 def srm_log_bayes_factor(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     """log BF of "assignment is not at `shares`" from the users per arm, (..., arms) each.
 
-    Dirichlet-multinomial against the multinomial at θ0 (Lindon & Malek 2022, eq. 5), prior Dirichlet(c·θ0):
+    Dirichlet-multinomial marginal likelihood over the multinomial at θ0 (Lindon & Malek 2022), prior Dirichlet(c·θ0):
     log BF = lnΓ(c) − lnΓ(c + n) + Σ [lnΓ(cθ0ᵢ + xᵢ) − lnΓ(cθ0ᵢ) − xᵢ ln θ0ᵢ].
     Arms with share 0 (nobody routed there) must hold no users; they are left out.
     """
