@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import polars as pl
 
 from signals.features import RETENTION_CHECKPOINTS_S
@@ -68,6 +69,20 @@ def _num(raw: pl.Expr) -> pl.Expr:
         .otherwise(text.cast(pl.Float64, strict=False))
     )
     return pl.when(value.is_finite()).then(value)
+
+
+def _divide(values: pl.Expr, by: float) -> pl.Expr:
+    """`values / by`, correctly rounded like Python's: polars divides a column by a scalar as a product
+    with its reciprocal (an ulp off at times), so divide element by element."""
+
+    def divide(column: pl.Series) -> pl.Series:
+        return column.cast(pl.Float64) / pl.Series(np.full(len(column), by))
+
+    return values.map_batches(divide, return_dtype=pl.Float64)
+
+
+def _seconds(us: pl.Expr) -> pl.Expr:
+    return _divide(us, 1e6)
 
 
 def _is(*types: str) -> pl.Expr:
@@ -168,10 +183,17 @@ def _undo_agg(d: RewardDefinition) -> list[pl.Expr]:
     first_ts = _first("ts_us", undone)
     given = _first("_seconds_raw", undone)
     accept_ts = pl.col("ts_us").filter(_is("accepted") & (pl.col("ts_us") <= first_ts)).last()
-    measured = pl.when(given.is_not_null()).then(_num(given).fill_null(0.0)).otherwise(
-        ((first_ts - accept_ts) / 1e6).fill_null(0.0)
-    )
-    secs = pl.when(undone.any()).then(pl.max_horizontal(pl.lit(0.0), measured))
+    return [
+        undone.any().alias("_undone"),
+        _num(given).fill_null(0.0).alias("_undo_given_s"),
+        given.is_not_null().alias("_undo_given"),
+        (first_ts - accept_ts).fill_null(0).alias("_undo_gap_us"),
+    ]
+
+
+def _undo_finish(d: RewardDefinition) -> list[pl.Expr]:
+    measured = pl.when(pl.col("_undo_given")).then(pl.col("_undo_given_s")).otherwise(_seconds(pl.col("_undo_gap_us")))
+    secs = pl.when(pl.col("_undone")).then(pl.max_horizontal(pl.lit(0.0), measured))
     return [
         pl.when(secs <= d.undo_window_s).then(1.0).when(secs.is_not_null()).then(0.5).alias("undone"),
         secs.alias("undo_s"),
@@ -227,7 +249,11 @@ def _followup_finish(d: RewardDefinition) -> list[pl.Expr]:
 def _dwell_agg(d: RewardDefinition) -> list[pl.Expr]:
     shown = _first("ts_us", _is("shown"))
     decided = _first("ts_us", _is(*_DECIDED))
-    gap = (decided - shown) / 1e6
+    return [(decided - shown).alias("_dwell_us")]
+
+
+def _dwell_finish(d: RewardDefinition) -> list[pl.Expr]:
+    gap = _seconds(pl.col("_dwell_us"))
     return [pl.when(gap.is_not_null()).then(pl.max_horizontal(pl.lit(0.0), gap)).alias("dwell_s")]
 
 
@@ -243,7 +269,7 @@ SIGNALS: tuple[Signal, ...] = (
            "(Cursor Tab's accept/reject reward, `features.decision`).", _decision_agg, _none,
            ("shown", "accepted", "accepted_fraction", "accepted_chars", "rejected", "ignored")),
     Signal("undo", "An undo after accepting, full weight within the definition's undo window (`features.undo`).",
-           _undo_agg, _none, ("undone", "undo_s")),
+           _undo_agg, _undo_finish, ("undone", "undo_s")),
     Signal("edits", "Edit distance after accepting, summed, and its ratio to the completion (`features.edits`).",
            _edits_agg, _edits_finish, ("edit_distance", "edit_ratio")),
     Signal("retention", "Accepted text still present at GitHub Copilot's checkpoints (`features.retention`).",
@@ -253,7 +279,7 @@ SIGNALS: tuple[Signal, ...] = (
            ("copied", "regenerated")),
     Signal("followup", "The first follow-up message and its sentiment, scored in bulk (`features.followup`).",
            _followup_agg, _followup_finish, ("followup", "followup_sentiment")),
-    Signal("dwell", "Seconds from shown to the first decision (`features.dwell`).", _dwell_agg, _none,
+    Signal("dwell", "Seconds from shown to the first decision (`features.dwell`).", _dwell_agg, _dwell_finish,
            ("dwell_s",)),
 )
 """Every signal a definition reads, in the order the reference extracts them."""
@@ -309,7 +335,7 @@ def _satisfaction(d: RewardDefinition) -> list[pl.Expr]:
     z: pl.Expr = pl.lit(m.intercept)
     for name, coef, mean, scale, fill in zip(m.features, m.coef, m.mean, m.scale, m.fill, strict=True):
         x = pl.col(name).fill_null(fill) if name in SIGNAL_COLUMNS else pl.lit(fill)
-        z = z + coef * (x.cast(pl.Float64) - mean) / scale
+        z = z + _divide(coef * (x.cast(pl.Float64) - mean), scale)
     p = 1.0 / (1.0 + (-z.clip(-35.0, 35.0)).exp())
     return [
         (2.0 * p - 1.0).alias("_implicit_reward"),

@@ -22,7 +22,6 @@ revision 0): history replayed from the lake is never a default followed by revis
 
 from __future__ import annotations
 
-from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 
@@ -35,7 +34,8 @@ from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
-from signals.events import FeedbackEvent, GenerationInfo, parse_properties, to_us
+from signals.columns import score_frame, signal_names, signals_of
+from signals.events import from_us, to_us
 from signals.reward import RewardDefinition
 from signals.sink import read_rewards, write_rewards
 
@@ -183,6 +183,54 @@ def plan_windows(
     return gens, feedback
 
 
+def recompute_scores(
+    settings: Settings,
+    definition: RewardDefinition,
+    events: pl.DataFrame | None = None,
+    *,
+    config: SignalsConfig | None = None,
+    now: datetime | None = None,
+    final_only: bool = False,
+) -> pl.DataFrame:
+    """One scored row per record the stream would emit for `events` (default: the lake's) under
+    `definition` (`signals.columns.score_frame`: the stream's own expressions), with its generation's
+    columns, `revision` and `late_events`; `final_only`: one per generation, its final one (every
+    in-window event, revision 0)."""
+    config = config or SignalsConfig()
+    if events is None:
+        events = load_events(EVENTS.at(settings.lake_dir), settings.events_topic)
+    if events is None or events.is_empty():
+        return pl.DataFrame()
+    gens, feedback = plan_windows(
+        events,
+        window_s=definition.window(settings.window_for(definition.surface)),
+        lateness_s=settings.allowed_lateness_s,
+        idle_grace_s=config.idle_grace_s,
+        now=now or utcnow(),
+        surface=definition.surface,
+        backfill_after_s=config.backfill_after_s,
+        max_feedback=config.max_feedback_per_generation,
+        max_feedback_bytes=config.max_feedback_bytes,
+    )
+    gens = gens.with_columns(pl.col("completion_chars").cast(pl.Int64))
+    if final_only:  # one record holding every in-window event, as if none had been late
+        records = gens.with_columns(pl.lit(0, pl.Int64).alias("revision"), pl.lit(0, pl.Int64).alias("late_events"))
+        rows = feedback.with_columns(pl.lit(0, pl.Int64).alias("revision"))
+    else:  # revision k holds the on-time events and the first k late ones
+        late = feedback.group_by("generation_id").agg(pl.col("late_rank").max().cast(pl.Int64).alias("late"))
+        records = (
+            gens.join(late, on="generation_id", how="left")
+            .with_columns(pl.int_ranges(0, pl.col("late").fill_null(0) + 1).alias("revision"))
+            .explode("revision")
+            .with_columns(pl.col("revision").cast(pl.Int64), pl.col("revision").cast(pl.Int64).alias("late_events"))
+            .drop("late")
+        )
+        rows = feedback.join(records.select("generation_id", "revision"), on="generation_id").filter(
+            pl.col("late_rank") <= pl.col("revision")
+        )
+    return score_frame(definition, records, rows.drop("late_rank"))
+
+
 def recompute_records(
     settings: Settings,
     definition: RewardDefinition,
@@ -192,58 +240,32 @@ def recompute_records(
     now: datetime | None = None,
     final_only: bool = False,
 ) -> list[RewardRecord]:
-    """Every record the stream would emit for `events` (default: the lake's) under `definition`;
-    `final_only`: one record per generation, its final one (every in-window event, revision 0)."""
-    config = config or SignalsConfig()
-    if events is None:
-        events = load_events(EVENTS.at(settings.lake_dir), settings.events_topic)
-    if events is None or events.is_empty():
-        return []
+    """`recompute_scores` as the records the stream would emit (`final_only`: one per generation)."""
     now = now or utcnow()
-    gens, feedback = plan_windows(
-        events,
-        window_s=definition.window(settings.window_for(definition.surface)),
-        lateness_s=settings.allowed_lateness_s,
-        idle_grace_s=config.idle_grace_s,
-        now=now,
-        surface=definition.surface,
-        backfill_after_s=config.backfill_after_s,
-        max_feedback=config.max_feedback_per_generation,
-        max_feedback_bytes=config.max_feedback_bytes,
-    )
-    on_time: dict[str, list[FeedbackEvent]] = defaultdict(list)
-    late: dict[str, list[FeedbackEvent]] = defaultdict(list)
-    for gid, eid, typ, ts_us, props, rank in feedback.iter_rows():
-        fe = FeedbackEvent(eid, typ, ts_us, {} if props in ("{}", None) else parse_properties(props))
-        (late if rank else on_time)[gid].append(fe)
-    out: list[RewardRecord] = []
-    for row in gens.iter_rows(named=True):
-        gid, window_end = row["generation_id"], row["window_end"]
-        gen = GenerationInfo(
-            gid,
-            row["ts_us"],
-            row["user_id"],
-            row["model_version"],
-            row["arm"],
-            row["experiment"],
-            row["finish_reason"],
-            row["completion_chars"],
-            row["surface"],
+    scored = recompute_scores(settings, definition, events, config=config, now=now, final_only=final_only)
+    if scored.is_empty():
+        return []
+    names = signal_names(definition)
+    return [
+        RewardRecord(
+            generation_id=row["generation_id"],
+            reward_version=definition.version,
+            revision=row["revision"],
+            reward=row["reward"],
+            confidence=row["confidence"],
+            label_source=row["label_source"],
+            signals=signals_of(row, names),
+            user_id=row["user_id"],
+            model_version=row["model_version"],
+            arm=row["arm"],
+            experiment=row["experiment"],
+            window_start=from_us(row["ts_us"]),
+            window_end=from_us(row["window_end"]),
+            late_events=row["late_events"],
+            emitted_at=now,
         )
-        evs = on_time.get(gid, [])
-        if final_only:  # one record holding every in-window event, as if none had been late
-            evs = [*evs, *late.get(gid, [])]
-            out.append(definition.record(gen, evs, window_end_us=window_end, emitted_at=now))
-            continue
-        out.append(definition.record(gen, evs, window_end_us=window_end, emitted_at=now))
-        for k, fe in enumerate(late.get(gid, []), start=1):
-            evs = [*evs, fe]
-            out.append(
-                definition.record(
-                    gen, evs, window_end_us=window_end, revision=k, late_events=k, emitted_at=now
-                )
-            )
-    return out
+        for row in scored.sort("window_end", "generation_id", "revision").iter_rows(named=True)
+    ]
 
 
 def _definition(settings: Settings, version: str) -> RewardDefinition:

@@ -49,6 +49,7 @@ second read count nothing twice. `/readyz` says which dependency is down.
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import threading
 import time
@@ -57,6 +58,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+
+import polars as pl
 
 from flywheel.bus import (
     BrokerUnavailable,
@@ -84,9 +87,10 @@ from flywheel.ops.deps import describe
 from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
 from signals import metrics
+from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame, signal_names, signals_of
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore, UnknownRewardVersion
-from signals.events import FeedbackEvent, GenerationInfo, decode_event, properties_bytes, to_us
+from signals.events import FeedbackEvent, GenerationInfo, decode_event, from_us, properties_bytes, to_us
 from signals.reward import RewardDefinition, builtin_definition
 from signals.sink import produce_rewards, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
@@ -143,6 +147,70 @@ def event_lane(e: Event, backfill_after_us: int) -> int:
     return 1 if to_us(e.received_at) - to_us(e.ts) > backfill_after_us else 0
 
 
+@dataclass(frozen=True)
+class _Closed:
+    """A record to emit: a window closed (or revised) in this batch, with its events at that moment."""
+
+    definition: RewardDefinition
+    partition: int
+    gen: GenerationInfo
+    window_end_us: int
+    events: list[FeedbackEvent]
+    revision: int
+    late: int
+
+
+def score_closed(closed: list[_Closed]) -> list[tuple[int, RewardRecord]]:
+    """(partition, record) of every closed window of a micro-batch, in order, each version's windows scored
+    together by its column expressions (`signals.columns`, the batch recompute's own)."""
+    if not closed:
+        return []
+    emitted_at = _now()
+    out: dict[int, tuple[int, RewardRecord]] = {}
+    by_version: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(closed):
+        by_version[c.definition.version].append(i)
+    for indices in by_version.values():
+        definition = closed[indices[0]].definition
+        # the key's `revision` column is the row's position: a window may close and be revised in one batch
+        gens = pl.DataFrame(
+            {
+                "generation_id": [closed[i].gen.generation_id for i in indices],
+                "revision": indices,
+                "finish_reason": [closed[i].gen.finish_reason for i in indices],
+                "completion_chars": [closed[i].gen.completion_chars for i in indices],
+            },
+            schema=GENERATION_SCHEMA,
+        )
+        feedback = pl.DataFrame(
+            {
+                "generation_id": [closed[i].gen.generation_id for i in indices for _ in closed[i].events],
+                "revision": [i for i in indices for _ in closed[i].events],
+                "event_id": [e.event_id for i in indices for e in closed[i].events],
+                "type": [e.type for i in indices for e in closed[i].events],
+                "ts_us": [e.ts_us for i in indices for e in closed[i].events],
+                "properties": [_properties_json(e) for i in indices for e in closed[i].events],
+            },
+            schema=FEEDBACK_SCHEMA,
+        )
+        names = signal_names(definition)
+        for row in score_frame(definition, gens, feedback).iter_rows(named=True):
+            c = closed[row["revision"]]
+            out[row["revision"]] = (c.partition, RewardRecord(
+                generation_id=c.gen.generation_id, reward_version=definition.version, revision=c.revision,
+                reward=row["reward"], confidence=row["confidence"], label_source=row["label_source"],
+                signals=signals_of(row, names), user_id=c.gen.user_id, model_version=c.gen.model_version,
+                arm=c.gen.arm, experiment=c.gen.experiment, window_start=from_us(c.gen.ts_us),
+                window_end=from_us(c.window_end_us), late_events=c.late, emitted_at=emitted_at,
+            ))  # fmt: skip
+    return [out[i] for i in range(len(closed))]
+
+
+def _properties_json(e: FeedbackEvent) -> str:
+    """Properties as the lake holds them (`json.dumps`), so both drivers parse the same text."""
+    return json.dumps(dict(e.properties), separators=(",", ":")) if e.properties else "{}"
+
+
 class _Batch:
     """The per-event logic over one poll's events (or an idle tick), against loaded state."""
 
@@ -164,6 +232,7 @@ class _Batch:
         self.outcomes: Counter[str] = Counter()
         self.dead: list[DeadLetter] = []
         self.revise: set[str] = set()
+        self.closed: list[_Closed] = []
 
     def refuse(self, reason: str, source: str, original: bytes, outcome: str = "dead_lettered") -> None:
         """Dead-letter what this worker will not score (sent before the batch commits: none is lost); one log
@@ -298,12 +367,11 @@ class _Batch:
             original = st.to_json().encode()
             self.refuse(f"cannot score generation {gid}: {exc}", f"signals:{self.w.settings.events_topic}", original)
             return
-        record = definition.record(
-            st.gen, st.events, window_end_us=st.window_end_us, revision=revision, late_events=st.late
-        )
+        # scored with the batch's other closed windows in `finish` (the events as they stand now)
+        self.closed.append(_Closed(definition, st.partition, st.gen, st.window_end_us, list(st.events), revision,
+                                   st.late))  # fmt: skip
         st.revision = revision
         self.dirty.add(gid)
-        self.emitted[st.partition].append(record)
         if revision == 0:
             self.plan.zrem.append((self.w.keys.open(st.partition, st.lane), gid))
             lag_s = (self.now_us - st.window_end_us - self.w.lateness_us) / 1e6
@@ -315,6 +383,8 @@ class _Batch:
         for gid in sorted(self.revise):
             st = self.states[gid]
             self.emit(gid, st, st.late)
+        for partition, record in score_closed(self.closed):
+            self.emitted[partition].append(record)
         ttl = int(self.w.config.state_ttl_s)
         for gid in sorted(self.dirty):
             self.plan.states.append((self.w.keys.gen(gid), self.states[gid].to_json(), ttl))
