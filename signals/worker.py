@@ -14,8 +14,9 @@ arrived more than `backfill_after_s` after its time is history being replayed: i
 by the partition's historical watermark instead (the largest `ts` of such events minus the
 lateness), so a replay in time order gives each generation one final record rather than a
 default on arrival and a revision per later event. When the whole stream has been empty for
-`idle_after_s`, both watermarks also advance with the wall clock (now - lateness -
-`idle_grace_s`), so windows close in a quiet system.
+`idle_after_s`, the windows due by the wall clock (now - lateness - `idle_grace_s`) close, so windows
+close in a quiet system; the live watermark moves there, the historical one stays at the replay's event
+time, so history replayed into a worker that has been idle still gives one final record per generation.
 
 Per event, in partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
@@ -245,12 +246,15 @@ class _Batch:
             self.w.stats.count(outcome, n)
             self.outcomes[outcome] += n
 
-    def advance(self, p: int, lane: int, wm: int) -> None:
+    def advance(self, p: int, lane: int, wm: int, *, hold: bool = False) -> None:
+        """Move the lane's watermark to `wm` (if later) and close what is due by it; `hold`: close what is
+        due by `wm` but keep the watermark where it was (the idle tick's historical lane, see `_tick_idle`)."""
         key = (p, lane)
-        if wm > self.wms.get(key, -(2**62)):
+        if not hold and wm > self.wms.get(key, -(2**62)):
             self.wms[key] = wm
+        bound = max(wm, self.wms.get(key, -(2**62)))
         heap = self.heaps.setdefault(key, [])
-        while heap and heap[0][0] <= self.wms[key]:
+        while heap and heap[0][0] <= bound:
             end, kind, gid = heapq.heappop(heap)
             st = self.states.get(gid)
             if kind == 1:
@@ -637,7 +641,10 @@ class SignalsWorker:
         lanes = {(p, lane): wm for p in assigned for lane in (0, 1)}
         batch = _Batch(self, *self.store.load(self.keys, lanes, set()))
         for p, lane in lanes:
-            batch.advance(p, lane, wm)
+            # The historical lane's open windows close by the wall clock, but its watermark stays the replay's
+            # event time: a replay that starts after a quiet spell must not find every old window already shut
+            # (a default record on arrival, then every feedback event late).
+            batch.advance(p, lane, wm, hold=lane == 1)
         self._commit(batch)
 
     def _commit(self, batch: _Batch) -> None:

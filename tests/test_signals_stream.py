@@ -147,3 +147,28 @@ def test_reward_appears_soon_after_its_window_closes(settings: Settings) -> None
     finally:
         stop.set()
         thread.join(timeout=10)
+
+
+def test_history_replayed_into_an_idle_worker_gives_one_final_record_per_generation(settings: Settings) -> None:
+    ensure_topics(settings)
+    worker = SignalsWorker(settings, CONFIG)
+    try:
+        run_until(worker, lambda: worker.redis.hlen(worker.keys.wm) > 0)  # idle: the idle tick has run
+        wms = {k.decode(): int(v) for k, v in worker.redis.hgetall(worker.keys.wm).items()}
+        assert not any(k.startswith("h") for k in wms), "the idle tick must hold the historical lane"
+        now = utcnow()  # the collector stamps arrival as the replay goes
+        hist = history(40, start=now - timedelta(days=30), seed=3, late_share=0.0, duplicate_share=0.1,
+                       window_s=settings.reward_window_s)  # fmt: skip
+        send(settings, [e.model_copy(update={"received_at": now}) for e in hist.events])
+        run_until(worker, lambda: worker.stats.records >= len(hist.generation_ids))
+        for _ in range(3):
+            worker.run_once()
+    finally:
+        worker.close()
+    streamed = rewards_on_topic(settings)
+    assert Counter(r.generation_id for r in streamed) == Counter(hist.generation_ids), "one record per generation"
+    assert worker.stats.late_events == 0 and {r.revision for r in streamed} == {0}
+    assert any(r.label_source != "default" for r in streamed)
+    lake_events_from_topic(settings)
+    batch = recompute_records(settings, DEFAULT_DEFINITION, config=CONFIG)
+    assert set(map(comparable, streamed)) == set(map(comparable, batch))
