@@ -35,12 +35,20 @@ def recompute(
     write: bool = typer.Option(
         True, help="Write records missing from the lake's rewards table (a backfill)."
     ),
+    check: bool = typer.Option(
+        False, help="Write nothing; compare each generation's final record (revision and reward) with the lake's."
+    ),
 ) -> None:
     """Recompute rewards over the lake's events table with one definition version."""
-    from signals.recompute import backfill, recompute_rewards
+    from signals.recompute import backfill, parity, recompute_rewards
 
     settings = get_settings()
-    if write:
+    if check:
+        report = parity(settings, version)
+        typer.echo(json.dumps({"version": version, **report}))
+        if report["agree"] != report["generations"]:
+            raise typer.Exit(1)
+    elif write:
         written, skipped = backfill(settings, version)
         typer.echo(json.dumps({"version": version, "written": written, "already_present": skipped}))
     else:

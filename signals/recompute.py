@@ -291,3 +291,30 @@ def backfill(settings: Settings, version: str) -> tuple[int, int]:
     if missing:
         write_rewards(table, missing, f"recompute-{version}-{utcnow():%Y%m%dT%H%M%S%f}")
     return len(missing), len(records) - len(missing)
+
+
+def parity(settings: Settings, version: str) -> dict[str, int]:
+    """How the lake's records of `version` (what the stream wrote) compare with the recompute's, per generation's
+    final record: same revision and reward (`agree`), another revision (`revision_differs`), same revision but
+    another reward (`reward_differs`), a generation only one side has (`only_stream`, `only_recompute`).
+    Revisions count: a replay that gave a default and then revisions differs from one final record."""
+    recomputed = rewards_frame(recompute_records(settings, _definition(settings, version)))
+    lake = read_rewards(REWARDS.at(settings.lake_dir)).filter(pl.col("reward_version") == version)
+
+    def finals(df: pl.DataFrame) -> pl.DataFrame:
+        return df.sort("revision").group_by("generation_id").agg(pl.col("revision", "reward").last())
+
+    both = finals(lake).join(finals(recomputed), on="generation_id", how="full", suffix="_recompute")
+    stream_only = both["generation_id_recompute"].is_null()
+    recompute_only = both["generation_id"].is_null()
+    matched = both.filter(~stream_only & ~recompute_only)
+    same_revision = matched["revision"] == matched["revision_recompute"]
+    same_reward = matched["reward"] == matched["reward_recompute"]
+    return {
+        "generations": both.height,
+        "agree": int((same_revision & same_reward).sum()),
+        "revision_differs": int((~same_revision).sum()),
+        "reward_differs": int((same_revision & ~same_reward).sum()),
+        "only_stream": int(stream_only.sum()),
+        "only_recompute": int(recompute_only.sum()),
+    }

@@ -16,9 +16,9 @@ from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
-from signals.recompute import recompute_records
+from signals.recompute import parity, recompute_records
 from signals.reward import DEFAULT_DEFINITION
-from signals.sink import read_rewards
+from signals.sink import read_rewards, write_rewards
 from signals.worker import SignalsWorker
 from simulator.telemetry import feedback_event, generation_event, history, lake_events_from_topic, send
 
@@ -172,3 +172,9 @@ def test_history_replayed_into_an_idle_worker_gives_one_final_record_per_generat
     lake_events_from_topic(settings)
     batch = recompute_records(settings, DEFAULT_DEFINITION, config=CONFIG)
     assert set(map(comparable, streamed)) == set(map(comparable, batch))
+    n = len(hist.generation_ids)
+    assert parity(settings, "rules-v1") == {"generations": n, "agree": n, "revision_differs": 0, "reward_differs": 0,
+                                            "only_stream": 0, "only_recompute": 0}  # fmt: skip
+    # a revision the recompute does not make is a disagreement, even with the same reward
+    write_rewards(REWARDS.at(settings.lake_dir), [streamed[0].model_copy(update={"revision": 1})], "extra")
+    assert parity(settings, "rules-v1")["revision_differs"] == 1
