@@ -52,10 +52,10 @@ _DECIDED = ("accepted", "rejected", "ignored")
 _IMPLICIT = ("shown", "copied", "regenerated", "followup", "edit_distance", "retention", "undone")
 
 
-def _prop(key: str) -> pl.Expr:
-    """Property `key` of each event as text (a JSON string's content, else the JSON of the value); null
-    when absent or JSON null."""
-    return pl.col("properties").str.json_path_match(f"$.{key}")
+def _prop(key: str, *types: str) -> pl.Expr:
+    """Property `key` of each event of `types` as text (a JSON string's content, else the JSON of the value);
+    null when absent, JSON null, or another type's (only what a signal reads is parsed: parsing is the cost)."""
+    return pl.when(pl.col("type").is_in(list(types))).then(pl.col("properties")).str.json_path_match(f"$.{key}")
 
 
 def _num(raw: pl.Expr) -> pl.Expr:
@@ -107,15 +107,15 @@ def typed_feedback(feedback: pl.LazyFrame) -> pl.LazyFrame:
     return feedback.sort(*KEY, "ts_us", "event_id", maintain_order=True).with_columns(
         pl.col("properties").fill_null("{}"),
     ).with_columns(
-        _prop("value").str.to_lowercase().alias("_value"),
-        _prop("comment").alias("_comment"),
-        _num(_prop("total_chars")).alias("_total_chars"),
-        _num(_prop("accepted_chars")).alias("_accepted_chars"),
-        _prop("seconds_after_accept").alias("_seconds_raw"),
-        _num(_prop("fraction_present")).alias("_fraction"),
-        _num(_prop("edit_distance")).alias("_edit"),
-        _prop("text").alias("_text"),
-    )
+        _prop("value", "thumbs").str.to_lowercase().alias("_value"),
+        _prop("comment", "thumbs").alias("_comment"),
+        _prop("total_chars", "accepted").alias("_total_chars"),
+        _prop("accepted_chars", "accepted").alias("_accepted_chars"),
+        _prop("seconds_after_accept", "undone", "retained").alias("_seconds_raw"),
+        _prop("fraction_present", "retained").alias("_fraction"),
+        _prop("edit_distance", "edited").alias("_edit"),
+        _prop("text", "followup").alias("_text"),
+    ).with_columns(_num(pl.col(c)).alias(c) for c in ("_total_chars", "_accepted_chars", "_fraction", "_edit"))
 
 
 # ---------------------------------------------------------------------- signals
@@ -212,17 +212,22 @@ def _edits_finish(d: RewardDefinition) -> list[pl.Expr]:
     return [pl.when(ratio.is_not_null()).then(pl.min_horizontal(pl.lit(1.0), ratio)).alias("edit_ratio")]
 
 
-def _retention_agg(d: RewardDefinition) -> list[pl.Expr]:
-    retained = _is("retained")
+def retention_checks(typed: pl.LazyFrame) -> pl.LazyFrame:
+    """One row per record with `retained` checks: `retention` and `retained_<c>s` (`features.retention`).
+
+    The checks are put in order of their time after the accept once, for all records (ties keep event-time
+    order), so each value is a first or last within its record rather than a sort per record."""
     secs = _num(pl.col("_seconds_raw")).fill_null(0.0).clip(lower_bound=0.0)
     frac = pl.col("_fraction").fill_null(1.0).clip(0.0, 1.0)
-    # measurements in order of their time after the accept; ties keep arrival (event time) order
-    by_secs = frac.filter(retained).sort_by(secs.filter(retained), maintain_order=True)
-    out = [pl.when(retained.any()).then(by_secs.last()).alias("retention")]
-    for c in RETENTION_CHECKPOINTS_S:
-        at = retained & (secs >= c)
-        out.append(frac.filter(at).sort_by(secs.filter(at), maintain_order=True).first().alias(f"retained_{c}s"))
-    return out
+    checks = (
+        typed.filter(_is("retained"))
+        .select(*KEY, secs.alias("_secs"), frac.alias("_frac"))
+        .sort(*KEY, "_secs", maintain_order=True)
+    )
+    return checks.group_by(*KEY, maintain_order=True).agg(
+        pl.col("_frac").last().alias("retention"),
+        *(pl.col("_frac").filter(pl.col("_secs") >= c).first().alias(f"retained_{c}s") for c in RETENTION_CHECKPOINTS_S),
+    )
 
 
 def _retention_finish(d: RewardDefinition) -> list[pl.Expr]:
@@ -273,7 +278,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("edits", "Edit distance after accepting, summed, and its ratio to the completion (`features.edits`).",
            _edits_agg, _edits_finish, ("edit_distance", "edit_ratio")),
     Signal("retention", "Accepted text still present at GitHub Copilot's checkpoints (`features.retention`).",
-           _retention_agg, _retention_finish,
+           _none, _retention_finish,
            ("retention", "retained_chars", *(f"retained_{c}s" for c in RETENTION_CHECKPOINTS_S))),
     Signal("copy_regenerate", "Copied or regenerated (`features.copy_regenerate`).", _copy_agg, _none,
            ("copied", "regenerated")),
@@ -352,8 +357,13 @@ def score_frame(
     in-window feedback events (`FEEDBACK_SCHEMA`)."""
     d = definition
     aggs = [pl.len().alias("feedback_events")] + [e for s in SIGNALS for e in s.aggregate(d)]
-    per_record = typed_feedback(feedback.lazy().filter(pl.col("type") != "generation")).group_by(*KEY).agg(aggs)
-    frame = generations.lazy().join(per_record, on=list(KEY), how="left").with_columns(
+    typed = typed_feedback(feedback.lazy().filter(pl.col("type") != "generation"))
+    per_record = typed.group_by(*KEY).agg(aggs)
+    frame = (
+        generations.lazy()
+        .join(per_record, on=list(KEY), how="left")
+        .join(retention_checks(typed), on=list(KEY), how="left")
+    ).with_columns(
         pl.col("feedback_events").fill_null(0).cast(pl.Float64),
         pl.when((pl.col("finish_reason") == "declined") | (pl.col("completion_chars") == 0))
         .then(1.0).otherwise(0.0).alias("declined"),
