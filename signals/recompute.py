@@ -87,7 +87,7 @@ def plan_windows(
     backfill_after_us = int(round(backfill_after_s * 1e6))
     df = (
         events.sort("kafka_partition", "kafka_offset")
-        .unique(list(EVENTS.key), keep="first", maintain_order=True)
+        .filter(pl.struct(list(EVENTS.key)).is_first_distinct() if len(EVENTS.key) > 1 else pl.col(EVENTS.key[0]).is_first_distinct())
         .with_columns(
             pl.col("ts").dt.epoch("us").alias("ts_us"),
             # the worker's clock: arrival, never past the wall clock (`signals.worker.event_clock_us`)
@@ -113,11 +113,15 @@ def plan_windows(
         )
     )
     # per lane, the first row of each partition at which its watermark reaches a value
+    # (a watermark never goes down along a partition: the first row of a value is where it changes)
+    def changes(wm: pl.Expr) -> pl.Expr:
+        before = wm.shift(1).over("kafka_partition")
+        return wm.is_not_null() & (before.is_null() | (wm != before))
+
     steps = pl.concat(
         [
-            df.filter(pl.col(f"wm{lane}").is_not_null())
-            .group_by("kafka_partition", pl.col(f"wm{lane}").alias("wm"))
-            .agg(pl.col("pos").min().alias("first_pos"))
+            df.filter(changes(pl.col(f"wm{lane}")))
+            .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
             .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
             for lane in (0, 1)
         ]
@@ -163,7 +167,14 @@ def plan_windows(
     if max_feedback_bytes is not None:
         feedback = feedback.filter(pl.col("properties").fill_null("{}").str.len_bytes() <= max_feedback_bytes)
     if max_feedback is not None:  # the worker's cap: the first ones of each generation, in arrival order
-        feedback = feedback.filter(pl.int_range(pl.len()).over("generation_id") < max_feedback)
+        counts = feedback.group_by("generation_id").agg(pl.len())
+        flooded = counts.filter(pl.col("len") > max_feedback)["generation_id"]
+        if len(flooded):  # numbering rows per generation costs more than counting them: only where needed
+            within = pl.col("generation_id").is_in(flooded.implode())
+            feedback = pl.concat([
+                feedback.filter(~within),
+                feedback.filter(within).filter(pl.int_range(pl.len()).over("generation_id") < max_feedback),
+            ])  # fmt: skip
     feedback = (
         feedback.join(
             gens.select("generation_id", "kafka_partition", "window_end", "close_pos"),
@@ -171,15 +182,16 @@ def plan_windows(
             how="inner",
         )
         .filter(pl.col("ts_us") <= pl.col("window_end"))
-        .sort("kafka_partition", "pos")
-        .with_columns(
-            pl.when(pl.col("pos") >= pl.col("close_pos")).then(1).otherwise(0).alias("is_late"),
-        )
-        .with_columns(
-            (pl.col("is_late").cum_sum().over("generation_id") * pl.col("is_late")).alias("late_rank")
-        )
-        .select("generation_id", "event_id", "type", "ts_us", "properties", "late_rank")
     )
+    columns = ("generation_id", "event_id", "type", "ts_us", "properties", "late_rank")
+    late = pl.col("pos") >= pl.col("close_pos")
+    # only the (few) late events need numbering, in arrival order; the rest are rank 0 in any order
+    feedback = pl.concat([
+        feedback.filter(~late).with_columns(pl.lit(0, pl.Int64).alias("late_rank")).select(columns),
+        feedback.filter(late).sort("kafka_partition", "pos")
+        .with_columns((pl.int_range(pl.len()).over("generation_id") + 1).cast(pl.Int64).alias("late_rank"))
+        .select(columns),
+    ])  # fmt: skip
     return gens, feedback
 
 
