@@ -44,7 +44,9 @@ FEEDBACK = [
     ("thumbs", '{"value":"up","comment":"nice"}', 0.04),
     ("thumbs", '{"value":"down"}', 0.03),
 ]
-GENERATION_PROPS = '{"model_version":"3","arm":"champion","experiment":"e1","completion":"return x + 1","finish_reason":"stop"}'
+GENERATION_PROPS = (
+    '{"model_version":"3","arm":"champion","experiment":"e1","completion":"return x + 1","finish_reason":"stop"}'
+)
 
 
 def _peak_gib() -> float:
@@ -97,7 +99,7 @@ def events_frame(n_feedback: int, partitions: int, seed: int = 0) -> pl.DataFram
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--feedback", type=int, default=1_000_000, help="feedback events (plus a quarter as many generations)")
+    ap.add_argument("--feedback", type=int, default=1_000_000, help="feedback events (generations: a quarter as many)")
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()

@@ -226,7 +226,10 @@ def retention_checks(typed: pl.LazyFrame) -> pl.LazyFrame:
     )
     return checks.group_by(*KEY, maintain_order=True).agg(
         pl.col("_frac").last().alias("retention"),
-        *(pl.col("_frac").filter(pl.col("_secs") >= c).first().alias(f"retained_{c}s") for c in RETENTION_CHECKPOINTS_S),
+        *(
+            pl.col("_frac").filter(pl.col("_secs") >= c).first().alias(f"retained_{c}s")
+            for c in RETENTION_CHECKPOINTS_S
+        ),
     )
 
 
@@ -392,7 +395,8 @@ def score_frame(
         .otherwise(pl.lit("default")).alias("label_source"),
     )  # fmt: skip
     if d.satisfaction is not None:  # p_satisfied belongs to the signals of a model-scored implicit record only
-        frame = frame.with_columns(pl.when(thumbs.is_null() & implicit).then(pl.col("p_satisfied")).alias("p_satisfied"))
+        model_scored = thumbs.is_null() & implicit
+        frame = frame.with_columns(pl.when(model_scored).then(pl.col("p_satisfied")).alias("p_satisfied"))
     return frame.drop(pl.selectors.starts_with("_")).collect()
 
 

@@ -32,9 +32,9 @@ from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import EVENTS, REWARDS, rewards_frame
 from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
+from signals.columns import score_frame, signal_names, signals_of
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
-from signals.columns import score_frame, signal_names, signals_of
 from signals.events import from_us, to_us
 from signals.reward import RewardDefinition
 from signals.sink import read_rewards, write_rewards
@@ -87,7 +87,7 @@ def plan_windows(
     backfill_after_us = int(round(backfill_after_s * 1e6))
     df = (
         events.sort("kafka_partition", "kafka_offset")
-        .filter(pl.struct(list(EVENTS.key)).is_first_distinct() if len(EVENTS.key) > 1 else pl.col(EVENTS.key[0]).is_first_distinct())
+        .filter(pl.struct(list(EVENTS.key)).is_first_distinct())  # the first copy of each event counts
         .with_columns(
             pl.col("ts").dt.epoch("us").alias("ts_us"),
             # the worker's clock: arrival, never past the wall clock (`signals.worker.event_clock_us`)

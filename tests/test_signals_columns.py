@@ -55,7 +55,10 @@ def _props(rng: random.Random, type_: str) -> dict[str, Any]:
     return {k: rng.choice(pool) for k, pool in keys.items() if rng.random() < 0.8}
 
 
-def _generations(rng: random.Random, types: list[str], n: int = 150) -> list[tuple[GenerationInfo, list[FeedbackEvent]]]:
+Case = tuple[GenerationInfo, list[FeedbackEvent]]
+
+
+def _generations(rng: random.Random, types: list[str], n: int = 150) -> list[Case]:
     out = []
     for i in range(n):
         gen = GenerationInfo(
@@ -74,7 +77,7 @@ def _generations(rng: random.Random, types: list[str], n: int = 150) -> list[tup
     return out
 
 
-def _frames(cases: list[tuple[GenerationInfo, list[FeedbackEvent]]]) -> tuple[pl.DataFrame, pl.DataFrame]:
+def _frames(cases: list[Case]) -> tuple[pl.DataFrame, pl.DataFrame]:
     gens = pl.DataFrame(
         [{"generation_id": g.generation_id, "revision": 0, "finish_reason": g.finish_reason,
           "completion_chars": g.completion_chars} for g, _ in cases],
@@ -136,5 +139,6 @@ def test_records_match_the_per_generation_reference(kind: str) -> None:
 
 
 def test_no_rows_score_to_an_empty_frame() -> None:
-    empty = score_frame(DEFAULT_DEFINITION, pl.DataFrame(schema=GENERATION_SCHEMA), pl.DataFrame(schema=FEEDBACK_SCHEMA))
+    none = pl.DataFrame(schema=GENERATION_SCHEMA), pl.DataFrame(schema=FEEDBACK_SCHEMA)
+    empty = score_frame(DEFAULT_DEFINITION, *none)
     assert empty.is_empty() and {"reward", "confidence", "label_source"} <= set(empty.columns)

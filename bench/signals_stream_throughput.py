@@ -1,0 +1,87 @@
+"""Streaming signals worker throughput, in events/s, over the ingest worker's on the same topic.
+
+Starts the embedded broker, uses the local Redis, fills one events topic with generations (generation,
+shown, accepted; timed ten minutes ago, so every window closes as it is read), then drains it twice,
+each with a consumer group of its own: (a) the ingest worker (validate, de-duplicate, write the lake,
+commit), (b) the signals worker (watermarks, window state in Redis, scoring each micro-batch's closed
+windows with the column expressions, records to Kafka and the lake). Each is timed from the end of its first
+batch to its last record (the group join is not counted).
+
+    python bench/signals_stream_throughput.py [--generations 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.contract import utcnow
+from flywheel.settings import Settings
+from ingest.worker import IngestWorker
+from launcher.embedded import free_port, start_broker
+from signals.config import SignalsConfig
+from signals.worker import SignalsWorker
+from simulator.telemetry import feedback_event, generation_event
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--generations", type=int, default=20_000)
+    args = ap.parse_args()
+    tag = uuid.uuid4().hex[:6]
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        broker = start_broker(port, Path(tmp) / "broker.log")
+        try:
+            settings = Settings(
+                data_dir=Path(tmp) / "data", kafka_bootstrap_servers=f"127.0.0.1:{port}",
+                redis_prefix=f"bench:{tag}:", events_topic=f"ev-{tag}", rewards_topic=f"rw-{tag}",
+                dead_letter_topic=f"dl-{tag}", reward_window_s=2.0, allowed_lateness_s=0.5,
+            )  # fmt: skip
+            ensure_topics(settings)
+            t0 = utcnow() - timedelta(minutes=10)
+            events = []
+            for i in range(args.generations):
+                gid, ts = f"t{i:07d}", t0 + timedelta(milliseconds=i)
+                events += [generation_event(gid, ts), feedback_event(gid, "shown", ts),
+                           feedback_event(gid, "accepted", ts + timedelta(milliseconds=300))]  # fmt: skip
+            producer = make_producer(settings)
+            producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), e.generation_id.encode()) for e in events],
+                              timeout_s=120)  # fmt: skip
+            producer.close()
+            n = len(events)
+
+            ingest = IngestWorker(settings.model_copy(update={"data_dir": Path(tmp) / "ingest"}), group_id=f"i-{tag}")
+            polled = 0
+            while polled == 0:
+                polled += ingest.run_once().polled
+            first, t = polled, time.perf_counter()
+            while polled < n:
+                polled += ingest.run_once().polled
+            ingest_rate = (n - first) / (time.perf_counter() - t)
+            ingest.close()
+
+            worker = SignalsWorker(settings, SignalsConfig(group_id=f"s-{tag}", poll_max_records=10_000))
+            while worker.stats.events == 0:
+                worker.run_once()
+            first, t = worker.stats.events, time.perf_counter()
+            while worker.stats.events < n or worker.stats.records < args.generations:
+                worker.run_once()
+            signals_rate = (n - first) / (time.perf_counter() - t)
+            worker.close()
+        finally:
+            broker.terminate()
+            broker.wait(timeout=10)
+    print(f"{n:,} events ({args.generations:,} generations), one topic")
+    print(f"ingest worker:  {ingest_rate:,.0f} events/s")
+    print(f"signals worker: {signals_rate:,.0f} events/s ({worker.stats.records:,} records)")
+    print(f"ratio signals/ingest: {signals_rate / ingest_rate:.2f}")
+
+
+if __name__ == "__main__":
+    main()
