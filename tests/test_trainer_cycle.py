@@ -250,6 +250,37 @@ def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: s
     assert [v.version for v in ModelRegistry(tsettings).versions()] == [champion]
 
 
+def test_a_cycle_with_more_eligible_data_than_its_budget_reports_what_it_left_out_and_why(
+    tsettings: Settings, champion: str
+) -> None:
+    """Nothing is left out silently: over `max_samples` a seeded uniform sample is kept (old data as likely as
+    new, not the newest N), and past `time_budget_s` training stops; each says how many and by what rule."""
+    registry = ModelRegistry(tsettings)
+    policy = load_policy(registry.fetch(champion))
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=40, seed=9, users=USERS)
+    capped = TrainerConfig(batch_size=4, min_samples=4, max_samples=16)
+    selection = load_selection(tsettings, capped, watermark=None, quarantined=set(),
+                               encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    everything = load_selection(tsettings, TrainerConfig(), watermark=None, quarantined=set(),
+                                encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    by_age = [s.generation_id for s in sorted(everything.samples, key=lambda s: s.emitted_at)]
+    kept = {s.generation_id for s in selection.samples}
+    assert len(kept) == 16 and kept < set(by_age)
+    assert kept & set(by_age[:20]) and kept & set(by_age[20:])  # both halves of the window keep a share
+    result = run_cycle(tsettings, capped, progress=False)
+    assert result.status == "registered"
+    assert "24 over max_samples=16, left out by seeded reservoir sampling" in result.reason, result.reason
+    assert result.metrics["samples_eligible"] == 40 and result.metrics["samples_trained"] == 16
+    assert any(k.startswith("left_out_over_max_samples") and v == 24 for k, v in result.metrics.items())
+
+    # A budget too short for more than the first step: it trains on one batch and says what it did not reach.
+    budget = TrainerConfig(batch_size=4, min_samples=4, time_budget_s=1e-6)
+    result = run_cycle(tsettings, budget, progress=False)
+    assert result.status == "registered" and result.metrics["steps"] == 1
+    assert result.metrics["samples_trained"] == 4 and result.metrics["samples_eligible"] == 40
+    assert "36 not reached within time_budget_s=1e-06 (visited in a seeded random order" in result.reason
+
+
 def _row(
     gid: str, user: str, *, version: str = "1", prompt: str = "x = ", completion: str = " 1\n", temperature: float = 1.0
 ) -> Event:

@@ -95,6 +95,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
+def over_cap_reason(config: TrainerConfig) -> str:
+    """The `Selection.dropped` reason of samples left out by the `max_samples` cap: says the rule."""
+    return f"over max_samples={config.max_samples}, left out by seeded reservoir sampling (uniform, seed {config.seed})"
+
+
 def quarantined_versions(registry: ModelRegistry) -> set[str]:
     """Versions whose served data is never trained on: quarantined by the gate when rolled back."""
     return {v.version for v in registry.versions() if v.gate_state == "quarantined"}
@@ -157,8 +162,9 @@ def load_selection(
         if sample is not None:
             samples.append(sample)
     if config.max_samples and len(samples) > config.max_samples:
-        selection.dropped["over max_samples"] += len(samples) - config.max_samples
-        samples = samples[-config.max_samples :]  # the newest rewards matter most
+        # Uniform over the window, not the newest N: every user and every hour of it keeps its share.
+        selection.dropped[over_cap_reason(config)] += len(samples) - config.max_samples
+        samples = random.Random(config.seed).sample(samples, config.max_samples)
     samples.sort(key=lambda s: s.generation_id)  # same order on every process and every run
     ids = "\n".join(s.generation_id for s in samples).encode()
     selection.samples = samples
