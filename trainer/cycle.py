@@ -221,8 +221,9 @@ def _train_and_register(
         **selection.drop_metrics(),
     }
     if rank == 0:
-        log.info("trained on %d of %d eligible samples in %.0fs; left out of this cycle: %s", min(reached, len(samples)),
-                 metrics["samples_eligible"], metrics["train_seconds"], selection.describe_drops())  # fmt: skip
+        log.info("trained on %d of %d eligible samples in %.0fs; left out of this cycle: %s",
+                 min(reached, len(samples)), metrics["samples_eligible"], metrics["train_seconds"],
+                 selection.describe_drops())  # fmt: skip
     tracker.log_metrics(metrics, step=len(history))
     if rank != 0:
         _barrier(world)
