@@ -90,6 +90,10 @@ def report_cycle(name: str, r: CycleRecord) -> list[str]:
     lines[0] += f" {'-' if r.turnaround_s is None else f'{r.turnaround_s:.0f}s'} |"
     for pop, t in r.truth_candidate.items():
         lines.append(f"|  | | candidate, {pop}: {fmt_truth(t)} | | | | | |")
+    if r.offline_verdict:
+        ope = "-" if r.offline_estimate is None else f"{r.offline_estimate:+.3f}"
+        lines.append(f"|  | | offline estimate (ope_satisfaction, DR - champion's logged mean): {ope}, "
+                     f"{r.offline_verdict} | | | | | |")  # fmt: skip
     for pop, t in r.truth_eval.items():
         lines.append(f"|  | | champion after, {pop}: {fmt_truth(t)} | | | | | |")
     return lines

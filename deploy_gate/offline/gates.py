@@ -12,7 +12,8 @@ Gates, in order (names as recorded on the version and shown by `GET /api/version
   it was right: only a flood is stopped here, and the rollout's accepted-rate guardrail decides;
 - `ope_satisfaction`: the off-policy estimate of the candidate's mean reward from the champion's
   signed, rewarded traffic (`deploy_gate.offline.offpolicy`: clipped importance ratios and a reward
-  model fitted on that traffic), judged on d = DR - the champion's logged mean, with a paired
+  model fitted on that traffic), judged on d = DR - the champion's logged mean (the recorded value),
+  with a paired
   bootstrap interval: failed when its upper end is < -ope_refuse_margin (significantly worse than
   the champion: the candidate never reaches users, on its estimate alone), passed when its lower
   end is >= -ope_margin, otherwise "insufficient evidence". Fewer than `ope_min_samples` samples,
@@ -237,14 +238,14 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -
     # Significantly worse than the champion on its estimate alone: refused, whatever the ESS (clipping
     # bounds every weight, so a small ESS widens the interval instead of hiding a harm).
     if diff.ci[1] < -config.ope_refuse_margin:
-        return OfflineGateResult(name, "failed", est.dr.value, bound, f"worse than the champion: {detail}")
+        return OfflineGateResult(name, "failed", diff.value, bound, f"worse than the champion: {detail}")
     if est.ess < config.ope_min_ess:
         why = f"insufficient evidence: ESS below {config.ope_min_ess}; {detail}"
-        return OfflineGateResult(name, "insufficient_evidence", est.dr.value, bound, why)
+        return OfflineGateResult(name, "insufficient_evidence", diff.value, bound, why)
     if diff.ci[0] >= -config.ope_margin:
-        return OfflineGateResult(name, "passed", est.dr.value, bound, detail)
+        return OfflineGateResult(name, "passed", diff.value, bound, detail)
     why = f"insufficient evidence: the interval straddles -{config.ope_margin}; {detail}"
-    return OfflineGateResult(name, "insufficient_evidence", est.dr.value, bound, why)
+    return OfflineGateResult(name, "insufficient_evidence", diff.value, bound, why)
 
 
 def _distinct(items: list[str]) -> list[str]:
