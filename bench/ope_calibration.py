@@ -44,8 +44,7 @@ import torch
 
 from deploy_gate.offline import ope
 from deploy_gate.offline.config import OfflineGateConfig
-from deploy_gate.offline.measure import sample
-from deploy_gate.offline.offpolicy import features, log_ratios
+from deploy_gate.offline.offpolicy import EstimatorSettings, features, log_ratios, target_records
 from flywheel.contract import GenerationRecord
 from flywheel.lm import Policy, bootstrap_model, load_policy
 from flywheel.lm.policy import GenerationRequest
@@ -64,8 +63,9 @@ from trainer.loop import score_samples, train_policy
 from trainer.scoring import scorer_for
 
 MAX_TOKENS = 16
-GATE = "DR (gate: clipped sequence ratios, logged-data reward model)"
-BEFORE = "DR before (unclipped, empty+length reward model)"
+GATE = "DR (gate: clipped sequence ratios, logged-data reward model, paired DM)"
+EARLIER_DM_PROMPTS = 128
+BEFORE = "DR before (unclipped, empty+length reward model, 128 unpaired DM prompts)"
 HARMED_SHARE = 0.05  # a candidate 5% or more below the champion's ground-truth reward must not pass
 
 
@@ -157,30 +157,35 @@ def estimates(
     r = np.array([x.reward for x in fresh])
     seq = log_ratios(candidate, records, "sequence")
     tok = log_ratios(candidate, records, "per_token")
-    dm = records[: cfg.ope_dm_prompts]
-    gens = sample(candidate, [x.prompt for x in dm], MAX_TOKENS, cfg.seed).generations
-    new_logged = features([(x.prompt, x.completion, x.finish_reason) for x in records])
-    new_target = features([(x.prompt, g.completion, g.finish_reason) for x, g in zip(dm, gens, strict=True)])
+    settings = EstimatorSettings(dm_prompts=cfg.ope_dm_prompts, max_tokens=MAX_TOKENS, seed=cfg.seed)
+    target = target_records(candidate, records, settings)  # every fresh prompt: paired with the logged term
+    logged = [(x.prompt, x.completion, x.finish_reason) for x in records]
+    new_logged, new_target = features(logged), features(target)
     coef_new = ope.fit_reward_model(new_logged, r, cfg.ope_ridge)
     coef_old = ope.fit_reward_model(old_features([x.completion for x in records]), r)
     q_new, qt_new = ope.predict_reward(coef_new, new_logged), ope.predict_reward(coef_new, new_target)
     q_old = ope.predict_reward(coef_old, old_features([x.completion for x in records]))
-    qt_old = ope.predict_reward(coef_old, old_features([g.completion for g in gens]))
+    # The earlier direct-method term: 128 prompts, drawn independently of the logged ones.
+    qt_old = ope.predict_reward(coef_old, old_features([c for _, c, _ in target[:EARLIER_DM_PROMPTS]]))
+    qt_unpaired = qt_new[:EARLIER_DM_PROMPTS]
     clip = np.log(cfg.ope_clip)
 
     def run(log_w: np.ndarray, q: np.ndarray, qt: np.ndarray) -> ope.OffPolicyEstimate:
         return ope.estimate(r, log_w, q, qt, bootstrap_samples=cfg.bootstrap_samples, confidence=cfg.confidence,
-                            seed=cfg.seed)  # fmt: skip
+                            seed=cfg.seed, paired=qt.size == r.size)  # fmt: skip
 
     gate, before = run(np.minimum(seq, clip), q_new, qt_new), run(seq, q_old, qt_old)
-    nan = float("nan")
+    dm = ope.estimate(r, np.zeros_like(r), np.zeros_like(r), qt_new - q_new, bootstrap_samples=cfg.bootstrap_samples,
+                      confidence=cfg.confidence, seed=cfg.seed, paired=True)  # fmt: skip
     variants = {
         GATE: gate.dr_minus_behaviour,
         "SNIPS (clipped sequence ratios)": _minus(gate.snips, gate.behaviour_mean),
         "DR, per-token ratios": run(np.minimum(tok, clip), q_new, qt_new).dr_minus_behaviour,
+        "DR, DM on 128 prompts, unpaired": run(np.minimum(seq, clip), q_new, qt_unpaired).dr_minus_behaviour,
         BEFORE: before.dr_minus_behaviour,
         "SNIPS before (unclipped)": _minus(before.snips, before.behaviour_mean),
-        "DM only (logged-data reward model)": ope.Estimate(float(qt_new.mean() - r.mean()), (nan, nan)),
+        # DM alone: mean over prompts of qhat(candidate's completion) - qhat(logged completion), paired.
+        "DM only (logged-data reward model)": _minus(dm.dr, 0.0),
     }
     d = gate.dr_minus_behaviour
     if d.ci[1] < -cfg.ope_refuse_margin:

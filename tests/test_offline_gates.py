@@ -102,6 +102,22 @@ def test_dr_with_a_good_reward_model_is_tighter_than_snips() -> None:
     assert est.dr.ci[1] - est.dr.ci[0] < est.snips.ci[1] - est.snips.ci[0]
 
 
+def test_a_paired_direct_method_term_cancels_what_the_contexts_share() -> None:
+    """Paired (the target's completion of each logged context): the champion against itself has d = 0 exactly;
+    unpaired, the contexts' spread shows up as a wide interval around it."""
+    rng = np.random.default_rng(4)
+    q = rng.normal(0.2, 0.4, 300)  # qhat of the logged completions: contexts differ a lot
+    r = q + rng.normal(0, 0.1, 300)
+    paired = ope.estimate(r, np.zeros(300), q, q, bootstrap_samples=200, seed=1, paired=True)
+    unpaired = ope.estimate(r, np.zeros(300), q, q, bootstrap_samples=200, seed=1)
+    assert paired.dr_minus_behaviour.value == pytest.approx(0.0, abs=1e-12)
+    assert paired.dr_minus_behaviour.ci == pytest.approx((0.0, 0.0), abs=1e-12)
+    low, high = unpaired.dr_minus_behaviour.ci
+    assert high - low > 0.05
+    with pytest.raises(ValueError, match="one value per logged sample"):
+        ope.estimate(r, np.zeros(300), q, q[:10], paired=True)
+
+
 def test_huge_log_weights_do_not_overflow() -> None:
     log_w = np.array([800.0, 799.0, -50.0])
     assert ope.snips([1.0, 0.0, 0.0], log_w) == pytest.approx(1 / (1 + np.exp(-1)))

@@ -44,7 +44,8 @@ class OfflineGateConfig:
             evidence". Chosen on the tuning populations (`bench/ope_calibration.py`).
         ope_clip: cap on each importance ratio (inf: none); ope_ratio: "sequence" (the product of the
             tokens' ratios) or "per_token" (their geometric mean); ope_ridge: the reward model's ridge.
-        ope_dm_prompts: logged prompts the candidate completes for the direct-method term of DR.
+        ope_dm_prompts: logged prompts the candidate completes for the direct-method term of DR (newest
+            first); covering all of them (the default, = ope_max_samples) pairs that term per prompt.
         bootstrap_samples, confidence: the seeded percentile bootstrap of both estimates.
     seed: every sample, prompt choice and bootstrap draw; the same seed gives the same results.
     num_threads: torch intra-op threads while the gates run. None: 1 for a champion under
@@ -79,7 +80,7 @@ class OfflineGateConfig:
     ope_clip: float = 20.0
     ope_ratio: Literal["sequence", "per_token"] = "sequence"
     ope_ridge: float = 1.0
-    ope_dm_prompts: int = 128
+    ope_dm_prompts: int = 2000
     bootstrap_samples: int = 500
     confidence: float = 0.95
 

@@ -12,7 +12,9 @@ Three choices, each measured against the simulator's ground truth (`bench/ope_ca
   declined, where the cursor is (a comment or code), length, whether it runs on past the line,
   quote characters, identifier naming, overlap with the prompt, and hashed character trigrams of
   the completion). The DM term is that model's mean over the candidate's own seeded completions
-  of the logged prompts: it needs no overlap between the two policies, which the weights do.
+  of the logged prompts: it needs no overlap between the two policies, which the weights do. When
+  it covers every logged prompt it is paired with the logged term per prompt (`ope.estimate`), so
+  what differs between prompts cancels in the difference the gate judges.
 - The logging policy is the champion; the caller passes only its traffic (`logged.champion_traffic`),
   newest first, so the estimate is about the users of now.
 
@@ -32,12 +34,13 @@ import numpy as np
 import torch
 
 from deploy_gate.offline import ope
-from deploy_gate.offline.measure import sample
 from flywheel.contract import GenerationRecord
 from flywheel.lm import Policy, token_logprobs
+from flywheel.lm.policy import GenerationRequest
 
 Ratio = Literal["sequence", "per_token"]
 _TRIGRAM_BUCKETS = 48
+_BATCH = 32
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CAMEL = re.compile(r"^[a-z]+[A-Z][A-Za-z0-9]*$")
 _SNAKE = re.compile(r"^[a-z]+(_[a-z0-9]+)+$")
@@ -50,7 +53,7 @@ class EstimatorSettings:
     clip: float = 20.0  # cap on a sample's importance ratio (inf: none)
     ratio: Ratio = "sequence"
     ridge: float = 1.0
-    dm_prompts: int = 128
+    dm_prompts: int = 2000
     max_tokens: int | None = None  # the DM term's completion length; None: the longest logged one
     bootstrap_samples: int = 500
     confidence: float = 0.95
@@ -125,12 +128,20 @@ def estimate_candidate(
     r = np.asarray(rewards, dtype=np.float64)
     logged = features([(x.prompt, x.completion, x.finish_reason) for x in records])
     coef = ope.fit_reward_model(logged, r, settings.ridge)
-    # The DM term: the candidate completes the newest logged prompts (one seeded sample each).
+    target = ope.predict_reward(coef, features(target_records(candidate, records, settings)))
+    return ope.estimate(
+        r, log_w, ope.predict_reward(coef, logged), target, bootstrap_samples=settings.bootstrap_samples,
+        confidence=settings.confidence, seed=settings.seed, paired=target.size == r.size,
+    )  # fmt: skip
+
+
+def target_records(
+    candidate: Policy, records: Sequence[GenerationRecord], settings: EstimatorSettings
+) -> list[tuple[str, str, str]]:
+    """(prompt, completion, finish) of the candidate's seeded completions of the newest `dm_prompts` logged
+    prompts: the DM term. When they cover every logged prompt the term is paired with the logged one."""
     dm = records[: max(1, settings.dm_prompts)]
     max_tokens = settings.max_tokens or max(len(x.completion_token_ids or []) for x in records)
-    gens = sample(candidate, [x.prompt for x in dm], max_tokens, settings.seed).generations
-    target = features([(x.prompt, g.completion, g.finish_reason) for x, g in zip(dm, gens, strict=True)])
-    return ope.estimate(
-        r, log_w, ope.predict_reward(coef, logged), ope.predict_reward(coef, target),
-        bootstrap_samples=settings.bootstrap_samples, confidence=settings.confidence, seed=settings.seed,
-    )  # fmt: skip
+    requests = [GenerationRequest(x.prompt, max_tokens, 1.0, seed=settings.seed + i) for i, x in enumerate(dm)]
+    gens = [g for i in range(0, len(requests), _BATCH) for g in candidate.generate_batch(requests[i : i + _BATCH])]
+    return [(x.prompt, g.completion, g.finish_reason) for x, g in zip(dm, gens, strict=True)]
