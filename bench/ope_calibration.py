@@ -187,14 +187,27 @@ def estimates(
         # DM alone: mean over prompts of qhat(candidate's completion) - qhat(logged completion), paired.
         "DM only (logged-data reward model)": _minus(dm.dr, 0.0),
     }
-    d = gate.dr_minus_behaviour
+    return variants, gate.ess, gate_verdict(gate.dr_minus_behaviour, gate.ess, cfg)
+
+
+def gate_verdict(d: ope.Estimate, ess: float, cfg: OfflineGateConfig) -> str:
+    """`ope_satisfaction`'s rule (deploy_gate/offline/gates.py) on d = DR - the champion's logged mean."""
     if d.ci[1] < -cfg.ope_refuse_margin:
-        verdict = "failed"
-    elif gate.ess < cfg.ope_min_ess or d.ci[0] < -cfg.ope_margin:
-        verdict = "insufficient_evidence"
-    else:
-        verdict = "passed"
-    return variants, gate.ess, verdict
+        return "failed"
+    if ess < cfg.ope_min_ess or d.ci[0] < -cfg.ope_margin:
+        return "insufficient_evidence"
+    return "passed"
+
+
+def load_rows(path: Path, cfg: OfflineGateConfig) -> list[Row]:
+    """Rows saved by an earlier run, their verdicts re-read under `cfg`."""
+    rows = []
+    for raw in json.loads(path.read_text()):
+        raw["estimates"] = {k: ope.Estimate(v["value"], tuple(v["ci"])) for k, v in raw["estimates"].items()}
+        row = Row(**raw)
+        row.verdict = gate_verdict(row.estimates[GATE], row.ess, cfg)
+        rows.append(row)
+    return rows
 
 
 def _minus(e: ope.Estimate, mean: float) -> ope.Estimate:
@@ -214,12 +227,12 @@ def calibration(rows: list[Row], name: str) -> tuple[float, float, float, float]
     return corr, float(b), float(a), (sum(cover) / len(cover)) if cover else float("nan")
 
 
-def report(rows: list[Row], args: argparse.Namespace, seconds: float) -> list[str]:
+def report(rows: list[Row], args: argparse.Namespace, took: str) -> list[str]:
     names = list(rows[0].estimates)
     out = [f"# Offline estimates against ground truth: {len(rows)} candidates, "
            f"{len({r.population for r in rows})} populations", "",
            f"Command: `python bench/ope_calibration.py --populations {args.populations} --logged {args.logged} "
-           f"--eval-contexts {args.eval_contexts} --repeats {args.repeats} --seed {args.seed}` ({seconds:.0f} s, "
+           f"--eval-contexts {args.eval_contexts} --repeats {args.repeats} --seed {args.seed}` ({took}, "
            "tiny model, one thread).", "",
            "Estimand: candidate - champion expected Cursor reward per request. Truth: `evaluate_policy` on fixed "
            "held-out contexts and seeds. Estimates: from the champion's fresh logged traffic (half the traffic, "
@@ -293,16 +306,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=None, help="a bootstrapped model (default: the tiny one)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--rows", type=Path, default=None,
+                        help="report the rows an earlier run saved (its ope_calibration.json) under today's gate "
+                             "config, without running the candidates again")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
+    cfg = OfflineGateConfig()
+    if args.rows is not None:
+        write(load_rows(args.rows, cfg), args, f"rows of {args.rows.name}, verdicts under today's gate config")
+        return
     tuning, reporting = tuning_populations(), reporting_populations()
     chosen = {"tuning": tuning, "reporting": reporting, "all": tuning + reporting}.get(args.populations)
     if chosen is None:
         by_name = {p.name: p for p in tuning + reporting}
         chosen = [by_name[n] for n in args.populations.split(",")]
     split_of = {p.name: "tuning" for p in tuning} | {p.name: "reporting" for p in reporting}
-    cfg = OfflineGateConfig()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or bootstrap_model(Path(tmp) / "tiny", preset="test", seed=0, progress=False)
         champion = load_policy(model)
@@ -326,7 +345,11 @@ def main() -> None:
                 g = est[GATE]
                 print(f"{pop.name:10s} {name:36s} truth {truth - base:+.3f}  DR {g.value:+.3f} "
                       f"[{g.ci[0]:+.3f}, {g.ci[1]:+.3f}] ESS {ess:6.1f} {verdict}", flush=True)  # fmt: skip
-    lines = report(rows, args, time.perf_counter() - started)
+    write(rows, args, f"{time.perf_counter() - started:.0f} s")
+
+
+def write(rows: list[Row], args: argparse.Namespace, took: str) -> None:
+    lines = report(rows, args, took)
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ope_calibration.md").write_text("\n".join(lines) + "\n")

@@ -75,7 +75,7 @@ class OfflineGateConfig:
     ope_max_samples: int = 2000
     ope_min_samples: int = 50
     ope_min_ess: float = 30.0
-    ope_margin: float = 0.05
+    ope_margin: float = 0.0
     ope_refuse_margin: float = 0.0
     ope_clip: float = 20.0
     ope_ratio: Literal["sequence", "per_token"] = "sequence"
