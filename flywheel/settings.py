@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     events_topic: str = "flywheel.events"
     rewards_topic: str = "flywheel.rewards"
     dead_letter_topic: str = "flywheel.dead-letter"
+    # A cluster that enforces ACLs (Strimzi's KafkaUsers) knows each process by its SASL user.
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = "SCRAM-SHA-512"
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: SecretStr | None = Field(
+        default=None, description="The SASL user's password; needed (with the username) when the protocol is SASL_*."
+    )
 
     # Redis
     redis_url: str = Field(
@@ -91,6 +98,12 @@ class Settings(BaseSettings):
     write_keys: SecretStr = Field(
         default=SecretStr("dev-write-key"),
         description="Comma-separated write keys the collector accepts (HTTP basic auth user).",
+    )
+    otlp_write_key_header: str = Field(
+        default="x-flywheel-write-key",
+        pattern=r"^[A-Za-z0-9-]{1,64}$",
+        description="Header in which the collector's OTLP door also reads the write key (besides Authorization: "
+        "Bearer or Basic); an HTTP header name of letters, digits and dashes.",
     )
     serving_key: SecretStr = Field(
         default=SecretStr("dev-serving-key"),
@@ -161,6 +174,17 @@ class Settings(BaseSettings):
         if field is not None and field.annotation is SecretStr and isinstance(value, str):
             return value.strip()
         return value
+
+    @model_validator(mode="after")
+    def _kafka_sasl_complete(self) -> Settings:
+        if self.kafka_security_protocol.startswith("SASL_") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password is not None
+        ):
+            raise ValueError(
+                f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs FLYWHEEL_KAFKA_SASL_USERNAME "
+                "and FLYWHEEL_KAFKA_SASL_PASSWORD; set both, or PLAINTEXT for a cluster without authentication"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Settings:

@@ -3,6 +3,9 @@
 - `POST /v1/events`: the native contract, `{"events": [<Event>...]}`.
 - `POST /v1/track`, `POST /v1/batch`: Segment's HTTP Tracking API (what the Segment and
   RudderStack libraries send: gzip bodies, write key as HTTP basic auth user name).
+- `POST /v1/traces`: OTLP/HTTP traces, protobuf or JSON; GenAI generation spans become `generation` events
+  (ingest/otlp.py, ingest/otlp_genai.py).
+- `POST /batch/`, `/capture/`: PostHog's capture API, as posthog-python sends it (ingest/posthog.py).
 - `GET /v1/schema`: the published JSON Schema of the envelope, with each event type's properties under
   `x-event-properties` (flywheel/event_properties.py: names, types, ranges, required or not).
 - `/healthz`, `/readyz`, `/metrics` (`flywheel.ops`: the body every process answers; ready while Kafka answers).
@@ -41,6 +44,7 @@ from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_ro
 from flywheel.settings import Settings, get_settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
+from ingest.doors import Door
 from ingest.group_send import GroupSender
 from ingest.intake import (
     Body,
@@ -53,6 +57,8 @@ from ingest.intake import (
     parse_json,
     segment_intake,
 )
+from ingest.otlp import otlp_router
+from ingest.posthog import posthog_router
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +256,11 @@ def create_app(
     @app.get("/v1/schema")
     async def schema() -> dict[str, Any]:
         return event_json_schema()
+
+    # The doors for telemetry products already send: OpenTelemetry GenAI traces, PostHog's capture API.
+    door = Door(settings, holder.send_all, write_keys, max_body_bytes, max_event_bytes)
+    app.include_router(otlp_router(door))
+    app.include_router(posthog_router(door))
 
     app.include_router(ops_router(health, metrics_text))
 
