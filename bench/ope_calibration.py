@@ -13,9 +13,10 @@ logged traffic every estimate is made from. Candidates, so that harmed and impro
 For each candidate: the ground truth (`simulator.closed_loop.evaluate_policy`: expected reward per
 request on fixed held-out contexts, fixed seeds, the champion on the same seeds), and the offline
 estimates of d = candidate - champion from the fresh traffic: SNIPS, DR as the gate makes it
-(`deploy_gate.offline.offpolicy`, clipped sequence ratios and the logged-data reward model), and
-the variants it was chosen among (the old DR: unclipped ratios and a reward model on emptiness and
-length only; per-token ratios; the direct method alone). Printed: Pearson r and a calibration fit
+(`deploy_gate.offline.offpolicy`: clipped sequence ratios, the logged-data reward model, its
+direct-method term on every logged prompt, paired), and the variants it was chosen among (the
+earlier DR: unclipped ratios, a reward model on emptiness and length only, 128 unpaired DM prompts;
+per-token ratios; the DM term unpaired; the direct method alone). Printed: Pearson r and a calibration fit
 (truth = a + b * estimate) per estimator, over all candidates and per population set (tuning /
 reporting, `simulator.populations`), the offline gate's verdict against the ground truth as a
 confusion matrix (ground truth 5% or more worse than the champion's reward must not pass), and a
@@ -26,6 +27,7 @@ reward, not `signals`' learned reward, so it measures the estimator, not the rew
 
     python bench/ope_calibration.py [--populations tuning|reporting|all|name,...] [--logged 1200]
         [--eval-contexts 120] [--repeats 3] [--seed 0] [--out bench/results]
+    python bench/ope_calibration.py --rows bench/results/ope_calibration.json   # re-report, no re-run
 """
 
 from __future__ import annotations
