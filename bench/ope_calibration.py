@@ -13,10 +13,11 @@ logged traffic every estimate is made from. Candidates, so that harmed and impro
 For each candidate: the ground truth (`simulator.closed_loop.evaluate_policy`: expected reward per
 request on fixed held-out contexts, fixed seeds, the champion on the same seeds), and the offline
 estimates of d = candidate - champion from the fresh traffic: SNIPS, DR as the gate makes it
-(`deploy_gate.offline.offpolicy`: clipped sequence ratios, the logged-data reward model, its
-direct-method term on every logged prompt, paired), and the variants it was chosen among (the
-earlier DR: unclipped ratios, a reward model on emptiness and length only, 128 unpaired DM prompts;
-per-token ratios; the DM term unpaired; the direct method alone). Printed: Pearson r and a calibration fit
+(`deploy_gate.offline.offpolicy`: per-token ratios, the logged-data reward model, its
+direct-method term on every logged prompt, paired), and the variants it was chosen among on the
+tuning populations (the earlier DR: unclipped sequence ratios, a reward model on emptiness and
+length only, 128 unpaired DM prompts; sequence ratios clipped at 20; the DM term unpaired; the
+direct method alone). Printed: Pearson r and a calibration fit
 (truth = a + b * estimate) per estimator, over all candidates and per population set (tuning /
 reporting, `simulator.populations`), the offline gate's verdict against the ground truth as a
 confusion matrix (ground truth 5% or more worse than the champion's reward must not pass), and a
@@ -65,7 +66,7 @@ from trainer.loop import score_samples, train_policy
 from trainer.scoring import scorer_for
 
 MAX_TOKENS = 16
-GATE = "DR (gate: clipped sequence ratios, logged-data reward model, paired DM)"
+GATE = "DR (gate: per-token ratios, logged-data reward model, paired DM)"
 EARLIER_DM_PROMPTS = 128
 BEFORE = "DR before (unclipped, empty+length reward model, 128 unpaired DM prompts)"
 HARMED_SHARE = 0.05  # a candidate 5% or more below the champion's ground-truth reward must not pass
@@ -159,6 +160,7 @@ def estimates(
     r = np.array([x.reward for x in fresh])
     seq = log_ratios(candidate, records, "sequence")
     tok = log_ratios(candidate, records, "per_token")
+    assert cfg.ope_ratio == "per_token", "the GATE variant below is the per-token one"
     settings = EstimatorSettings(dm_prompts=cfg.ope_dm_prompts, max_tokens=MAX_TOKENS, seed=cfg.seed)
     target = target_records(candidate, records, settings)  # every fresh prompt: paired with the logged term
     logged = [(x.prompt, x.completion, x.finish_reason) for x in records]
@@ -176,14 +178,17 @@ def estimates(
         return ope.estimate(r, log_w, q, qt, bootstrap_samples=cfg.bootstrap_samples, confidence=cfg.confidence,
                             seed=cfg.seed, paired=qt.size == r.size)  # fmt: skip
 
-    gate, before = run(np.minimum(seq, clip), q_new, qt_new), run(seq, q_old, qt_old)
+    gate, before = run(np.minimum(tok, clip), q_new, qt_new), run(seq, q_old, qt_old)
+    sequence = run(np.minimum(seq, clip), q_new, qt_new)
     dm = ope.estimate(r, np.zeros_like(r), np.zeros_like(r), qt_new - q_new, bootstrap_samples=cfg.bootstrap_samples,
                       confidence=cfg.confidence, seed=cfg.seed, paired=True)  # fmt: skip
     variants = {
         GATE: gate.dr_minus_behaviour,
-        "SNIPS (clipped sequence ratios)": _minus(gate.snips, gate.behaviour_mean),
-        "DR, per-token ratios": run(np.minimum(tok, clip), q_new, qt_new).dr_minus_behaviour,
-        "DR, DM on 128 prompts, unpaired": run(np.minimum(seq, clip), q_new, qt_unpaired).dr_minus_behaviour,
+        "SNIPS, per-token ratios": _minus(gate.snips, gate.behaviour_mean),
+        "DR, sequence ratios clipped at 20": sequence.dr_minus_behaviour,
+        "SNIPS, sequence ratios clipped at 20": _minus(sequence.snips, sequence.behaviour_mean),
+        "DR, per-token ratios, DM on 128 prompts unpaired": run(np.minimum(tok, clip), q_new,
+                                                               qt_unpaired).dr_minus_behaviour,
         BEFORE: before.dr_minus_behaviour,
         "SNIPS before (unclipped)": _minus(before.snips, before.behaviour_mean),
         # DM alone: mean over prompts of qhat(candidate's completion) - qhat(logged completion), paired.
@@ -262,7 +267,7 @@ def report(rows: list[Row], args: argparse.Namespace, took: str) -> list[str]:
     out += ["", "| population | set | candidate | truth champion | truth d | gate DR d [95%] | SNIPS d | old DR d "
             "| ESS | verdict |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        g, s, o = r.estimates[GATE], r.estimates["SNIPS (clipped sequence ratios)"], r.estimates[BEFORE]
+        g, s, o = r.estimates[GATE], r.estimates["SNIPS, per-token ratios"], r.estimates[BEFORE]
         out.append(f"| {r.population} | {r.split} | {r.candidate} | {r.truth_champion:.3f} | {r.truth_diff:+.3f} | "
                    f"{g.value:+.3f} [{g.ci[0]:+.3f}, {g.ci[1]:+.3f}] | {s.value:+.3f} | {o.value:+.3f} | {r.ess:.0f} | "
                    f"{r.verdict} |")  # fmt: skip

@@ -42,8 +42,10 @@ class OfflineGateConfig:
             (paired bootstrap interval): failed when d's upper end < -refuse_margin (significantly
             worse than the champion), passed when its lower end >= -margin, otherwise "insufficient
             evidence". Chosen on the tuning populations (`bench/ope_calibration.py`).
-        ope_clip: cap on each importance ratio (inf: none); ope_ratio: "sequence" (the product of the
-            tokens' ratios) or "per_token" (their geometric mean); ope_ridge: the reward model's ridge.
+        ope_clip: cap on each importance ratio (inf: none); ope_ratio: "per_token" (the geometric mean
+            of a completion's token ratios: biased, far less variance; it predicted the ground truth
+            best on the tuning populations, r 0.91 against 0.85 for clipped sequence ratios) or
+            "sequence" (their product); ope_ridge: the reward model's ridge.
         ope_dm_prompts: logged prompts the candidate completes for the direct-method term of DR (newest
             first); covering all of them (the default, = ope_max_samples) pairs that term per prompt.
         bootstrap_samples, confidence: the seeded percentile bootstrap of both estimates.
@@ -78,7 +80,7 @@ class OfflineGateConfig:
     ope_margin: float = 0.0
     ope_refuse_margin: float = 0.0
     ope_clip: float = 20.0
-    ope_ratio: Literal["sequence", "per_token"] = "sequence"
+    ope_ratio: Literal["sequence", "per_token"] = "per_token"
     ope_ridge: float = 1.0
     ope_dm_prompts: int = 2000
     bootstrap_samples: int = 500
