@@ -114,6 +114,7 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
                         max_rounds=args.max_rounds, max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
         trainer = TrainerConfig(learning_rate=args.lr, batch_size=16, epochs=args.epochs, baseline=args.baseline,
                                 max_samples=args.max_samples, time_budget_s=args.time_budget,
+                                ope_holdout_share=args.ope_holdout,
                                 abstain_coef=args.abstain_coef,
                                 seed=args.seed)  # fmt: skip
         loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer,
@@ -184,6 +185,8 @@ def main() -> None:
                     help="samples a cycle trains on at most, a seeded uniform (reservoir) sample of the eligible ones,"
                     " the rest reported: bounds the step a cycle takes, so the offline gates' perplexity and KL"
                     " bounds hold while data accumulates (0: all)")
+    ap.add_argument("--ope-holdout", type=float, default=0.2,
+                    help="share of traffic held out of training for the offline gate's estimate (flywheel/holdout.py)")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds a cycle's training may take; the samples it did not reach are reported (0: none)")
     ap.add_argument("--baseline", type=float, default=0.0, help="PG baseline: 0 = the value of not suggesting")

@@ -102,7 +102,10 @@ class Running:
 # budget (cycles start every two minutes); past it, it stops and reports how many samples it did not reach
 # (visited in a seeded random order, so the trained ones are a uniform sample), never "the newest N".
 # `flywheel up --trainer-config FILE` replaces it (TrainerConfig fields as JSON, trainer/config.py).
-DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline": 0.0, "time_budget_s": 90}
+# A fifth of the traffic is held out of training so the offline gate estimates each candidate on traffic it
+# never saw (flywheel/holdout.py).
+DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline": 0.0, "time_budget_s": 90,
+                       "ope_holdout_share": 0.2}
 
 
 def start_components(

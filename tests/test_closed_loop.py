@@ -11,7 +11,7 @@ import random
 import threading
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -107,16 +107,20 @@ def test_the_offline_estimates_sign_agrees_with_the_ground_truth_for_a_better_an
 ) -> None:
     """On the loop's own logged, rewarded traffic (serving, collector, ingest, signals all real), the offline
     gate's estimate of candidate - champion has the sign of the simulator's ground truth: for a candidate
-    trained on the users' rewards (better) and one trained on them negated (worse)."""
+    trained on the users' rewards (better) and one trained on them negated (worse), judged on the traffic their
+    trainer held out."""
     pop = LengthPopulation()
     lp = loop(settings, tiny_model_dir, [pop], requests=96, lr=1e-2, eval_contexts=80, eval_repeats=4)
+    # A third of the traffic held out of training (`flywheel.holdout`): the gate estimates on what neither saw.
+    trainer = replace(lp.trainer, ope_holdout_share=0.3)
     with lp.running():
-        lp.warm_up()
-        lp.warm_up()  # two rounds of the base model's traffic: the champion's logged data
-        better = run_cycle(lp.settings, lp.trainer, progress=False).version
+        for _ in range(3):  # three rounds of the base model's traffic: the champion's logged data
+            lp.warm_up()
+        better = run_cycle(lp.settings, trainer, progress=False).version
         assert better is not None
-        worse_dir = train_inverted(lp.settings, lp.trainer, lp.base, tmp_path / "worse")
-        worse = lp.registry.register(worse_dir, ModelLineage(base=str(tiny_model_dir), parent_version=lp.base))
+        worse_dir = train_inverted(lp.settings, trainer, lp.base, tmp_path / "worse")
+        worse = lp.registry.register(worse_dir, ModelLineage(base=str(tiny_model_dir), parent_version=lp.base,
+                                                             trainer_config=trainer.to_dict()))  # fmt: skip
         offline = lp.gate.offline
         assert offline is not None
         found = {}

@@ -63,6 +63,9 @@ class TrainerConfig:
             When more are eligible, a seeded uniform sample of them is kept (reservoir sampling:
             every eligible sample equally likely, old or new) and the cycle reports how many were
             left out and by that rule (`left_out_*` metrics, the log, a skip's reason).
+        ope_holdout_share: share of eligible generations (by a hash of their id, `flywheel.holdout`) left
+            out of training, and reported, so the offline gate estimates the candidate on champion
+            traffic it never saw (0 = none: the gate then says its estimate is in-sample).
         time_budget_s: wall-clock seconds training may take (0 = no budget). Samples are visited in
             a seeded random order, so a cycle that runs out stops after the step past the budget
             having trained on a uniform sample, and reports the samples it did not reach.
@@ -107,6 +110,7 @@ class TrainerConfig:
     min_samples: int | None = None
     max_samples: int = 0
     time_budget_s: float = 0.0
+    ope_holdout_share: float = 0.0
     replay_fraction: float = 0.0
     require_consent: bool = True
     consent_property: str = "training_consent"
@@ -163,6 +167,8 @@ class TrainerConfig:
             )
         if self.max_samples < 0:
             errors.append(f"max_samples={self.max_samples}: must be >= 0 (0 = all)")
+        if not 0.0 <= self.ope_holdout_share < 1.0:
+            errors.append(f"ope_holdout_share={self.ope_holdout_share}: must be in [0, 1) (0 = hold nothing out)")
         if self.time_budget_s < 0:
             errors.append(f"time_budget_s={self.time_budget_s}: must be >= 0 seconds (0 = no budget)")
         if not 0.0 <= self.replay_fraction <= 1.0:

@@ -37,6 +37,7 @@ from typing import cast
 import polars as pl
 
 from flywheel.contract import DataWindow, GenerationRecord
+from flywheel.holdout import in_holdout
 from flywheel.lake.tables import EVENTS, REWARDS, generation_events
 from flywheel.reward_versions import describe as describe_versions
 from flywheel.reward_versions import versions_to_read
@@ -161,6 +162,12 @@ def load_selection(
                            selection.dropped, None if trusted else encode_text)  # fmt: skip
         if sample is not None:
             samples.append(sample)
+    if config.ope_holdout_share:
+        kept = [s for s in samples if not in_holdout(s.generation_id, config.ope_holdout_share)]
+        if len(kept) < len(samples):
+            why = f"held out for the offline gate's estimate (share {config.ope_holdout_share:g} by generation-id hash)"
+            selection.dropped[why] += len(samples) - len(kept)
+        samples = kept
     if config.max_samples and len(samples) > config.max_samples:
         # Uniform over the window, not the newest N: every user and every hour of it keeps its share.
         selection.dropped[over_cap_reason(config)] += len(samples) - config.max_samples

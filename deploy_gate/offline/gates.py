@@ -74,13 +74,18 @@ def run_gates(
     texts: list[str],
     traffic: LoggedTraffic,
     config: OfflineGateConfig,
+    *,
+    in_sample: bool = False,
 ) -> list[OfflineGateResult]:
-    """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`."""
+    """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`.
+
+    `in_sample`: the candidate was trained on `traffic` (its trainer held none out), so the off-policy
+    estimate is optimistic: it may still refuse, never pass."""
     threads = config.num_threads
     if threads is None and sum(p.numel() for p in champion.model.parameters()) < config.small_model_params:
         threads = 1
     with _threads(threads):
-        return _run_gates(candidate_dir, champion, prompts, texts, traffic, config)
+        return _run_gates(candidate_dir, champion, prompts, texts, traffic, config, in_sample)
 
 
 def _run_gates(
@@ -90,6 +95,7 @@ def _run_gates(
     texts: list[str],
     traffic: LoggedTraffic,
     config: OfflineGateConfig,
+    in_sample: bool,
 ) -> list[OfflineGateResult]:
     try:
         candidate = load_policy(candidate_dir)
@@ -114,7 +120,7 @@ def _run_gates(
         results += [OfflineGateResult(n, "failed", None, "-", f"champion: {champ}") for n in VERSUS_CHAMPION]
     else:
         results += _versus_champion(cand, champ, config)
-    results.append(_ope(candidate, traffic, config))
+    results.append(_ope(candidate, traffic, config, in_sample))
     return results
 
 
@@ -203,7 +209,7 @@ def _versus_champion(cand: Sampled, champ: Sampled, config: OfflineGateConfig) -
     return [empty, declined, length]
 
 
-def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -> OfflineGateResult:
+def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, in_sample: bool) -> OfflineGateResult:
     samples = traffic.samples
     name = "ope_satisfaction"
     if len(samples) < max(1, config.ope_min_samples):
@@ -241,6 +247,10 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -
         return OfflineGateResult(name, "failed", diff.value, bound, f"worse than the champion: {detail}")
     if est.ess < config.ope_min_ess:
         why = f"insufficient evidence: ESS below {config.ope_min_ess}; {detail}"
+        return OfflineGateResult(name, "insufficient_evidence", diff.value, bound, why)
+    if in_sample:
+        why = (f"insufficient evidence: in-sample (the candidate trained on this traffic; set the trainer's "
+               f"ope_holdout_share), so the estimate is optimistic; {detail}")  # fmt: skip
         return OfflineGateResult(name, "insufficient_evidence", diff.value, bound, why)
     if diff.ci[0] >= -config.ope_margin:
         return OfflineGateResult(name, "passed", diff.value, bound, detail)
