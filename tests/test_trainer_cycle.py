@@ -17,6 +17,7 @@ import torch
 from mlflow import MlflowClient
 
 from flywheel.contract import DataWindow, Event, GenerationRecord, ModelLineage, RewardRecord
+from flywheel.holdout import in_holdout
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
 from flywheel.signing import sign_generation
@@ -279,6 +280,18 @@ def test_a_cycle_with_more_eligible_data_than_its_budget_reports_what_it_left_ou
     assert result.status == "registered" and result.metrics["steps"] == 1
     assert result.metrics["samples_trained"] == 4 and result.metrics["samples_eligible"] == 40
     assert "36 not reached within time_budget_s=1e-06 (visited in a seeded random order" in result.reason
+
+
+def test_the_off_policy_holdout_is_left_out_of_training_and_said(tsettings: Settings, champion: str) -> None:
+    """Generations in the holdout (`flywheel.holdout`) never reach the trainer, and the cycle says how many."""
+    policy = load_policy(ModelRegistry(tsettings).fetch(champion))
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=40, seed=11, users=USERS)
+    config = TrainerConfig(batch_size=8, min_samples=4, ope_holdout_share=0.5)
+    selection = load_selection(tsettings, config, watermark=None, quarantined=set(),
+                               encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    held = [n for why, n in selection.dropped.items() if why.startswith("held out for the offline gate")]
+    assert held and held[0] + len(selection.samples) == 40 and 0 < held[0] < 40
+    assert not any(in_holdout(s.generation_id, 0.5) for s in selection.samples)
 
 
 def _row(
