@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from flywheel.write_keys import KeyScope, parse_write_keys
+
 # Secrets (every `SecretStr` field) are never empty, and in production at least this long and
 # never their development default. Values are never echoed: errors name the variable only.
 MIN_SECRET_LENGTH = 24
@@ -97,7 +99,8 @@ class Settings(BaseSettings):
     signals_metrics_port: int = Field(default=9102, ge=0, description="Signals worker /metrics and health; 0 = off.")
     write_keys: SecretStr = Field(
         default=SecretStr("dev-write-key"),
-        description="Comma-separated write keys the collector accepts (HTTP basic auth user).",
+        description="Comma-separated write keys the collector accepts (HTTP basic auth user); a key may be "
+        "limited to sources and user-id prefixes: `KEY;source=web;user=acme:` (flywheel/write_keys.py).",
     )
     otlp_write_key_header: str = Field(
         default="x-flywheel-write-key",
@@ -120,6 +123,12 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of the issued-token store (hashes only); empty: SQLite under data_dir. "
         "Give the gate and the trainer the same one (e.g. the PostgreSQL that holds MLflow).",
     )
+    collector_rate_limit: str = Field(
+        default="200/second", description="Requests per client address the collector takes (429 beyond)."
+    )
+    gate_rate_limit: str = Field(
+        default="20/second", description="Requests per client address the gate takes (429 beyond)."
+    )
     auto_approve: bool = Field(
         default=False,
         description="Approve pending candidates without a person (each approval audited as the "
@@ -139,9 +148,30 @@ class Settings(BaseSettings):
         '(e.g. {"chat": 300, "code-completion": 60}); a surface not named here uses reward_window_s.',
     )
     allowed_lateness_s: float = Field(default=5.0, ge=0)
+    # An event's time is a client's claim; arrival is ours. Outside this window around its arrival the collector
+    # dead-letters it with the reason (a far-future time would otherwise close every window early).
+    event_time_ahead_s: float = Field(
+        default=24 * 3600.0, ge=0, description="How far after its arrival an event's time may be (clock skew)."
+    )
+    event_time_behind_s: float = Field(
+        default=5 * 366 * 86400.0,
+        gt=0,
+        description="How far before its arrival an event's time may be (history imported late: five years).",
+    )
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)
     challenger_share: float = Field(default=0.2, gt=0, le=1)
+
+    @field_validator("collector_rate_limit", "gate_rate_limit")
+    @classmethod
+    def _rate(cls, value: str) -> str:
+        from limits import parse
+
+        try:
+            parse(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a rate; write e.g. '200/second' or '1000/minute'") from None
+        return value
 
     @field_validator("reward_windows_s")
     @classmethod
@@ -215,9 +245,19 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_write_key_limits(self) -> Settings:
+        self.write_key_scopes  # noqa: B018 - parsed now, so a malformed limit fails at start, not per request
+        return self
+
     @property
     def write_key_set(self) -> frozenset[str]:
-        return frozenset(_secret_items("write_keys", self.write_keys))
+        return frozenset(self.write_key_scopes)
+
+    @property
+    def write_key_scopes(self) -> dict[str, KeyScope]:
+        """Each write key and what it may speak for (`flywheel.write_keys`)."""
+        return parse_write_keys(_secret_items("write_keys", self.write_keys))
 
     @property
     def lake_dir(self) -> Path:

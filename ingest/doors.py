@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from flywheel.bus import Outgoing
 from flywheel.settings import Settings
 from ingest import metrics
-from ingest.dead_letters import dead_letter
+from ingest.dead_letters import DeadLetter, dead_letter
 from ingest.intake import BodyError, Intake, decode_body
 
 
@@ -32,6 +32,11 @@ class Door:
     write_keys: frozenset[str]
     max_body_bytes: int
     max_event_bytes: int
+    # What the Segment and native doors do too (ingest/collector.py): event times bounded by arrival and
+    # events by what the write key may speak for (`ingest.arrival`), no configured secret in a dead letter
+    # (`ingest.redact`).
+    bound: Callable[[Intake, datetime, str | None], Intake] = lambda intake, _at, _key: intake
+    scrub: Callable[[DeadLetter], DeadLetter] = lambda letter: letter
 
     async def read_body(self, request: Request) -> bytes:
         """The body as sent, at most `max_body_bytes`."""
@@ -54,18 +59,22 @@ class Door:
     async def keep_unreadable(self, exc: BodyError, endpoint: str, body: bytes, received_at: datetime) -> None:
         """A body refused as a whole with a 400 is dead-lettered (`body` already without credentials)."""
         if exc.status == 400:
-            letter = dead_letter(exc.reason, f"http:{endpoint}", body, received_at)
+            letter = self.scrub(dead_letter(exc.reason, f"http:{endpoint}", body, received_at))
             await run_in_threadpool(self.send_all, [letter.outgoing(self.settings.dead_letter_topic)])
             metrics.DEAD_LETTERED.labels("collector").inc()
 
-    async def deliver(self, endpoint: str, intake: Intake, received_at: datetime, ignored: Mapping[str, int]) -> None:
-        """Produce `intake`'s events (keyed by generation id) and its refusals' dead letters; count everything."""
+    async def deliver(
+        self, endpoint: str, intake: Intake, received_at: datetime, ignored: Mapping[str, int], key: str | None = None
+    ) -> None:
+        """Produce `intake`'s events (keyed by generation id) and its refusals' dead letters; count everything.
+        `key`: the write key the request came with (its limits apply)."""
         settings = self.settings
+        intake = self.bound(intake, received_at, key)
         messages = [
             Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in intake.accepted
         ]
         messages += [
-            dead_letter(r.reason, f"http:{endpoint}", r.original, received_at, r.sent_at).outgoing(
+            self.scrub(dead_letter(r.reason, f"http:{endpoint}", r.original, received_at, r.sent_at)).outgoing(
                 settings.dead_letter_topic
             )
             for r in intake.refused

@@ -37,6 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from starlette.concurrency import run_in_threadpool
 
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
 from ingest.doors import Door
@@ -276,13 +277,13 @@ def otlp_router(door: Door) -> APIRouter:
         sent = await door.read_body(request)
         body = sent
         try:
-            body = door.inflate(request, sent)
-            parsed = decode_request(body, media)
+            body = await run_in_threadpool(door.inflate, request, sent)  # off the event loop, as every door
+            parsed = await run_in_threadpool(decode_request, body, media)
         except BodyError as exc:
             await door.keep_unreadable(exc, ENDPOINT, body, received_at)
             raise
-        intake, ignored = traces_intake(parsed, received_at, door.max_event_bytes)
-        await door.deliver(ENDPOINT, intake, received_at, ignored)
+        intake, ignored = await run_in_threadpool(traces_intake, parsed, received_at, door.max_event_bytes)
+        await door.deliver(ENDPOINT, intake, received_at, ignored, key)
         return _answer(media, intake)
 
     return router

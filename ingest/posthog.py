@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
 from ingest.doors import Door
@@ -179,22 +180,25 @@ def posthog_router(door: Door) -> APIRouter:
             )
             raise
         parsed: Body | None = None
+        body_key: str | None = None
         if header_key is None:
             body_key, parsed = body_api_key(body)
             if body_key is None or body_key not in door.write_keys:
                 raise BodyError(401, MISSING_KEY)
         try:
-            parsed = parsed or parse_json(body)
+            if parsed is None:
+                parsed = await run_in_threadpool(parse_json, body)  # off the event loop, as every door
+            doc, lenient = parsed.doc, parsed.lenient
             try:
-                intake, ignored = posthog_intake(
-                    parsed.doc, received_at, max_event_bytes=door.max_event_bytes, lenient=parsed.lenient
+                intake, ignored = await run_in_threadpool(
+                    lambda: posthog_intake(doc, received_at, max_event_bytes=door.max_event_bytes, lenient=lenient)
                 )
             except _ITEM_ERRORS as exc:
                 raise BodyError(400, f"body cannot be read: {type(exc).__name__}: {exc}") from None
         except BodyError as exc:
             await door.keep_unreadable(exc, endpoint, without_key(body, parsed), received_at)
             raise
-        await door.deliver(endpoint, intake, received_at, ignored)
+        await door.deliver(endpoint, intake, received_at, ignored, header_key or body_key)
         # PostHog's own answer is {"status": 1}; the rest says what became of each event.
         return {
             "status": 1,
