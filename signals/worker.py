@@ -59,7 +59,6 @@ from flywheel.bus import (
 )
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, RewardRecord
-from flywheel.lake import TempFileSweeper
 from flywheel.lake.tables import REWARDS
 from flywheel.ops import (
     ProcessHealth,
@@ -309,7 +308,7 @@ class SignalsWorker:
         self.kafka = kafka_dependency(settings)
         self.health = ProcessHealth(
             "signals-worker",
-            [self.kafka, redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_dir)],
+            [self.kafka, redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_root)],
             optional={"mlflow"},  # only the periodic refit needs the registry
         )
         self.stats = WorkerStats()
@@ -414,10 +413,7 @@ class SignalsWorker:
         """Poll and emit until `stop_event` is set, waiting out Kafka, Redis and MLflow outages."""
         log.info("signals worker starting",
                  extra={"topic": self.settings.events_topic, "group": self.group_id})
-        sweeper = TempFileSweeper(REWARDS.at(self.settings.lake_dir))
-
         def step() -> None:
-            sweeper.maybe()
             self.run_once()
             self._maybe_refit()
 
@@ -490,7 +486,7 @@ class SignalsWorker:
                 entry_id, *lines = raw.decode().split("\n")
                 recs = [RewardRecord.model_validate_json(line) for line in lines]
                 produce_rewards(self.producer, self.settings, recs)
-                write_rewards(REWARDS.at(self.settings.lake_dir), recs, f"signals-{entry_id}")
+                write_rewards(REWARDS.at(self.settings.lake_root), recs, f"signals-{entry_id}")
                 self.store.pop_outbox(self.keys, p)
                 first = sum(1 for r in recs if r.revision == 0)
                 self.stats.records += first

@@ -128,7 +128,7 @@ class RolloutController:
 
         settings = self.gate.settings
         health = ProcessHealth(
-            "rollout", [redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_dir)]
+            "rollout", [redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_root)]
         )
 
         def step() -> None:
@@ -181,7 +181,7 @@ class RolloutController:
             rec.note(now, f"resumed at {split.challenger_share:.0%}", by=split.changed_by)
         assert split.challenger_version is not None
         arms = {"champion": split.champion_version, "challenger": split.challenger_version}
-        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.started_at, cache=self._cache)
+        agg = data.load(self.gate.settings.lake_root, arms, since=rec.started_at, cache=self._cache)
         step = self._step(rec)
         assert rec.started_at is not None
         rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now)
@@ -280,7 +280,7 @@ class RolloutController:
             rec.holdout = None
             return
         arms = {"champion": split.champion_version, "holdout": split.holdout_version}
-        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.holdout_since, cache=self._cache)
+        agg = data.load(self.gate.settings.lake_root, arms, since=rec.holdout_since, cache=self._cache)
         users, mean, effect = cumulative_effect(agg.users, self.config)
         rec.holdout = HoldoutView(
             share=split.holdout_share, version=split.holdout_version, users=users, mean=mean, cumulative_effect=effect
