@@ -5,6 +5,7 @@ Real Delta tables (delta-rs) in a temporary folder; the CLI is driven through Ty
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from deltalake.exceptions import CommitFailedError
 from typer.testing import CliRunner
 
 from flywheel.contract import RewardRecord
-from flywheel.lake import legacy
+from flywheel.lake import ForkedLakeError, legacy
 from flywheel.lake.maintenance import compact, migrate, vacuum
 from flywheel.lake.tables import EVENTS, REWARDS, CommitRefused, rewards_frame
 from ingest.dedup import PartitionLedger, app_id
@@ -183,6 +184,26 @@ def test_lake_cli_compacts_vacuums_and_shows_history(settings, tmp_path: Path) -
     shown = runner.invoke(flywheel_cli, ["lake", "history", "events", "--limit", "2"], env=env)
     assert shown.exit_code == 0 and "OPTIMIZE" in shown.output.splitlines()[0], shown.output
     assert offsets_in(location) == [0, 1, 2, 3]
+
+
+def test_a_process_forked_after_the_lake_was_used_is_told_to_spawn(tmp_path: Path) -> None:
+    location = EVENTS.at(tmp_path)
+    EVENTS.write(location, events(range(2)), "x")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what using the lake does, and leave at once
+        try:
+            EVENTS.read(location)
+            os.write(write_end, b"read")
+        except ForkedLakeError as exc:
+            os.write(write_end, str(exc).encode()[:200])
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    told = os.read(read_end, 200).decode()
+    os.waitpid(pid, 0)
+    assert "spawn" in told, told
+    assert offsets_in(location) == [0, 1]  # the parent goes on
 
 
 # ------------------------------------------------------------ migration

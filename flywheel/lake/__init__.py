@@ -19,11 +19,13 @@ A table lives at a URI: a local path (the embedded default, `<data_dir>/lake/<ta
   snapshot, and refuses a version that does not move forward (Delta itself accepts any).
 
 delta-rs panics in a child `fork()`ed after the parent used it: processes that touch the lake are
-started with `spawn` (or as their own programs), never forked.
+started with `spawn` (or as their own programs), never forked. `guard_fork` turns the panic into
+an error that says so.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -40,3 +42,30 @@ def join(root: str | Path, *parts: str) -> str:
     if isinstance(root, Path) or not is_remote(root):
         return str(Path(root).joinpath(*parts).resolve())
     return "/".join([root.rstrip("/"), *parts])
+
+
+class ForkedLakeError(RuntimeError):
+    """The lake used in a process forked after its parent used it (delta-rs would panic)."""
+
+
+_used = False
+_forked_after_use = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or _used
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def guard_fork() -> None:
+    """Called before every use of delta-rs: refuses in a child forked after its parent used the lake."""
+    global _used
+    if _forked_after_use:
+        raise ForkedLakeError(
+            "this process was fork()ed after its parent used the lake, and delta-rs panics then: start it with "
+            "multiprocessing.get_context('spawn') or as its own program"
+        )
+    _used = True

@@ -39,7 +39,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from flywheel.contract import Event, RewardRecord
-from flywheel.lake import join
+from flywheel.lake import guard_fork, join
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class Table:
 
     def open(self, location: str, version: int | None = None) -> DeltaTable | None:
         """The table at `location` (at `version`, default the newest), or None when it does not exist yet."""
+        guard_fork()
         try:
             return DeltaTable(location, version=version)
         except TableNotFoundError:
