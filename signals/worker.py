@@ -26,7 +26,7 @@ Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
 and the lake and is popped. A restarted worker re-reads uncommitted events (their
 ids are already seen, so nothing counts twice) and first flushes any outbox left
-behind. The lake write is idempotent (deterministic file name); a crash between
+behind. The lake write is idempotent (one commit named by the outbox entry); a crash between
 Kafka's acknowledgement and the pop can repeat a Kafka message, which carries a
 `record_id` header for consumers to drop it.
 
