@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +38,10 @@ from typing import TypeVar
 import polars as pl
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.transaction import AddAction, RemoveAction
 
 from flywheel.contract import Event, RewardRecord
-from flywheel.lake import guard_fork, join
+from flywheel.lake import guard_fork, is_remote, join
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +165,33 @@ class Table:
                 raise CommitRefused(f"{self.name}: {app_id} would go from {stored} to {new}, not forward")
         at = int(time.time() * 1000) if expiring else None
         properties = CommitProperties(app_transactions=[Transaction(a, v, at) for a, v in transactions.items()])
-        write_deltalake(snapshot, self.stored(df).to_arrow(), mode="append", commit_properties=properties)
+        if is_remote(snapshot.table_uri):
+            write_deltalake(snapshot, self.stored(df).to_arrow(), mode="append", commit_properties=properties)
+        else:
+            self._append_files(snapshot, df, properties)
         return snapshot.version()
+
+    def _append_files(self, snapshot: DeltaTable, df: pl.DataFrame, properties: CommitProperties) -> None:
+        """On a local disk: the data files written by polars (a third of delta-rs's writer's time here), then one
+        commit of their add actions on `snapshot` (the same conflict check as `write_deltalake`). A file of a
+        commit that fails stays unreferenced; `vacuum(full=True)` deletes it."""
+        root = Path(snapshot.table_uri.removeprefix("file://"))
+        adds: list[AddAction | RemoveAction] = []
+        stored = self.stored(df)
+        for (day, hour), part in sorted(stored.group_by(list(PARTITION_COLUMNS)), key=lambda kv: kv[0]):
+            relative = f"date={day.isoformat()}/hour={hour}/part-00000-{uuid.uuid4()}-c000.zstd.parquet"
+            path = root / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # zstd level 1: on event rows, as small as the default level here and about a fifth faster to write.
+            part.drop(list(PARTITION_COLUMNS)).write_parquet(path, compression="zstd", compression_level=1)
+            adds.append(AddAction(
+                relative, path.stat().st_size, {"date": day.isoformat(), "hour": str(hour)},
+                int(time.time() * 1000), True, json.dumps({"numRecords": part.height}),
+            ))  # fmt: skip
+        snapshot.create_write_transaction(
+            adds, "append", snapshot.schema(), partition_by=list(PARTITION_COLUMNS), commit_properties=properties
+        )
+        snapshot.update_incremental()
 
     def write(
         self, location: str, df: pl.DataFrame, name: str | None = None, *, transaction: tuple[str, int] | None = None
