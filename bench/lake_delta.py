@@ -49,9 +49,11 @@ from launcher.embedded import free_port, start_broker  # noqa: E402
 KEY = ("events", 0)
 
 
-def run_worker(settings: Settings, client: str, n: int, batch: int, sink: str, tag: str) -> tuple[float, float]:
-    """(events/s, microseconds an event in the write stage) of one worker over the whole topic, timed from its
-    first write; `sink` "delta" or "parquet"."""
+def run_worker(
+    settings: Settings, client: str, n: int, batch: int, sink: str, tag: str
+) -> tuple[float, dict[str, float]]:
+    """(events/s, microseconds an event in each stage) of one worker over the whole topic, timed from its first
+    write; `sink` "delta" or "parquet"."""
     s = settings.model_copy(update={"kafka_client": client, "data_dir": settings.data_dir / f"{sink}-{tag}"})
     consumer = make_consumer(s, [s.events_topic], f"{sink}-{client}-{tag}")
     worker = IngestWorker(s, consumer=consumer, batch_size=batch, poll_timeout_s=0.5)
@@ -72,10 +74,10 @@ def run_worker(settings: Settings, client: str, n: int, batch: int, sink: str, t
     while written < n and time.perf_counter() < deadline:
         written += worker.run_once().written
     events_per_s = (written - first) / (time.perf_counter() - started)
-    write_us = (stage_seconds()["write"] - stages["write"]) / (written - first) * 1e6
+    per_event = {k: (v - stages[k]) / (written - first) * 1e6 for k, v in stage_seconds().items()}
     worker.close()
     assert written == n, f"the {sink} pipeline wrote {written} of {n}"
-    return events_per_s, write_us
+    return events_per_s, per_event
 
 
 def pipeline(settings: Settings, clients: list[str], n: int, batch: int, rounds: int) -> None:
@@ -88,7 +90,9 @@ def pipeline(settings: Settings, clients: list[str], n: int, batch: int, rounds:
             (parquet, p_us), (delta, d_us) = runs["parquet"], runs["delta"]
             ratios.append(delta / parquet)
             print(f"{client:>13}: Parquet sink {parquet:>9,.0f} ev/s | Delta sink {delta:>9,.0f} ev/s "
-                  f"| ratio {delta / parquet:.2f} | write stage {p_us:.2f} -> {d_us:.2f} us an event")  # fmt: skip
+                  f"| ratio {delta / parquet:.2f}")  # fmt: skip
+            for name, us in (("Parquet", p_us), ("Delta", d_us)):
+                print(f"{'':>13}  {name} sink, us an event: " + ", ".join(f"{k} {v:.2f}" for k, v in us.items() if v))
         print(f"{client:>13}: median ratio {statistics.median(ratios):.2f} over {rounds} round(s) "
               f"({min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
 

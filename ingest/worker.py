@@ -325,10 +325,8 @@ class IngestWorker:
         ]  # fmt: skip
         # Before the commits: a crash in between re-reads these records and dead-letters them again.
         self._producer.send_all([d.outgoing(self.settings.dead_letter_topic) for _, d in letters])
-        new = [
-            (i, d) for i, d in letters
-            if (batch.offsets[i] > (self._letters.committed.get((batch.topics[i], batch.partitions[i])) or -1))
-        ]  # fmt: skip
+        held = {key: -1 if offset is None else offset for key, offset in self._letters.committed.items()}
+        new = [(i, d) for i, d in letters if batch.offsets[i] > held.get((batch.topics[i], batch.partitions[i]), -1)]
         if new:
             ends: dict[tuple[str, int], int] = {}
             for i, _ in new:
