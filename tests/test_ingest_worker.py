@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -121,6 +122,35 @@ def test_poison_messages_go_to_dead_letters_and_the_worker_keeps_consuming(setti
     assert sorted(table["original"].to_list()) == sorted(poison)
     assert dict(zip(table["original"], table["reason"], strict=True)) == reasons
     producer.close()
+
+
+def test_a_batch_failing_between_its_dead_letter_and_event_commits_is_replayed_once(settings):
+    """The dead letters are committed first: the batch read again from the table's offsets skips them, and its
+    events are written once."""
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    t = settings.events_topic
+    records = [b"{broken", *(event(i).to_bytes() for i in range(4))]
+    producer.send_all([Outgoing(t, raw, key=b"g0") for raw in records])
+    producer.close()
+    worker = IngestWorker(settings, group_id="g-between", poll_timeout_s=0.3, linger_s=0.2)
+    real, failed = worker._events.commit, []
+
+    def crash_once(rows, ends):  # noqa: ANN001, ANN202 - stands in for a process dying between the two commits
+        if not failed:
+            failed.append(True)
+            raise OSError("the lake went away")
+        return real(rows, ends)
+
+    worker._events.commit = crash_once  # type: ignore[method-assign]
+    deadline = time.monotonic() + 30
+    while EVENTS.read(EVENTS.at(settings.lake_root)).height < 4 and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            worker.run_once()
+    worker.close()
+    assert failed
+    assert sorted(EVENTS.read(EVENTS.at(settings.lake_root))["event_id"].to_list()) == [f"e{i}" for i in range(4)]
+    assert DEAD_LETTERS.read(DEAD_LETTERS.at(settings.lake_root))["original"].to_list() == [b"{broken"]
 
 
 def test_duplicates_and_replays_are_written_once(settings):
