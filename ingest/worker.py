@@ -179,7 +179,7 @@ class IngestWorker:
             # Someone else committed for one of our partitions (a stale owner, or us being the stale one): never
             # retried blindly. The table, reloaded, says what is in; reading resumes there.
             log.warning("lake commit refused (%s); reloading the table and seeking to its offsets", exc)
-            self._resume_from_lake()
+            self._resume_from_lake(batch)
             return BatchResult(polled=len(batch))
         except BaseException:
             # Not committed: go back to the table's offsets, so this process retries the batch instead of
@@ -233,7 +233,8 @@ class IngestWorker:
         first = batch.first_offsets() if batch is not None and len(batch) else {}
         try:
             for key in sorted(assigned):
-                target = stored[key] + 1 if stored[key] is not None else first.get(key)  # type: ignore[operator]
+                offset = stored[key]
+                target = offset + 1 if offset is not None else first.get(key)
                 if target is not None:
                     self._consumer.seek(key[0], key[1], target)
         except Exception:  # a partition revoked meanwhile: its new owner seeks to the table's offset
