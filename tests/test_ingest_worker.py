@@ -153,6 +153,43 @@ def test_a_batch_failing_between_its_dead_letter_and_event_commits_is_replayed_o
     assert DEAD_LETTERS.read(DEAD_LETTERS.at(settings.lake_root))["original"].to_list() == [b"{broken"]
 
 
+def test_two_workers_writing_the_same_partitions_commit_each_offset_once(settings, caplog):
+    """Two workers in different groups both own every partition (as a stale worker still believes it does):
+    each checks the table's offsets on the snapshot it commits with, so every record lands once, and the
+    loser of each race reloads the table and goes on from its offsets."""
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    sent = [event(i) for i in range(400)]
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in sent])
+    producer.close()
+    workers = [IngestWorker(settings, group_id=f"g-twin-{n}", batch_size=20, poll_timeout_s=0.2, linger_s=0.05)
+               for n in range(2)]  # fmt: skip
+    done = threading.Event()
+
+    def run(worker: IngestWorker) -> None:
+        while not done.is_set():
+            worker.run_once()
+
+    caplog.set_level(logging.WARNING, logger="ingest.worker")
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while EVENTS.read(EVENTS.at(settings.lake_root)).height < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # anything written twice would land now
+    done.set()
+    for t in threads:
+        t.join(timeout=30)
+    for w in workers:
+        w.close()
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
+    assert sorted(lake["event_id"].to_list()) == sorted(e.event_id for e in sent)
+    positions = lake.select("kafka_partition", "kafka_offset")
+    assert positions.n_unique() == positions.height == len(sent)
+    assert "lake commit refused" in caplog.text, "the workers never raced"
+
+
 def test_duplicates_and_replays_are_written_once(settings):
     ensure_topics(settings)
     producer = make_producer(settings)
