@@ -21,6 +21,7 @@ from flywheel.lake.tables import REWARDS
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
 from flywheel.signing import sign_generation
+from launcher.lake import pinned_versions
 from model_registry import ModelRegistry
 from simulator.lake_feedback import consent_events, simulate_feedback, write_rewards
 from simulator.telemetry import write_events
@@ -253,6 +254,9 @@ def test_learning_accumulates_from_the_parent_champions_window(tsettings: Settin
     rows = REWARDS.read(REWARDS.at(tsettings.lake_root), window.lake_versions["rewards"])
     assert sorted(rows["generation_id"].to_list()) == sorted(s.generation_id for s in again.samples)
     assert REWARDS.read(REWARDS.at(tsettings.lake_root)).height == 30  # the newest version holds the third's too
+    # The lake's vacuum keeps the versions every registered model trained on.
+    pinned = pinned_versions(tsettings)
+    assert window.lake_versions["rewards"] in pinned["rewards"] and window.lake_versions["events"] in pinned["events"]
 
 
 def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: str) -> None:
