@@ -63,8 +63,12 @@ def _vacuum_all(
         return
     for table in tables:
         keep = pinned.get(table.name, [])
-        gone = vacuum(table, table.at(settings.lake_root), retention_hours=retention_hours,
-                      keep_versions=keep, full=full, dry_run=dry_run)  # fmt: skip
+        try:
+            gone = vacuum(table, table.at(settings.lake_root), retention_hours=retention_hours,
+                          keep_versions=keep, full=full, dry_run=dry_run)  # fmt: skip
+        except MigrationError as exc:
+            typer.echo(f"{table.name}: vacuum skipped: {exc}", err=True)
+            continue
         verb = "would delete" if dry_run else "deleted"
         typer.echo(f"{table.name}: {verb} {len(gone)} file(s){' (full)' if full else ''}; kept versions {keep}")
 

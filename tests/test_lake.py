@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from flywheel.contract import RewardRecord
 from flywheel.lake import ForkedLakeError, legacy
-from flywheel.lake.maintenance import compact, migrate, vacuum
+from flywheel.lake.maintenance import MigrationError, compact, migrate, vacuum
 from flywheel.lake.tables import EVENTS, REWARDS, CommitRefused, rewards_frame
 from ingest.dedup import PartitionLedger, app_id
 from ingest.lake_sink import rows_frame
@@ -226,6 +226,8 @@ def test_migrate_turns_a_former_lake_into_delta_tables_with_every_row_once(setti
     rewards = rewards_frame([reward_record("g1", 1.0)])
     legacy.write_partitioned(REWARDS.conform(rewards), Path(REWARDS.at(settings.lake_dir)), "r", "emitted_at")
 
+    with pytest.raises(MigrationError, match="migrate` first"):  # a full vacuum would delete the former files
+        vacuum(EVENTS, EVENTS.at(settings.lake_root), full=True)
     env = settings_env(settings)
     done = CliRunner().invoke(flywheel_cli, ["lake", "migrate"], env=env)
     assert done.exit_code == 0, done.output

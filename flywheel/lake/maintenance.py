@@ -82,6 +82,11 @@ def vacuum(
             f"a vacuum retention of {retention_hours} h could delete files a running reader still reads: "
             f"use at least {MIN_RETENTION_HOURS} h"
         )
+    if full and not is_remote(location) and former_files(Path(location)):
+        raise MigrationError(
+            f"{location} still holds files of the former lake format, which a full vacuum would delete: "
+            "run `flywheel lake migrate` first"
+        )
     delta = table.open(location)
     if delta is None:
         return []
@@ -153,7 +158,7 @@ def migrate(table: Table, source: Path, location: str) -> Migration:
     removed = 0
     same_place = not is_remote(location) and Path(location).resolve() == source.resolve()
     if same_place:  # every former file: visible, replaced by a compaction, or a killed writer's temporary one
-        former = [f for f in source.rglob("*.parquet") if not _is_delta_file(f)]
+        former = former_files(source)
         for f in [*former, *source.rglob(legacy.MANIFEST_GLOB), *source.rglob(".*.tmp")]:
             f.unlink(missing_ok=True)
         removed = len(former)
@@ -164,6 +169,11 @@ def migrate(table: Table, source: Path, location: str) -> Migration:
 
 class MigrationError(RuntimeError):
     """The Delta table does not hold every migrated row exactly once: the former files are kept."""
+
+
+def former_files(folder: Path) -> list[Path]:
+    """The former format's data files under `folder` (any Parquet file delta-rs or this lake did not name)."""
+    return [f for f in folder.rglob("*.parquet") if not _is_delta_file(f)] if folder.exists() else []
 
 
 def _is_delta_file(path: Path) -> bool:
