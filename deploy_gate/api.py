@@ -3,19 +3,24 @@
 Changes need `Authorization: Bearer <token>` of an identity with the approver role (or the
 bootstrap admin token, `FLYWHEEL_APPROVAL_TOKEN`); the audit log records that identity's name
 and role, never a name the client typed. Every change says why, and `?dry_run=true` answers
-the plan without applying it (plan-then-apply over HTTP). Every attempt, refused ones
-included (no token, a viewer's, a revoked one, a version that is not pending), is in the
-audit log (`GET /api/audit`) before the caller gets its answer.
+the plan without applying it (plan-then-apply over HTTP). Every attempt by a known identity,
+refused ones included (a viewer's, a revoked token's, a version that is not pending), is in the
+audit log (`GET /api/audit`) before the caller gets its answer. An attempt without a token, or with
+one nobody was given, is not an action of anyone: it is counted
+(`flywheel_gate_unauthenticated_total{action}`) and logged at most once per 10 s, never written to
+the durable audit, so nobody can fill it (or push real entries off the dashboard) anonymously.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from deploy_gate.audit import AuditEntry, AuditLog, AuditPage
@@ -25,9 +30,23 @@ from deploy_gate.metrics import ArmMetrics, arm_metrics
 from deploy_gate.plan import Plan
 from deploy_gate.views import VersionView
 from flywheel.contract import TrafficSplit, utcnow
-from flywheel.identity import Authenticator, Role
+from flywheel.identity import Authenticator, Identity, NotAuthenticated, Role
+from flywheel.ops.rate_limit import ThrottledLog
 from flywheel.settings import Settings
 from model_registry import UnknownVersion
+
+log = logging.getLogger(__name__)
+UNAUTHENTICATED = Counter(
+    "flywheel_gate_unauthenticated_total", "Release attempts without a known token (not audited)", ["action"]
+)
+_unauthenticated_log = ThrottledLog(log, every_s=10.0)
+
+
+def unauthenticated(action: str, who: str, request: Request) -> None:
+    UNAUTHENTICATED.labels(action).inc()
+    client = request.client.host if request.client else "unknown"
+    _unauthenticated_log.warning("unauthenticated release attempt refused", action=action, who=who, client=client)
+
 
 BUCKET = re.compile(r"^[1-9][0-9]{0,3}(m|h|d)$")
 
@@ -198,11 +217,20 @@ def act(
     audit = get_audit(request)
     auth: Authenticator = request.app.state.authenticator
     target = f"version {version}" if version else f"experiment {gate.experiment}"
-    # Who is unknown until the token is checked; a refusal then names the claimant instead.
-    who, role = auth.claimant(authorization)
+    try:
+        found = auth.identify(authorization)
+        known: Identity | None = found
+        who, role = found.name, str(found.role)
+    except NotAuthenticated:
+        # No token, or one nobody was ever given: noise anyone can make, counted and logged (throttled), never
+        # written to the durable audit. A revoked token names its former holder: that attempt is audited.
+        who, role = auth.claimant(authorization)
+        if role != "revoked":
+            unauthenticated(action, who, request)
+            raise
+        known = None
     with audit.attempt(action, who=who, role=role, target=target, reason=reason) as attempt:
-        identity = auth.identify(authorization)
-        attempt.who, attempt.role = identity.name, identity.role
+        identity = known or auth.identify(authorization)  # a revoked token: refused here, and recorded
         auth.require(authorization, needs)  # a viewer's refusal is recorded under the viewer's name
         attempt.before = gate.snapshot(version)
         plan = make_plan(gate, identity.name)

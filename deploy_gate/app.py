@@ -30,7 +30,9 @@ from deploy_gate.policy import AutoApprove
 from deploy_gate.rollout.api import router as experiment_router
 from deploy_gate.security import SECURITY_HEADERS, add_security_headers
 from flywheel.identity import Authenticator
+from flywheel.logs import redact_access_log
 from flywheel.ops import ProcessHealth, mlflow_dependency, ops_router, redis_dependency
+from flywheel.ops.rate_limit import add_rate_limit
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ def create_app(
     # One audit log for the app's actions and its gate's (an injected gate brings its own).
     app.state.audit = gate.audit if gate is not None else AuditLog.from_settings(settings)
     add_security_headers(app)
+    add_rate_limit(app, settings.gate_rate_limit, service="gate")
+    redact_access_log()  # a token sent in a query string is refused, and never written by the access log
     app.state.health = health
 
     def answer(err: GateError) -> JSONResponse:

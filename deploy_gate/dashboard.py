@@ -39,11 +39,13 @@ templates = Environment(
 page = APIRouter(tags=["dashboard"])
 
 
-def render_dashboard(*, experiment: str, bucket: str) -> str:
+def render_dashboard(*, experiment: str, bucket: str | None) -> str:
     return templates.get_template("dashboard.html").render(
         title="Flywheel deploy gate",
         experiment=experiment,
-        bucket=bucket,
+        # Unasked, the page follows the experiment's own bucket (`GET /api/experiment`): minutes for a demo.
+        bucket=bucket or "1h",
+        bucket_asked=bucket is not None,
         refresh_ms=REFRESH_MS,
         api_links=API_LINKS,
         # Relative, so the page also works behind a proxy that mounts the gate under a prefix.
@@ -52,7 +54,8 @@ def render_dashboard(*, experiment: str, bucket: str) -> str:
 
 
 @page.get("/", response_class=HTMLResponse)
-def dashboard(request: Request, gate: Gate, bucket: str = "1h") -> HTMLResponse:
-    check_bucket(bucket)
+def dashboard(request: Request, gate: Gate, bucket: str | None = None) -> HTMLResponse:
+    if bucket is not None:
+        check_bucket(bucket)
     experiment = gate.experiment if gate is not None else "default"
     return HTMLResponse(render_dashboard(experiment=experiment, bucket=bucket))

@@ -23,7 +23,16 @@ from pydantic import (
     model_validator,
 )
 
-from flywheel.event_properties import FEEDBACK_PROPERTIES, properties_json_schema, property_problems
+from flywheel.event_properties import (
+    ARMS,
+    FEEDBACK_PROPERTIES,
+    FINISH_REASON_ALIASES,
+    FINISH_REASONS,
+    generation_properties,
+    normalised,
+    properties_json_schema,
+    property_problems,
+)
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
@@ -102,10 +111,16 @@ class Event(BaseModel):
         check_properties(v)
         # `type` is validated first (declared first); absent when it failed, and that is the reason given.
         event_type = info.data.get("type")
-        if event_type is not None:
+        if event_type == EventType.GENERATION:
+            # Other APIs' values mapped onto the record's; what is stored is the mapped form.
+            v, problems = generation_properties(v, _GENERATION_NAMES, _GENERATION_NULLABLE)
+        elif event_type is not None:
             problems = property_problems(event_type.value, v)
-            if problems:
-                raise ValueError("; ".join(problems))
+            v = normalised(event_type.value, v) or v if not problems else v
+        else:
+            problems = []
+        if problems:
+            raise ValueError("; ".join(problems))
         return v
 
     @model_validator(mode="after")
@@ -203,9 +218,13 @@ class GenerationRecord(BaseModel):
 
     The token fields come together or not at all: ids without their log-probs (or the reverse) say
     nothing the trainer could use and are refused rather than half-kept.
+
+    Names it does not declare are kept (a product's `language`, `request_id`) and read by nobody; a
+    misspelling of a declared one is refused by `Event` (flywheel.event_properties.generation_properties,
+    which also maps a product's arm name to `product_arm` and other APIs' finish reasons onto ours).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     prompt: str
     prompt_token_ids: list[int] | None = Field(default=None, description="Prompt tokens; absent: text only.")
@@ -219,7 +238,11 @@ class GenerationRecord(BaseModel):
     )
     model_version: str = Field(description="The model (and version) that wrote the completion.")
     experiment: str = ""
-    arm: Literal["champion", "challenger", "holdout"] = "champion"
+    arm: Literal["champion", "challenger", "holdout"] = Field(
+        default="champion",
+        description="The arm of Flywheel's traffic split; any other name is the product's own, kept in product_arm.",
+    )
+    product_arm: str = Field(default="", max_length=128, description="The product's own experiment arm, as sent.")
     surface: str = Field(
         default="",
         pattern=r"^$|^[a-z0-9][a-z0-9._-]{0,63}$",
@@ -227,7 +250,15 @@ class GenerationRecord(BaseModel):
         "empty: code-completion (flywheel.reward_versions).",
     )
     latency_ms: float = 0.0
-    finish_reason: Literal["stop", "length", "declined"] = "stop"
+    finish_reason: Literal["stop", "length", "declined"] = Field(
+        default="stop",
+        description="stop: the model ended its turn; length: it ran out of tokens; declined: no completion was"
+        " given (the policy chose to suggest nothing, or a provider withheld it). Other APIs' names are mapped:"
+        " " + ", ".join(f"{k} -> {v}" for k, v in sorted(FINISH_REASON_ALIASES.items()) if k != v) + ".",
+    )
+    provider_finish_reason: str = Field(
+        default="", max_length=64, description="The finish reason as sent, when it was another API's name."
+    )
     temperature: float = 1.0
     signature: str = Field(
         default="",
@@ -253,6 +284,11 @@ class GenerationRecord(BaseModel):
         """No token ids or log-probs: usable for training only as text (see the class doc)."""
         return self.completion_token_ids is None
 
+
+_GENERATION_NAMES = tuple(GenerationRecord.model_fields)
+_GENERATION_NULLABLE = frozenset(("prompt_token_ids", "completion_token_ids", "behaviour_logprobs"))
+assert set(ARMS) == set(GenerationRecord.model_fields["arm"].annotation.__args__)  # type: ignore[union-attr]
+assert set(FINISH_REASONS) == set(GenerationRecord.model_fields["finish_reason"].annotation.__args__)  # type: ignore[union-attr]
 
 LabelSource = Literal["explicit", "implicit", "default"]
 

@@ -8,6 +8,7 @@ the code base and in the client libraries) and structlog's own loggers through s
   values are escaped by the JSON encoder, never pasted into a format string;
 - `extra={...}` fields of a stdlib call become fields of the line (pass user input that way);
 - a traceback is the `exception` field, not extra lines;
+- an access log line keeps the names of its query parameters, never their values (`redact_access_log`);
 - a client library repeating itself (kafka-python logs every failed reconnect, several a second while a
   broker is down) writes a line once per `REPEAT_WINDOW_S` per message: the outage itself is reported
   once by the process's dependency state (`flywheel.ops`). `--verbose` lets everything through.
@@ -68,6 +69,32 @@ class LibraryRepeatFilter(logging.Filter):
         return True
 
 
+class QueryStringRedactor(logging.Filter):
+    """Keeps the names of an access log line's query parameters and drops their values: a client may put a
+    token or a write key there, and the access log must not keep it (uvicorn's access record carries the
+    path with its query as its third argument; any other record passes unchanged)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, _, query = args[2].partition("?")
+            names = [part.partition("=")[0] for part in query.split("&")]
+            redacted = "&".join(f"{n}={REDACTED_VALUE}" for n in names)
+            record.args = (*args[:2], f"{path}?{redacted}", *args[3:])
+        return True
+
+
+REDACTED_VALUE = "[redacted]"
+
+
+def redact_access_log() -> None:
+    """Install `QueryStringRedactor` on uvicorn's access logger (once). On the logger itself, not a handler:
+    it then holds whoever configures the handlers (uvicorn's own config under `--workers N`, or ours)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QueryStringRedactor) for f in access.filters):
+        access.addFilter(QueryStringRedactor())
+
+
 class _FlywheelHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Marks the handler this module installed, so configuring again replaces it instead of doubling lines."""
 
@@ -119,6 +146,7 @@ def configure_logging(verbose: bool = False, *, stream: TextIO | None = None) ->
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+    redact_access_log()
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from flywheel.write_keys import KeyScope, parse_write_keys
+
 # Secrets (every `SecretStr` field) are never empty, and in production at least this long and
 # never their development default. Values are never echoed: errors name the variable only.
 MIN_SECRET_LENGTH = 24
@@ -55,6 +57,13 @@ class Settings(BaseSettings):
     events_topic: str = "flywheel.events"
     rewards_topic: str = "flywheel.rewards"
     dead_letter_topic: str = "flywheel.dead-letter"
+    # A cluster that enforces ACLs (Strimzi's KafkaUsers) knows each process by its SASL user.
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = "SCRAM-SHA-512"
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: SecretStr | None = Field(
+        default=None, description="The SASL user's password; needed (with the username) when the protocol is SASL_*."
+    )
 
     # Redis
     redis_url: str = Field(
@@ -97,7 +106,14 @@ class Settings(BaseSettings):
     signals_metrics_port: int = Field(default=9102, ge=0, description="Signals worker /metrics and health; 0 = off.")
     write_keys: SecretStr = Field(
         default=SecretStr("dev-write-key"),
-        description="Comma-separated write keys the collector accepts (HTTP basic auth user).",
+        description="Comma-separated write keys the collector accepts (HTTP basic auth user); a key may be "
+        "limited to sources and user-id prefixes: `KEY;source=web;user=acme:` (flywheel/write_keys.py).",
+    )
+    otlp_write_key_header: str = Field(
+        default="x-flywheel-write-key",
+        pattern=r"^[A-Za-z0-9-]{1,64}$",
+        description="Header in which the collector's OTLP door also reads the write key (besides Authorization: "
+        "Bearer or Basic); an HTTP header name of letters, digits and dashes.",
     )
     serving_key: SecretStr = Field(
         default=SecretStr("dev-serving-key"),
@@ -113,6 +129,12 @@ class Settings(BaseSettings):
         default="",
         description="SQLAlchemy URL of the issued-token store (hashes only); empty: SQLite under data_dir. "
         "Give the gate and the trainer the same one (e.g. the PostgreSQL that holds MLflow).",
+    )
+    collector_rate_limit: str = Field(
+        default="200/second", description="Requests per client address the collector takes (429 beyond)."
+    )
+    gate_rate_limit: str = Field(
+        default="20/second", description="Requests per client address the gate takes (429 beyond)."
     )
     auto_approve: bool = Field(
         default=False,
@@ -133,9 +155,30 @@ class Settings(BaseSettings):
         '(e.g. {"chat": 300, "code-completion": 60}); a surface not named here uses reward_window_s.',
     )
     allowed_lateness_s: float = Field(default=5.0, ge=0)
+    # An event's time is a client's claim; arrival is ours. Outside this window around its arrival the collector
+    # dead-letters it with the reason (a far-future time would otherwise close every window early).
+    event_time_ahead_s: float = Field(
+        default=24 * 3600.0, ge=0, description="How far after its arrival an event's time may be (clock skew)."
+    )
+    event_time_behind_s: float = Field(
+        default=5 * 366 * 86400.0,
+        gt=0,
+        description="How far before its arrival an event's time may be (history imported late: five years).",
+    )
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)
     challenger_share: float = Field(default=0.2, gt=0, le=1)
+
+    @field_validator("collector_rate_limit", "gate_rate_limit")
+    @classmethod
+    def _rate(cls, value: str) -> str:
+        from limits import parse
+
+        try:
+            parse(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a rate; write e.g. '200/second' or '1000/minute'") from None
+        return value
 
     @field_validator("reward_windows_s")
     @classmethod
@@ -182,6 +225,17 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _kafka_sasl_complete(self) -> Settings:
+        if self.kafka_security_protocol.startswith("SASL_") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password is not None
+        ):
+            raise ValueError(
+                f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs FLYWHEEL_KAFKA_SASL_USERNAME "
+                "and FLYWHEEL_KAFKA_SASL_PASSWORD; set both, or PLAINTEXT for a cluster without authentication"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_secrets(self) -> Settings:
         """Every secret is set; in production none is short or still its development default.
 
@@ -210,9 +264,19 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_write_key_limits(self) -> Settings:
+        self.write_key_scopes  # noqa: B018 - parsed now, so a malformed limit fails at start, not per request
+        return self
+
     @property
     def write_key_set(self) -> frozenset[str]:
-        return frozenset(_secret_items("write_keys", self.write_keys))
+        return frozenset(self.write_key_scopes)
+
+    @property
+    def write_key_scopes(self) -> dict[str, KeyScope]:
+        """Each write key and what it may speak for (`flywheel.write_keys`)."""
+        return parse_write_keys(_secret_items("write_keys", self.write_keys))
 
     @property
     def lake_dir(self) -> Path:

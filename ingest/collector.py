@@ -3,6 +3,9 @@
 - `POST /v1/events`: the native contract, `{"events": [<Event>...]}`.
 - `POST /v1/track`, `POST /v1/batch`: Segment's HTTP Tracking API (what the Segment and
   RudderStack libraries send: gzip bodies, write key as HTTP basic auth user name).
+- `POST /v1/traces`: OTLP/HTTP traces, protobuf or JSON; GenAI generation spans become `generation` events
+  (ingest/otlp.py, ingest/otlp_genai.py).
+- `POST /batch/`, `/capture/`: PostHog's capture API, as posthog-python sends it (ingest/posthog.py).
 - `GET /v1/schema`: the published JSON Schema of the envelope, with each event type's properties under
   `x-event-properties` (flywheel/event_properties.py: names, types, ranges, required or not).
 - `/healthz`, `/readyz`, `/metrics` (`flywheel.ops`: the body every process answers; ready while Kafka answers).
@@ -13,9 +16,13 @@ field); unknown or missing: 401 and nothing is produced. Bodies are capped as se
 inflated (413). Every client error is a 4xx with a reason, never a 500: a body that cannot
 be read is a 400, an item that cannot be an event is refused alone (the rest of its batch
 is taken). Refused items and bodies are answered and also produced to the dead-letter topic
-with their bytes (less any `writeKey`/`authorization` value), the reason and the endpoint.
-Kafka unreachable: 503 with Retry-After. Requests in flight at the same time share one
-send to Kafka (`ingest.group_send`).
+with their bytes (less any credential field at any depth, and any configured write key wherever it
+sits: `ingest.redact`), the reason and the endpoint;
+so is an event whose time is outside the window around its arrival (`ingest.arrival`).
+Parsing and validation run in a worker thread, never on the event loop, so a small request does
+not wait behind a large batch's parse (`bench/collector_latency.py`). Kafka unreachable: 503 with
+Retry-After. A client past `Settings.collector_rate_limit` gets 429 (`flywheel.ops.rate_limit`).
+Requests in flight at the same time share one send to Kafka (`ingest.group_send`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import binascii
 import logging
 import os
 import threading
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -37,10 +45,14 @@ from starlette.concurrency import run_in_threadpool
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer, make_producer
 from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
+from flywheel.logs import redact_access_log
 from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_router
+from flywheel.ops.rate_limit import add_rate_limit
 from flywheel.settings import Settings, get_settings
 from ingest import metrics
+from ingest.arrival import bound_by_arrival
 from ingest.dead_letters import dead_letter
+from ingest.doors import Door
 from ingest.group_send import GroupSender
 from ingest.intake import (
     Body,
@@ -53,6 +65,9 @@ from ingest.intake import (
     parse_json,
     segment_intake,
 )
+from ingest.otlp import otlp_router
+from ingest.posthog import posthog_router
+from ingest.redact import SecretScrubber
 
 log = logging.getLogger(__name__)
 
@@ -61,38 +76,53 @@ MISSING_KEY = "missing or unknown write key (send it as the HTTP basic auth user
 RETRY_AFTER_S = 5
 
 
+# A request of at most this many messages is sent on a producer of its own: a producer's flush waits for
+# everything buffered in it, so on a shared one a one-event request waited for a 4 MB batch's whole send.
+SMALL_SEND = 100
+
+
 class ProducerHolder:
-    """Creates the producer on first use, so a collector started before Kafka still answers (503)."""
+    """Creates the producers on first use, so a collector started before Kafka still answers (503). Two lanes,
+    each a producer and a group sender: small requests and the rest (`SMALL_SEND`); an injected producer
+    serves both."""
 
     def __init__(self, settings: Settings, producer: Producer | None, send_timeout_s: float) -> None:
         self._settings = settings
-        self._producer = producer
+        self._injected = producer
+        self._producers: dict[str, Producer] = {}
         self._lock = threading.Lock()
         self.send_timeout_s = send_timeout_s
-        self._group = GroupSender(lambda messages: self.get().send_all(messages, timeout_s=self.send_timeout_s))
+        self._groups = {lane: GroupSender(self._sender(lane)) for lane in ("bulk", "small")}
 
-    def get(self) -> Producer:
+    def _sender(self, lane: str) -> Callable[[list[Outgoing]], None]:
+        return lambda messages: self.get(lane).send_all(messages, timeout_s=self.send_timeout_s)
+
+    def get(self, lane: str = "bulk") -> Producer:
         with self._lock:
-            if self._producer is None:
+            if self._injected is not None:
+                return self._injected
+            if lane not in self._producers:
                 try:
-                    self._producer = make_producer(
+                    self._producers[lane] = make_producer(
                         self._settings, max_block_ms=int(self.send_timeout_s * 1000)
                     )
                 except Exception as exc:  # kafka-python raises NoBrokersAvailable from the constructor
                     raise BrokerUnavailable(
                         f"cannot connect to Kafka at {self._settings.kafka_bootstrap_servers}: {exc}"
                     ) from exc
-            return self._producer
+            return self._producers[lane]
 
     def send_all(self, messages: list[Outgoing]) -> None:
-        """Returns once Kafka acknowledged `messages`; concurrent requests share one send (`GroupSender`)."""
-        self._group.send_all(messages)
+        """Returns once Kafka acknowledged `messages`; concurrent requests of a lane share one send
+        (`GroupSender`)."""
+        self._groups["small" if len(messages) <= SMALL_SEND else "bulk"].send_all(messages)
 
     def close(self) -> None:
         with self._lock:
-            if self._producer is not None:
-                self._producer.close()
-                self._producer = None
+            for producer in [*self._producers.values(), *([self._injected] if self._injected else [])]:
+                producer.close()
+            self._producers.clear()
+            self._injected = None
 
 
 def write_key_from_header(authorization: str | None) -> str | None:
@@ -116,6 +146,11 @@ def create_app(
 ) -> FastAPI:
     holder = ProducerHolder(settings, producer, send_timeout_s)
     write_keys = settings.write_key_set
+    key_scopes = settings.write_key_scopes
+    # the last step of every dead letter (`ingest.redact`): no configured secret leaves in one
+    scrub = SecretScrubber([*write_keys, settings.serving_key.get_secret_value(),
+                            settings.approval_token.get_secret_value()])  # fmt: skip
+    redact_access_log()
     kafka = kafka_dependency(settings)
     health = ProcessHealth("collector", [kafka])
 
@@ -129,6 +164,7 @@ def create_app(
         await run_in_threadpool(holder.close)
 
     app = FastAPI(title="Flywheel collector", lifespan=lifespan)
+    add_rate_limit(app, settings.collector_rate_limit, service="collector")
     app.state.producer_holder = holder
 
     @app.exception_handler(BodyError)
@@ -160,26 +196,26 @@ def create_app(
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def take(request: Request, endpoint: str, build: Any) -> dict[str, Any]:
-        # Credentials first: nothing of a body is parsed or validated for a sender without a known write key.
-        header_key = write_key_from_header(request.headers.get("authorization"))
-        if header_key is not None and header_key not in write_keys:
-            raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
-        received_at = datetime.now(UTC)
-        body = sent = await read_body(request)
+    def digest(
+        sent: bytes, encoding: str | None, header_key: str | None, build: Any, received_at: datetime, source: str
+    ) -> tuple[Intake, list[Outgoing]]:
+        """Everything CPU-bound of one request: inflate, find a body's key, parse, validate, bound. Run in a
+        worker thread, so a 4 MB batch never holds the event loop (and every small request behind it) for its
+        whole parse; a body refused whole has its dead letter sent from here too."""
+        body = sent
         parsed: Body | None = None
-        source = f"http:{endpoint}"
         try:
             # Inflated at most to the same limit as sent (a gzip bomb is a 413).
-            body = decode_body(sent, request.headers.get("content-encoding"), max_body_bytes)
+            body = decode_body(sent, encoding, max_body_bytes)
         except BodyError as exc:
             if header_key is None:  # no key could be read from it: the sender is unknown
                 raise BodyError(401, MISSING_KEY) from None
             if exc.status == 400:
-                letter = dead_letter(exc.reason, source, body_without_credentials(sent), received_at)
-                await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
+                letter = scrub.letter(dead_letter(exc.reason, source, body_without_credentials(sent), received_at))
+                holder.send_all([letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
+        body_key: str | None = None
         if header_key is None:
             body_key, parsed = body_write_key(body)
             if body_key is None or body_key not in write_keys:
@@ -191,11 +227,15 @@ def create_app(
             except (ValueError, TypeError, OverflowError, RecursionError) as exc:
                 # Items are judged one by one (a bad one is refused alone); this is a body no item reached.
                 raise BodyError(400, f"body cannot be read: {type(exc).__name__}: {exc}") from None
+            intake = bound_by_arrival(intake, received_at, settings.event_time_ahead_s, settings.event_time_behind_s,
+                                      key_scopes.get(header_key or body_key or ""))
         except BodyError as exc:
             if exc.status == 400:
                 # A body we cannot read is still kept (as a dead letter) for the sender to inspect, less its keys.
-                letter = dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
-                await run_in_threadpool(holder.send_all, [letter.outgoing(settings.dead_letter_topic)])
+                letter = scrub.letter(
+                    dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
+                )
+                holder.send_all([letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
         messages = [
@@ -203,9 +243,23 @@ def create_app(
             for e in intake.accepted
         ]
         messages += [
-            dead_letter(r.reason, source, r.original, received_at, r.sent_at).outgoing(settings.dead_letter_topic)
+            scrub.letter(dead_letter(r.reason, source, r.original, received_at, r.sent_at)).outgoing(
+                settings.dead_letter_topic
+            )
             for r in intake.refused
         ]
+        return intake, messages
+
+    async def take(request: Request, endpoint: str, build: Any) -> dict[str, Any]:
+        # Credentials first: nothing of a body is parsed or validated for a sender without a known write key.
+        header_key = write_key_from_header(request.headers.get("authorization"))
+        if header_key is not None and header_key not in write_keys:
+            raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
+        received_at = datetime.now(UTC)
+        sent = await read_body(request)
+        intake, messages = await run_in_threadpool(
+            digest, sent, request.headers.get("content-encoding"), header_key, build, received_at, f"http:{endpoint}"
+        )
         metrics.EVENTS_IN.labels("collector", endpoint).inc(len(intake.accepted) + len(intake.refused))
         if messages:
             await run_in_threadpool(holder.send_all, messages)
@@ -250,6 +304,16 @@ def create_app(
     @app.get("/v1/schema")
     async def schema() -> dict[str, Any]:
         return event_json_schema()
+
+    # The doors for telemetry products already send: OpenTelemetry GenAI traces, PostHog's capture API.
+    door = Door(
+        settings, holder.send_all, write_keys, max_body_bytes, max_event_bytes,
+        bound=lambda intake, at, key: bound_by_arrival(intake, at, settings.event_time_ahead_s,
+                                                       settings.event_time_behind_s, key_scopes.get(key or "")),
+        scrub=scrub.letter,
+    )  # fmt: skip
+    app.include_router(otlp_router(door))
+    app.include_router(posthog_router(door))
 
     app.include_router(ops_router(health, metrics_text))
 

@@ -40,7 +40,9 @@ def serve_one(host: str, port: int, log_level: str, app: str = COLLECTOR_APP) ->
     import uvicorn
 
     sock = listening_socket(host, port)
-    config = uvicorn.Config(app, factory=True, log_level=log_level)
+    # No access log, as with one process (`flywheel ingest collector`): a line per batch drowns the rest, and a
+    # client's query string (where one may put its write key) is not ours to keep.
+    config = uvicorn.Config(app, factory=True, log_level=log_level, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -37,7 +37,7 @@ from flywheel.contract import (
     InvalidEvent,
     check_properties,
 )
-from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, properties_of, property_problems
+from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, normalised, properties_of, property_problems
 from flywheel.lake.tables import EVENTS
 from ingest.compact_json import compact_json_encoder
 from ingest.lake_sink import rows_frame
@@ -250,7 +250,11 @@ def _property_misfits(frame: pl.DataFrame) -> list[int]:
                     checked.append(True)
                 except _UNDECODABLE:
                     decoded.append(None)
-                    checked.append(not property_problems(str(event_type), _PROPERTIES_DECODER.decode(text)))
+                    props = _PROPERTIES_DECODER.decode(text)
+                    # One that is stored otherwise than sent (`normalised`: a text cut, an alias) goes to pydantic too.
+                    checked.append(
+                        not property_problems(str(event_type), props) and normalised(str(event_type), props) is None
+                    )
         rows = group["_i"].to_list()
         for k, props in enumerate(decoded):
             if props is None:

@@ -125,19 +125,37 @@ def body_write_key(body: bytes) -> tuple[str | None, Body | None]:
     return (key if isinstance(key, str) else None), parsed
 
 
-# Where a write key or credentials can sit in a body: never copied into a dead letter.
-_CREDENTIAL_KEYS = frozenset({"writekey", "write_key", "authorization"})
+# Where a write key or credentials can sit in a body: never copied into a dead letter. Names are compared as
+# parsed (JSON escapes decoded), lower-case and without separators: `writeKey`, `write_key`, `Write-Key`, ...
+_CREDENTIAL_KEYS = frozenset({"writekey", "authorization"})
 _CREDENTIAL_TEXT = re.compile(
-    rb'("(?:writeKey|write_key|authorization)"\s*:\s*)"(?:[^"\\]|\\.)*"', re.IGNORECASE
+    rb'("(?:write[_-]?key|authorization)"\s*:\s*)"(?:[^"\\]|\\.)*"', re.IGNORECASE
 )
 REDACTED = "[redacted]"
 
 
+def _is_credential(key: object) -> bool:
+    return isinstance(key, str) and re.sub(r"[^a-z]", "", key.lower()) in _CREDENTIAL_KEYS
+
+
 def without_credentials(item: Any) -> Any:
-    """`item` with its credential fields' values redacted (a JSON object's top level, where Segment puts them)."""
-    if not isinstance(item, dict) or not any(isinstance(k, str) and k.lower() in _CREDENTIAL_KEYS for k in item):
-        return item
-    return {k: REDACTED if isinstance(k, str) and k.lower() in _CREDENTIAL_KEYS else v for k, v in item.items()}
+    """`item` with every credential field's value redacted, at any depth (Segment puts them at the top; a client
+    may nest them in `context` or anywhere else). Returns `item` itself when there is none (no copy); an item
+    nested too deeply to walk is replaced whole (it is refused for its depth anyway)."""
+    try:
+        return _without_credentials(item)
+    except RecursionError:
+        return "<item nested too deeply to keep>"
+
+
+def _without_credentials(item: Any) -> Any:
+    if isinstance(item, dict):
+        out = {k: REDACTED if _is_credential(k) else _without_credentials(v) for k, v in item.items()}
+        return item if all(out[k] is item[k] for k in item) else out
+    if isinstance(item, list):
+        items = [_without_credentials(v) for v in item]
+        return item if all(a is b for a, b in zip(items, item, strict=True)) else items
+    return item
 
 
 def body_without_credentials(body: bytes, parsed: Body | None = None) -> bytes:

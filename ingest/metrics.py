@@ -27,6 +27,11 @@ SKIPPED_IN_LAKE = Counter(
     "flywheel_ingest_redelivered_skipped_total",
     "Kafka records skipped because their offset is already in the lake.",
 )
+IGNORED = Counter(
+    "flywheel_collector_ignored_total",
+    "Items a door took that are not events, by why: OTLP spans that are not generations, PostHog's own `$` events.",
+    ["endpoint", "why"],
+)
 REQUESTS = Counter("flywheel_collector_requests_total", "Collector HTTP requests.", ["endpoint", "status"])
 BROKER_UNAVAILABLE = Counter(
     "flywheel_ingest_broker_unavailable_total",

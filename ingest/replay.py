@@ -20,6 +20,10 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, InvalidEvent, describe_validation_error
 from flywheel.settings import Settings
 from ingest.dead_letters import DeadLetter
+from ingest.otlp import ENDPOINT as OTLP_ENDPOINT
+from ingest.otlp import replay_span
+from ingest.posthog import ENDPOINTS as POSTHOG_ENDPOINTS
+from ingest.posthog import replay_message
 from ingest.segment import track_to_event
 
 
@@ -54,6 +58,10 @@ def revalidate(letter: DeadLetter) -> Event:
             raise InvalidEvent(describe_validation_error(exc)) from None
     if letter.source in ("http:/v1/track", "http:/v1/batch"):
         return track_to_event(doc, received_at=letter.received_at, batch_sent_at=letter.sent_at)
+    if letter.source == f"http:{OTLP_ENDPOINT}":
+        return replay_span(letter.original, letter.received_at)
+    if letter.source.removeprefix("http:") in POSTHOG_ENDPOINTS:
+        return replay_message(doc, letter.received_at, letter.sent_at)
     raise InvalidEvent(f"no way to replay a letter from {letter.source!r}")
 
 

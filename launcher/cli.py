@@ -86,3 +86,19 @@ def up(
 
     run_up(get_settings(), users=users, bootstrap_seconds=bootstrap_seconds, train_interval_s=train_interval,
            auto_approve_candidates=auto_approve, duration_s=duration, trainer_config=trainer_config)
+
+
+@app.command("init")
+def init(
+    bootstrap_seconds: float = typer.Option(
+        120.0, help="CPU seconds to pretrain the embedded model when FLYWHEEL_MODEL_PATH is empty."
+    ),
+) -> None:
+    """Give a new deployment its first champion: register FLYWHEEL_MODEL_PATH (or bootstrap the embedded
+    model) and point the traffic split at it. Does nothing when a champion and its split are there, so a
+    Kubernetes Job may run it on every deploy; serving is ready only once it has."""
+    from flywheel.settings import get_settings
+    from launcher.up import ensure_champion
+
+    version = ensure_champion(get_settings(), bootstrap_seconds=bootstrap_seconds, progress=False)
+    typer.echo(f"champion v{version}")

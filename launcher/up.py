@@ -142,10 +142,12 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
 
 
 # The demo drives a handful of simulated users: a ramp with production minimums (hundreds of users
-# per step) would never move, and no test is significant on eight users. So the demo's ramp is short,
-# the confidence sequence is tuned for small samples (N* = 100) and, at the maximum duration, a
-# challenger no worse than the champion by 0.25 is promoted. These apply unless FLYWHEEL_ROLLOUT_*
-# says otherwise; production keeps the defaults (deploy_gate/rollout/config.py).
+# per step) would never move. So the demo's ramp and maximum duration are short and the confidence
+# sequence is tuned for small samples (N* = 100); the decision rules are production's, evidence floor
+# included (deploy_gate/rollout/rules.py), so a demo whose traffic cannot support a decision says
+# "not enough evidence yet" and rolls the challenger back as inconclusive at the maximum duration
+# instead of promoting on noise (bench/rollout_decisions.py measures this very configuration). These
+# apply unless FLYWHEEL_ROLLOUT_* says otherwise; production keeps the defaults.
 DEMO_ROLLOUT_ENV = {
     "FLYWHEEL_ROLLOUT_RAMP": json.dumps([
         {"share": 0.25, "min_users": 1, "min_seconds": 60},
@@ -153,7 +155,6 @@ DEMO_ROLLOUT_ENV = {
     ]),
     "FLYWHEEL_ROLLOUT_MAX_DURATION_S": "600",
     "FLYWHEEL_ROLLOUT_TUNING_N": "100",
-    "FLYWHEEL_ROLLOUT_NON_INFERIORITY_MARGIN": "0.25",
     "FLYWHEEL_ROLLOUT_INTERVAL_S": "10",
     "FLYWHEEL_ROLLOUT_SRM_MIN_USERS": "50",
 }

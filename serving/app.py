@@ -63,6 +63,9 @@ class ServingMetrics:
                                 registry=self.registry)
         self.log_failures = Counter("flywheel_serving_log_failures", "Generation events Kafka refused",
                                     registry=self.registry)
+        # Refused requests by status and code: the 5xx ones are serving's own errors (an alert reads them).
+        self.errors = Counter("flywheel_serving_errors", "Requests answered with an error", ["status", "code"],
+                              registry=self.registry)
         self.latency = Histogram("flywheel_serving_latency_seconds", "Generation latency", ["arm"],
                                  registry=self.registry)
         self.batch_size = Histogram("flywheel_serving_batch_size", "Requests per shared generation batch",
@@ -117,6 +120,7 @@ def create_app(
 
     @app.exception_handler(ServingError)
     async def _refused(_: Request, exc: ServingError) -> JSONResponse:
+        metrics.errors.labels(str(exc.status_code), exc.code).inc()
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.post("/v1/completions", openapi_extra={"requestBody": request_schema()})

@@ -56,3 +56,17 @@ class SignalsConfig(BaseSettings):
         description="The worker refits the satisfaction model on the labels so far this often; 0: never.",
     )
     mlflow_experiment: str = "flywheel-signals"
+    # Per-generation bounds: one generation's flood of feedback must not grow its state, its revisions or the
+    # time its partition's other generations wait (signals/worker.py, "Bounds").
+    max_feedback_per_generation: int = Field(
+        default=64,
+        ge=1,
+        description="Distinct feedback events kept per generation (a real one has a few dozen at most); "
+        "later ones are dead-lettered and counted as `capped`.",
+    )
+    max_feedback_bytes: int = Field(
+        default=16_384,
+        ge=1024,
+        description="Largest properties JSON of a feedback event kept in a generation's state (every declared "
+        "property fits: texts are at most 8192 characters); a larger one is dead-lettered and counted as `capped`.",
+    )

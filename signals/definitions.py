@@ -5,8 +5,10 @@ written as JSON beside the lake (`<lake>/reward_definitions/<version>.json`) so 
 find a version after Redis is gone. Which version is active for each product surface is the
 lake's pointer file (`flywheel.reward_versions`), the one place the trainer and the deploy gate
 read too: activating a version is the only thing that changes what they read. The built-in rules
-of every surface (`rules-v1` for code completion, `chat-rules-v1`, ...) always exist; a surface
-with no pointer yet uses its built-in rules.
+of every surface (`rules-v1` for code completion, `chat-rules-v1`, and `<surface>-rules-v1` for any
+surface a product names itself) always exist, stored or not; a surface with no pointer yet uses its
+built-in rules, and the worker adds it to the pointer (`adopt`) the first time one of its generations
+comes, so every reader counts its rewards from the first record on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ import redis
 from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
 from flywheel.reward_versions import read_active, surface_of, write_active
 from flywheel.settings import Settings
-from signals.reward import BUILTIN_SURFACES, DEFAULT_DEFINITION, RewardDefinition, builtin_definition
+from signals.reward import (
+    BUILTIN_SURFACES,
+    DEFAULT_DEFINITION,
+    RewardDefinition,
+    builtin_definition,
+    builtin_for_version,
+)
 
 
 class UnknownRewardVersion(KeyError):
@@ -58,6 +66,10 @@ class DefinitionStore:
     def get(self, version: str) -> RewardDefinition:
         if version in self._cache:
             return self._cache[version]
+        builtin = builtin_for_version(version)
+        if builtin is not None:
+            self._cache[version] = builtin
+            return builtin
         raw = self._r.hget(self._hash, version)
         path = self._dir / f"{version}.json"
         if raw is None and path.exists():
@@ -72,7 +84,8 @@ class DefinitionStore:
         stored = {k.decode() for k in cast(list[bytes], self._r.hkeys(self._hash))}
         if self._dir.exists():
             stored |= {p.stem for p in self._dir.glob("*.json") if p.stem != "active"}
-        return sorted(stored | {builtin_definition(s).version for s in BUILTIN_SURFACES})
+        active = self.active_map()  # the built-in surfaces and every surface in the pointer
+        return sorted(stored | set(active.values()) | {builtin_definition(s).version for s in active})
 
     def active_map(self) -> dict[str, str]:
         """`{surface: active version}` for every surface with a pointer or a built-in."""
@@ -85,6 +98,17 @@ class DefinitionStore:
         (rather than falling back to the version written last, which a backfill could change)."""
         if read_active(self._lake) is None:
             write_active(self._lake, self.active_map())
+
+    def adopt(self, surface: str) -> str:
+        """Pin `surface`'s built-in rules in the pointer if it has no active version yet; returns its version.
+        (Read-modify-write of the pointer: two workers adopting two new surfaces at once may lose one write;
+        the loser adopts again at its next generation of that surface, as its re-read shows the gap.)"""
+        surface = surface_of(surface)
+        active = read_active(self._lake) or self.active_map()
+        if surface not in active:
+            active[surface] = builtin_definition(surface).version
+            write_active(self._lake, active)
+        return active[surface]
 
     def active_version(self, surface: str) -> str:
         return self.active_map().get(surface_of(surface)) or builtin_definition(surface).version

@@ -54,6 +54,15 @@ def decode_event(raw: bytes | None, window_us: int) -> Event | None:
     return event
 
 
+def properties_bytes(properties: Mapping[str, Any]) -> int:
+    """The size of `properties` as compact JSON (what a generation's state holds of a feedback event).
+
+    >>> properties_bytes({"text": "hi"})
+    13
+    """
+    return len(json.dumps(properties, separators=(",", ":"), ensure_ascii=False, default=str).encode())
+
+
 @dataclass(frozen=True, slots=True)
 class FeedbackEvent:
     """One feedback event about a generation (any type but `generation`)."""

@@ -10,7 +10,11 @@ event's generation is known or orphaned, the outcomes add up to the events read:
 - `orphan`: feedback for a generation id with no `generation` event by the time any window would
   have closed (`flywheel signals orphans` lists them from the lake);
 - `duplicate`: an event id seen before (or a second generation event for the same id);
-- `invalid`: bytes that are not an event.
+- `invalid`: bytes that are not an event;
+- `dead_lettered`: an event sent to the dead-letter topic with its reason (a generation whose
+  reward definition cannot be found);
+- `capped`: feedback beyond its generation's bounds (`max_feedback_per_generation`,
+  `max_feedback_bytes`), dead-lettered with the reason.
 `flywheel_signals_records_total{kind}` counts records emitted: `first` or `revision` (revised).
 Every series exists from the start (at 0), so a dashboard can tell "none" from "not measured".
 """
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-OUTCOMES = ("generation", "on_time", "late", "out_of_window", "orphan", "duplicate", "invalid")
+OUTCOMES = (
+    "generation", "on_time", "late", "out_of_window", "orphan", "duplicate", "invalid", "dead_lettered", "capped",
+)  # fmt: skip
 
 EVENTS = Counter(
     "flywheel_signals_events_total", "Events read by the signals worker, by outcome", ["outcome"]

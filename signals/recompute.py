@@ -2,15 +2,19 @@
 
 It replays the worker's rules (signals/worker.py) per Kafka partition in offset
 order: the first copy of each event id counts; the live watermark is the running
-maximum of max(ts, received_at) minus the allowed lateness, and the historical one the
+maximum of the arrival clock (`received_at`, at most `now`) minus the allowed lateness, and the historical one the
 running maximum of `ts` over events received more than `backfill_after_s` after their
 time; a generation's window (its definition's `window_s`) closes, by the watermark of
 its generation event's lane, at the first row at or after that event where the
 watermark reaches its end; in-window feedback before that row makes revision 0 and each
 one from that row on makes one more revision. Windows the events never close are closed
 if the wall clock has passed them (as the idle worker does), else left open. A definition
-scores only generations of its own surface. So for the same events and version it
-produces the same records, up to `emitted_at`.
+scores only generations of its own surface; a generation keeps the worker's bounds (its first
+`max_feedback_per_generation` feedback events of at most `max_feedback_bytes` each). It makes one
+revision per late event, numbered by the late events it holds; the worker coalesces the late
+events of one micro-batch into the last of those revisions. So for the same events and version
+every record the stream emits is one of these, up to `emitted_at`, and so is each generation's
+final one.
 
 `backfill` writes one final record per generation instead (every in-window event,
 revision 0): history replayed from the lake is never a default followed by revisions.
@@ -72,6 +76,8 @@ def plan_windows(
     now: datetime,
     surface: str = DEFAULT_SURFACE,
     backfill_after_s: float = 3600.0,
+    max_feedback: int | None = None,
+    max_feedback_bytes: int | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(Generations of `surface` to emit with their window; in-window feedback with late_rank: 0 on
     time, k: k-th late)."""
@@ -83,9 +89,8 @@ def plan_windows(
         .unique(list(EVENTS.key), keep="first", maintain_order=True)
         .with_columns(
             pl.col("ts").dt.epoch("us").alias("ts_us"),
-            pl.max_horizontal(pl.col("ts").dt.epoch("us"), pl.col("received_at").dt.epoch("us")).alias(
-                "clock"
-            ),
+            # the worker's clock: arrival, never past the wall clock (`signals.worker.event_clock_us`)
+            pl.min_horizontal(pl.col("received_at").dt.epoch("us"), pl.lit(to_us(now))).alias("clock"),
         )
         .with_columns(
             ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us)
@@ -153,9 +158,13 @@ def plan_windows(
         .filter(pl.col("close_pos").is_not_null())
         .drop("wm", "first_pos", "lane")
     )
+    feedback = df.filter(pl.col("type") != "generation")
+    if max_feedback_bytes is not None:
+        feedback = feedback.filter(pl.col("properties").fill_null("{}").str.len_bytes() <= max_feedback_bytes)
+    if max_feedback is not None:  # the worker's cap: the first ones of each generation, in arrival order
+        feedback = feedback.filter(pl.int_range(pl.len()).over("generation_id") < max_feedback)
     feedback = (
-        df.filter(pl.col("type") != "generation")
-        .join(
+        feedback.join(
             gens.select("generation_id", "kafka_partition", "window_end", "close_pos"),
             on=["generation_id", "kafka_partition"],
             how="inner",
@@ -198,6 +207,8 @@ def recompute_records(
         now=now,
         surface=definition.surface,
         backfill_after_s=config.backfill_after_s,
+        max_feedback=config.max_feedback_per_generation,
+        max_feedback_bytes=config.max_feedback_bytes,
     )
     on_time: dict[str, list[FeedbackEvent]] = defaultdict(list)
     late: dict[str, list[FeedbackEvent]] = defaultdict(list)

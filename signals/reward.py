@@ -280,4 +280,22 @@ def builtin_definition(surface: str) -> RewardDefinition:
     return RewardDefinition(version=f"{surface}-rules-v1", surface=surface)
 
 
+def builtin_for_version(version: str) -> RewardDefinition | None:
+    """The built-in definition named `version`, whatever its surface (a product may name its own), or None.
+
+    >>> builtin_for_version("docs-rules-v1").surface, builtin_for_version("sat-docs-1")
+    ('docs', None)
+    """
+    if version == DEFAULT_DEFINITION.version:
+        return DEFAULT_DEFINITION
+    surface = version.removesuffix("-rules-v1")
+    if surface == version:
+        return None
+    try:
+        definition = builtin_definition(surface)
+    except ValueError:
+        return None
+    return definition if definition.version == version else None
+
+
 BUILTIN_SURFACES: tuple[str, ...] = (DEFAULT_SURFACE, "chat")

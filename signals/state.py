@@ -41,6 +41,7 @@ class GenState:
     version: str | None = None
     lane: int = 0  # 0: live, 1: historical (its generation event arrived long after its time)
     orphaned: bool = False  # its feedback outlived any window its generation could have had
+    feedback: int = 0  # distinct feedback events taken (capped at `SignalsConfig.max_feedback_per_generation`)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -55,6 +56,7 @@ class GenState:
                 "ver": self.version,
                 "lane": self.lane,
                 "orph": self.orphaned,
+                "nf": self.feedback,
             },
             separators=(",", ":"),
         )
@@ -73,6 +75,7 @@ class GenState:
             version=d["ver"],
             lane=d.get("lane", 0),
             orphaned=d.get("orph", False),
+            feedback=d.get("nf", len(d["ev"])),
         )
 
 
@@ -184,6 +187,15 @@ class StateStore:
                 if raw is not None:
                     states[gid] = GenState.from_json(raw)
         return wms, due, states
+
+    def lower_watermarks(self, keys: Keys, ceiling_us: int) -> list[str]:
+        """Lower every watermark above `ceiling_us` to it (the repair of one moved by an event's own clock);
+        returns the lanes lowered. Run at start, before this worker commits anything."""
+        high = {k.decode(): int(v) for k, v in cast(dict[bytes, bytes], self._r.hgetall(keys.wm)).items()}
+        lowered = sorted(k for k, v in high.items() if v > ceiling_us)
+        if lowered:
+            self._r.hset(keys.wm, mapping={k: str(ceiling_us) for k in lowered})
+        return lowered
 
     def outbox_entries(self, keys: Keys, partition: int) -> list[bytes]:
         # Replies are bytes (no decode_responses); the stubs say bytes | str.

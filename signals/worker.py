@@ -5,9 +5,11 @@ surface's active one when the generation event arrives, pinned in its state) and
 [ts, ts + the definition's window]. A definition never scores another surface.
 
 Event-time windows. Each partition has a live watermark, the largest event clock seen minus
-`allowed_lateness_s`, where an event's clock is max(ts, received_at): the arrival time keeps the
-watermark moving when events carry old timestamps, and it is what lets the batch recompute replay
-the stream exactly from the lake (same partition order, same clocks). A generation whose event
+`allowed_lateness_s`, where an event's clock is its arrival, `received_at` (never later than this
+worker's wall clock): the arrival keeps the watermark moving when events carry old timestamps, a
+client's clock (fast, or forged thousands of years ahead) never moves it, and it is what lets the
+batch recompute replay the stream exactly from the lake (same partition order, same clocks). A
+watermark found beyond the wall clock at start (written before this rule) is lowered to it. A generation whose event
 arrived more than `backfill_after_s` after its time is history being replayed: its window closes
 by the partition's historical watermark instead (the largest `ts` of such events minus the
 lateness), so a replay in time order gives each generation one final record rather than a
@@ -17,10 +19,18 @@ default on arrival and a revision per later event. When the whole stream has bee
 
 Per event, in partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
-window already closed is late: it yields a corrected record, revision + 1, holding everything
-seen so far. Feedback timed after its window's end is ignored. Feedback whose generation has not
+window already closed is late: the batch then yields one corrected record for its generation,
+whose revision is the number of late events it holds (several late events of one batch make one
+revision). Feedback timed after its window's end is ignored. Feedback whose generation has not
 come yet is held; it is orphan once the watermark passes its time plus the longest window.
 Every event's outcome is counted (`signals/metrics.py`) and the unusual ones logged.
+
+Bounds: a generation keeps at most `max_feedback_per_generation` distinct feedback events, in arrival
+order, each with at most `max_feedback_bytes` of properties; the rest are dead-lettered (`capped`). So
+its state is bounded in bytes (about cap x (bytes + 300) plus its generation), a batch costs each of
+its generations one record at most, and a flood for one generation costs its partition's other
+generations at most the batch it arrived in. A generation whose reward definition cannot be found
+is dead-lettered (`dead_lettered`) and the stream goes on.
 
 Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
@@ -59,6 +69,7 @@ from flywheel.bus import (
 )
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, RewardRecord
+from flywheel.dead_letters import DeadLetter, dead_letter
 from flywheel.lake.tables import REWARDS
 from flywheel.ops import (
     ProcessHealth,
@@ -69,12 +80,13 @@ from flywheel.ops import (
     run_loop,
 )
 from flywheel.ops.deps import describe
+from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
 from signals import metrics
 from signals.config import SignalsConfig
-from signals.definitions import DefinitionStore
-from signals.events import FeedbackEvent, GenerationInfo, decode_event, to_us
-from signals.reward import RewardDefinition
+from signals.definitions import DefinitionStore, UnknownRewardVersion
+from signals.events import FeedbackEvent, GenerationInfo, decode_event, properties_bytes, to_us
+from signals.reward import RewardDefinition, builtin_definition
 from signals.sink import produce_rewards, write_rewards
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
 
@@ -98,6 +110,8 @@ class WorkerStats:
     orphans: int = 0
     records: int = 0
     revisions: int = 0
+    dead_lettered: int = 0
+    capped: int = 0
 
     def count(self, outcome: str, n: int = 1) -> None:
         attr = _OUTCOME_ATTR[outcome]
@@ -113,11 +127,14 @@ _OUTCOME_ATTR = {
     "out_of_window": "out_of_window",
     "late": "late_events",
     "orphan": "orphans",
+    "dead_lettered": "dead_lettered",
+    "capped": "capped",
 }
 
 
-def event_clock_us(e: Event) -> int:
-    return max(to_us(e.ts), to_us(e.received_at))
+def event_clock_us(e: Event, now_us: int) -> int:
+    """The clock an event moves its partition's live watermark to: its arrival, bounded by `now_us`."""
+    return min(to_us(e.received_at), now_us)
 
 
 def event_lane(e: Event, backfill_after_us: int) -> int:
@@ -144,6 +161,14 @@ class _Batch:
         self.emitted: dict[int, list[RewardRecord]] = defaultdict(list)
         self.now_us = to_us(_now())
         self.outcomes: Counter[str] = Counter()
+        self.dead: list[DeadLetter] = []
+        self.revise: set[str] = set()
+
+    def refuse(self, reason: str, source: str, original: bytes, outcome: str = "dead_lettered") -> None:
+        """Dead-letter what this worker will not score (sent before the batch commits: none is lost); one log
+        line per batch counts them (`finish`), so a flood of them is not a flood of log lines."""
+        self.dead.append(dead_letter(reason, source, original))
+        self.count(outcome)
 
     def count(self, outcome: str, n: int = 1) -> None:
         if n:
@@ -172,25 +197,34 @@ class _Batch:
             elif st.revision == NOT_EMITTED and st.window_end_us == end:
                 self.emit(gid, st, 0)
 
-    def add(self, p: int, e: Event) -> None:
+    def add(self, p: int, e: Event, origin: Record | None = None) -> None:
         st = self.states.get(e.generation_id)
         if st is None:
             st = self.states[e.generation_id] = GenState(partition=p)
         if e.event_id in st.seen:
             self.count("duplicate")
             return
-        st.seen.add(e.event_id)
-        self.dirty.add(e.generation_id)
         lane = event_lane(e, self.w.backfill_after_us)
-        self.advance(p, 0, event_clock_us(e) - self.w.lateness_us)
+        self.advance(p, 0, event_clock_us(e, self.now_us) - self.w.lateness_us)
         if lane:
             self.advance(p, 1, to_us(e.ts) - self.w.lateness_us)
+        if e.type != EventType.GENERATION and not self._within_bounds(e, st, origin):
+            return
+        st.seen.add(e.event_id)
+        self.dirty.add(e.generation_id)
         if e.type == EventType.GENERATION:
             if st.gen is not None:  # another generation event for the same id: the first one counts
                 self.count("duplicate")
                 return
+            try:
+                definition = self.w.definition_for(GenerationInfo.from_event(e).surface)
+            except UnknownRewardVersion as exc:  # the pointer names a version no store holds: not this event's fault,
+                # but it cannot be scored; the stream goes on, and a replay of the letter scores it once fixed
+                st.seen.discard(e.event_id)
+                self.refuse(f"cannot score generation: {exc}", _source(origin), _original(e, origin))
+                return
             self.count("generation")
-            self._open(p, lane, e.generation_id, st, GenerationInfo.from_event(e))
+            self._open(p, lane, e.generation_id, st, GenerationInfo.from_event(e), definition)
             return
         fe = FeedbackEvent.from_event(e)
         if st.gen is None:  # its generation may still come: hold it, and watch for an orphan
@@ -211,14 +245,32 @@ class _Batch:
             st.late += 1
             self.count("late")
             metrics.LATE_EVENTS.inc()
-            self.emit(e.generation_id, st, st.revision + 1)
+            self.revise.add(e.generation_id)  # one revision per generation per batch, emitted by `finish`
         else:
             self.count("on_time")
 
-    def _open(self, p: int, lane: int, gid: str, st: GenState, gen: GenerationInfo) -> None:
+    def _within_bounds(self, e: Event, st: GenState, origin: Record | None) -> bool:
+        """Whether feedback event `e` may join its generation's state: at most `max_feedback_per_generation`
+        distinct ones (in arrival order, whatever becomes of them), each at most `max_feedback_bytes` of
+        properties. Beyond either it is dead-lettered and counted `capped`."""
+        cfg = self.w.config
+        if st.feedback >= cfg.max_feedback_per_generation:
+            reason = (f"generation {e.generation_id} already has {cfg.max_feedback_per_generation} feedback events "
+                      "(FLYWHEEL_SIGNALS_MAX_FEEDBACK_PER_GENERATION)")
+        elif (size := properties_bytes(e.properties)) > cfg.max_feedback_bytes:
+            reason = (f"feedback properties are {size} bytes; a generation's state keeps at most "
+                      f"{cfg.max_feedback_bytes} (FLYWHEEL_SIGNALS_MAX_FEEDBACK_BYTES)")
+        else:
+            st.feedback += 1
+            return True
+        self.refuse(reason, _source(origin), _original(e, origin), outcome="capped")
+        return False
+
+    def _open(
+        self, p: int, lane: int, gid: str, st: GenState, gen: GenerationInfo, definition: RewardDefinition
+    ) -> None:
         """The generation is known: pin its surface's active definition and window, sort out the
         feedback that came before it, and close the window now if the watermark is already past it."""
-        definition = self.w.definition_for(gen.surface)
         st.gen, st.version, st.lane = gen, definition.version, lane
         st.window_end_us = gen.ts_us + self.w.window_us(definition)
         early, st.events = st.events, [fe for fe in st.events if fe.ts_us <= st.window_end_us]
@@ -235,9 +287,16 @@ class _Batch:
 
     def emit(self, gid: str, st: GenState, revision: int) -> None:
         assert st.gen is not None and st.window_end_us is not None
-        if st.version is None:  # a state written before versions were pinned on arrival
-            st.version = self.w.definition_for(st.gen.surface).version
-        definition = self.w.definitions.get(st.version)
+        try:
+            if st.version is None:  # a state written before versions were pinned on arrival
+                st.version = self.w.definition_for(st.gen.surface).version
+            definition = self.w.definitions.get(st.version)
+        except UnknownRewardVersion as exc:  # its pinned version is gone from every store
+            if revision == 0:
+                self.plan.zrem.append((self.w.keys.open(st.partition, st.lane), gid))
+            original = st.to_json().encode()
+            self.refuse(f"cannot score generation {gid}: {exc}", f"signals:{self.w.settings.events_topic}", original)
+            return
         record = definition.record(
             st.gen, st.events, window_end_us=st.window_end_us, revision=revision, late_events=st.late
         )
@@ -250,6 +309,11 @@ class _Batch:
             metrics.CLOSE_LAG.observe(max(0.0, lag_s))
 
     def finish(self) -> CommitPlan:
+        # Coalesced: a generation's late events of this batch make one revision, numbered by the late events it
+        # holds (so it is the recompute's revision of that number, `signals.recompute`).
+        for gid in sorted(self.revise):
+            st = self.states[gid]
+            self.emit(gid, st, st.late)
         ttl = int(self.w.config.state_ttl_s)
         for gid in sorted(self.dirty):
             self.plan.states.append((self.w.keys.gen(gid), self.states[gid].to_json(), ttl))
@@ -269,7 +333,15 @@ class _Batch:
 
 
 # Outcomes worth a log line (the counters have them all).
-_NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan"})
+_NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan", "dead_lettered", "capped"})
+
+
+def _source(origin: Record | None) -> str:
+    return f"kafka:{origin.topic}/{origin.partition}/{origin.offset}" if origin else "signals"
+
+
+def _original(e: Event, origin: Record | None) -> bytes:
+    return origin.value if origin is not None and origin.value is not None else e.to_bytes()
 
 
 def _now():  # noqa: ANN202 - a seam for reading the clock in one place
@@ -300,6 +372,7 @@ class SignalsWorker:
         self.definitions.ensure_pointer()
         self.keys = Keys(settings.redis_prefix, settings.events_topic)
         self.lateness_us = int(round(settings.allowed_lateness_s * 1e6))
+        self._repaired = False  # watermarks checked against the wall clock (`_repair_watermarks`)
         self.backfill_after_us = int(round(self.config.backfill_after_s * 1e6))
         self.group_id = self.config.group_id or f"flywheel-signals.{settings.events_topic}"
         # Made on first use (`consumer`, `producer`): a worker started while Kafka is down waits for it.
@@ -344,7 +417,15 @@ class SignalsWorker:
     def active_definitions(self) -> dict[str, RewardDefinition]:
         """The active definition of each surface (re-read at most every 5 s)."""
         if self._active is None or time.monotonic() - self._active[0] > 5.0:
-            found = {s: self.definitions.active(s) for s in self.definitions.active_map()}
+            found: dict[str, RewardDefinition] = {}
+            for s in self.definitions.active_map():
+                try:
+                    found[s] = self.definitions.active(s)
+                except UnknownRewardVersion:  # left out: `definition_for` raises, and its generations are dead-lettered
+                    if s not in self._warned:
+                        self._warned.add(s)
+                        log.error("the active reward version of a surface cannot be found; its generations are "
+                                  "dead-lettered until it is activated again", extra={"surface": s})
             self._active = (time.monotonic(), found)
             for surface, d in found.items():
                 window = d.window(self.settings.window_for(d.surface))
@@ -359,10 +440,12 @@ class SignalsWorker:
         return self._active[1]
 
     def definition_for(self, surface: str) -> RewardDefinition:
-        """The active definition of `surface` (its built-in rules if none was ever activated)."""
+        """The active definition of `surface`: its built-in rules if none was ever activated, pinned in the
+        pointer on first sight so every reader counts them. `UnknownRewardVersion` when the pointer names a
+        version that no store holds (the caller dead-letters what it could not score)."""
         active = self.active_definitions()
         if surface not in active:
-            active[surface] = self.definitions.active(surface)
+            active[surface] = self.definitions.get(self.definitions.adopt(surface))
         return active[surface]
 
     def window_us(self, definition: RewardDefinition) -> int:
@@ -370,9 +453,20 @@ class SignalsWorker:
 
     def max_window_us(self) -> int:
         """The longest window of any active definition: feedback whose generation has not come by then is orphan."""
-        return max(self.window_us(d) for d in self.active_definitions().values())
+        return max((self.window_us(d) for d in self.active_definitions().values()),
+                   default=self.window_us(builtin_definition(DEFAULT_SURFACE)))
 
     # ------------------------------------------------------------------ loop
+
+    def _repair_watermarks(self) -> None:
+        """Lower any watermark beyond the wall clock (an event's own time moved it before clocks were arrival):
+        once, before this worker's first batch or idle tick reads them (in the loop, so an outage at start is
+        waited out like any other)."""
+        lowered = self.store.lower_watermarks(self.keys, to_us(_now()) - self.lateness_us)
+        if lowered:
+            log.warning("watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
+                        extra={"lanes": lowered})
+        self._repaired = True
 
     def run_once(self) -> int:
         """Poll once, process, commit; returns the number of records sent out."""
@@ -435,28 +529,33 @@ class SignalsWorker:
     # ------------------------------------------------------------------ steps
 
     def _process(self, records: list[Record]) -> None:
-        by_partition: dict[int, list[Event]] = defaultdict(list)
+        if not self._repaired:
+            self._repair_watermarks()
+        by_partition: dict[int, list[tuple[Event, Record]]] = defaultdict(list)
         longest = self.max_window_us()
         for r in sorted(records, key=lambda r: (r.partition, r.offset)):
             event = decode_event(r.value, longest)
             if event is None:  # ingest dead-letters it; here it simply carries no signal
                 self.stats.count("invalid")
                 continue
-            by_partition[r.partition].append(event)
+            by_partition[r.partition].append((event, r))
         self.stats.events += sum(len(v) for v in by_partition.values())
         bounds: dict[tuple[int, int], int] = {}
+        now_us = to_us(_now())
         for p, evs in by_partition.items():
-            bounds[(p, 0)] = max(event_clock_us(e) for e in evs) - self.lateness_us
-            historical = [to_us(e.ts) for e in evs if event_lane(e, self.backfill_after_us)]
+            bounds[(p, 0)] = max(event_clock_us(e, now_us) for e, _ in evs) - self.lateness_us
+            historical = [to_us(e.ts) for e, _ in evs if event_lane(e, self.backfill_after_us)]
             bounds[(p, 1)] = (max(historical) - self.lateness_us) if historical else -(2**62)
-        gids = {e.generation_id for evs in by_partition.values() for e in evs}
+        gids = {e.generation_id for evs in by_partition.values() for e, _ in evs}
         batch = _Batch(self, *self.store.load(self.keys, bounds, gids))
         for p, evs in by_partition.items():
-            for e in evs:
-                batch.add(p, e)
+            for e, r in evs:
+                batch.add(p, e, r)
         self._commit(batch)
 
     def _tick_idle(self) -> None:
+        if not self._repaired:
+            self._repair_watermarks()
         assigned = [p for t, p in self.consumer.assignment() if t == self.settings.events_topic]
         if not assigned:
             return
@@ -469,6 +568,8 @@ class SignalsWorker:
 
     def _commit(self, batch: _Batch) -> None:
         plan = batch.finish()
+        if batch.dead:  # before the commit: a crash in between re-reads them, so a letter may repeat, never vanish
+            self.producer.send_all([d.outgoing(self.settings.dead_letter_topic) for d in batch.dead], timeout_s=30)
         queued = self.store.commit(plan)
         n = sum(len(v) for v in batch.emitted.values())
         if queued != n:

@@ -212,7 +212,7 @@ def test_a_process_forked_after_the_lake_was_used_is_told_to_spawn(tmp_path: Pat
 def test_migrate_turns_a_former_lake_into_delta_tables_with_every_row_once(settings) -> None:
     """A lake written in the former format, with a finished compaction (whose replaced files are still there,
     hidden by its manifest) and a killed writer's temporary file: every visible row lands once."""
-    old = Path(EVENTS.at(settings.lake_dir))
+    old = Path(EVENTS.at(settings.lake_root))
     legacy.write_partitioned(events(range(0, 4)), old, "part-a")
     legacy.write_partitioned(events(range(4, 6)), old, "part-b")
     hour_dir = legacy.partition_dir(old, HOUR.replace(minute=0))
@@ -224,7 +224,7 @@ def test_migrate_turns_a_former_lake_into_delta_tables_with_every_row_once(setti
     legacy.write_partitioned(events(range(6, 9), at=HOUR + timedelta(hours=1)), old, "part-c")
     (hour_dir / ".part-d.parquet.x.tmp").write_bytes(b"half a file")
     rewards = rewards_frame([reward_record("g1", 1.0)])
-    legacy.write_partitioned(REWARDS.conform(rewards), Path(REWARDS.at(settings.lake_dir)), "r", "emitted_at")
+    legacy.write_partitioned(REWARDS.conform(rewards), Path(REWARDS.at(settings.lake_root)), "r", "emitted_at")
 
     with pytest.raises(MigrationError, match="migrate` first"):  # a full vacuum would delete the former files
         vacuum(EVENTS, EVENTS.at(settings.lake_root), full=True)

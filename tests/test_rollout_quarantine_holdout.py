@@ -178,14 +178,16 @@ def test_experiment_api_answers_the_contract(
     controller.tick()
     body = client.get("/api/experiment").json()
     assert set(body) == {"experiment", "state", "champion", "challenger", "holdout_version", "share", "ramp", "step",
-                         "analysis", "timeline", "holdout"}  # fmt: skip
+                         "analysis", "timeline", "holdout", "srm_periods", "plan", "bucket"}  # fmt: skip
+    assert body["bucket"] == "1m" and [p["share"] for p in body["srm_periods"]] == [0.5]  # a 5-minute experiment
     assert (body["state"], body["champion"], body["challenger"], body["share"]) == ("ramping", champion, candidate, 0.5)
     a = body["analysis"]
     assert a["unit"] == "user" and a["reward_version"] == "rules-v1"
     assert a["arms"]["champion"]["users"] + a["arms"]["challenger"]["users"] == 300
     assert a["decision"]["action"] == "continue" and "challenger users so far" in a["decision"]["reason"]
-    assert len(a["difference"]["sequential_ci"]) == 2 and a["srm"]["expected_shares"] == [0.5, 0.5]
-    assert {g["name"] for g in a["guardrails"]} >= {"latency_p95_ms", "error_rate", "undo_rate", "thumbs_down_rate",
+    assert a["srm"]["expected_shares"] == [0.5, 0.5]
+    assert a["power"]["min_arm_users"] > 0 and a["power"]["note"]  # what this traffic can resolve, stated
+    assert {g["name"] for g in a["guardrails"]} >= {"latency_ms", "error_rate", "undo_rate", "thumbs_down_rate",
                                                      "accepted_rate", "empty_rate", "mean_length_chars"}  # fmt: skip
     info = {g["name"]: g for g in a["guardrails"] if g["kind"] == "info"}
     assert set(info) == {"shown_rate", "declined_rate"} and all(g["ok"] for g in info.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -43,8 +44,11 @@ def test_not_ready_without_a_split(settings: Settings, two_versions: dict[str, s
     client, _, _ = make_client(settings, two_versions)
     with client:
         resp = client.post("/v1/completions", json={"prompt": "def ", "user": "u1"})
+        metrics = client.get("/metrics").text
     assert resp.status_code == 503
     assert resp.headers["Retry-After"]
+    # Counted for the FlywheelServingErrors alert (k8s/), by status and code.
+    assert re.search(r'flywheel_serving_errors_total\{code="[a-z_]+",status="503"\} 1\.0', metrics), metrics
 
 
 def test_completion_is_logged_with_behaviour_logprobs(settings: Settings, two_versions: dict[str, str]) -> None:

@@ -41,6 +41,11 @@ def comparable(r: RewardRecord) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in d.items()))
 
 
+def final_records(records: list[RewardRecord]) -> dict[tuple[str, str], tuple]:
+    """Each generation's last revision per reward version, comparable."""
+    return {(r.generation_id, r.reward_version): comparable(r) for r in sorted(records, key=lambda r: r.revision)}
+
+
 def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settings: Settings) -> None:
     ensure_topics(settings)
     start = utcnow() - timedelta(hours=1)
@@ -56,7 +61,8 @@ def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settin
     finally:
         worker.close()
     assert worker.stats.duplicates > 0, "the history must exercise duplicates"
-    assert worker.stats.late_events > 0 and worker.stats.revisions == worker.stats.late_events
+    # late events of one micro-batch make one revision for their generation
+    assert worker.stats.late_events > 0 and 0 < worker.stats.revisions <= worker.stats.late_events
 
     streamed = rewards_on_topic(settings)
     keys = Counter((r.generation_id, r.reward_version, r.revision) for r in streamed)
@@ -67,7 +73,9 @@ def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settin
     lake_events_from_topic(settings)
     batch = recompute_records(settings, DEFAULT_DEFINITION, config=CONFIG)
     b, s_ = set(map(comparable, batch)), set(map(comparable, streamed))
-    assert b == s_, (sorted(dict(x) for x in b - s_)[:3], sorted(dict(x) for x in s_ - b)[:3])
+    # every streamed record is the recompute's of the same revision, and each generation ends on the same one
+    assert s_ <= b, sorted(dict(x) for x in s_ - b)[:3]
+    assert final_records(batch) == final_records(streamed)
     assert {r.label_source for r in batch} == {"explicit", "implicit", "default"}
 
 

@@ -177,3 +177,30 @@ def test_the_api_triggers_a_cycle_now_only_with_the_token(settings: Settings, tm
         scheduler.shutdown()
     assert [r["reason"] for r in status["recent"]] == ["recorded"]
     assert status["interval_s"] == 3600
+
+
+def broken_cycle(settings: Settings, config: TrainerConfig, progress: bool = False) -> CycleResult:
+    raise ValueError("a bug of the cycle's own, not an outage")
+
+
+@pytest.mark.parametrize(("cycle", "outcome"), [("recording_cycle", "skipped"), ("broken_cycle", "failed")])
+def test_each_finished_cycle_is_counted_by_outcome(
+    settings: Settings, tmp_path: Path, cycle: str, outcome: str
+) -> None:
+    from prometheus_client import REGISTRY
+
+    def count() -> float:
+        return REGISTRY.get_sample_value("flywheel_trainer_cycles_total", {"outcome": outcome}) or 0.0
+
+    before = count()
+    scheduler = TrainerScheduler(settings, interval_s=3600, jobstore_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+                                 cycle=f"test_trainer_scheduler:{cycle}")  # fmt: skip
+    scheduler.start()
+    try:
+        scheduler.run_now()
+        deadline = time.monotonic() + 20
+        while count() == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert count() == before + 1  # what the FlywheelTrainingCycleFailed alert (k8s/) reads
+    finally:
+        scheduler.shutdown()

@@ -7,7 +7,8 @@ of the active reward version of each surface, `flywheel.reward_versions`, or `co
 joined on generation_id with the `generation` events of `events`,
 whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-probs, model version).
 Eligibility is applied here, before anything reaches the model:
-- consent: only users whose latest event carrying `config.consent_property` set it true;
+- consent: only users whose latest event carrying `config.consent_property` set it true, latest by
+  arrival (a client's clock cannot outrank a revocation; see `_consenting_users`);
 - quarantine: nothing served by a version the gate quarantined;
 - provenance: only generations serving signed (flywheel.signing) are learned from off-policy; a
   generation anyone else posted (a product's own model, or a forgery through the collector with a
@@ -32,7 +33,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import cast
 
 import polars as pl
@@ -216,24 +217,35 @@ def _trusted_generation(
     return unsigned if unsigned is not None else reasons[0]
 
 
+# How far ahead of its arrival a grant's own time may be and still count (clock skew; a grant dated later was
+# not stated when it claims, and a future date is how one would try to outrank a later revocation).
+CONSENT_CLOCK_SKEW = timedelta(minutes=5)
+
+
 def _consenting_users(table: str, version: int, config: TrainerConfig) -> set[str]:
-    """Users whose most recent statement of `consent_property` (any event type) is true."""
+    """Users whose latest statement of `consent_property` (any event type) is true, ordered by arrival
+    (`received_at`, the collector's clock, never a client's `ts`); at the same arrival a revocation wins; a
+    grant dated more than `CONSENT_CLOCK_SKEW` after its arrival does not count, a revocation always does."""
     events = EVENTS.scan(table, version)
     if events is None:
         return set()
     # A JSONPath key in brackets: property names may contain dots or dashes.
     path = f"$['{config.consent_property}']"
+    grant = pl.col("consent").str.strip_chars().str.to_lowercase().is_in(list(_TRUE))
     latest = (
-        events.select("user_id", "ts", pl.col("properties").str.json_path_match(path).alias("consent"))
+        events.select(
+            "user_id", "ts", "received_at", pl.col("properties").str.json_path_match(path).alias("consent")
+        )
         .filter(pl.col("consent").is_not_null())
-        .sort("ts")
+        .with_columns(grant.alias("grant"))
+        .filter(~pl.col("grant") | (pl.col("ts") <= pl.col("received_at") + CONSENT_CLOCK_SKEW))
+        # last by arrival; at one arrival a revocation (grant false) sorts last, so it wins
+        .sort("received_at", pl.col("grant").not_())
         .group_by("user_id")
         .last()
         .collect()
     )
-    return {
-        u for u, c in zip(latest["user_id"], latest["consent"], strict=True) if c.strip().lower() in _TRUE
-    }
+    return {u for u, g in zip(latest["user_id"], latest["grant"], strict=True) if g}
 
 
 def _eligible(

@@ -11,6 +11,8 @@
 - A cycle failed by an outage (Redis, MLflow) is logged once per outage (`flywheel.ops`) and retried
   with backoff (from 5 s, doubling, at most the interval) instead of waiting a whole interval;
   `health` answers the trainer API's `/readyz`.
+- Every finished cycle is counted by outcome on `/metrics` (`flywheel_trainer_cycles_total`:
+  registered, skipped, failed, outage), so an alert can say a cycle failed without reading logs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, JobExecution
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
+from prometheus_client import Counter
 
 from flywheel.connections import redis_client
 from flywheel.ops import ProcessHealth, mlflow_dependency, redis_dependency
@@ -42,6 +45,7 @@ DEFAULT_CYCLE = "trainer.cycle:run_cycle"
 # The settings of each scheduler in this process, by scheduler id: what a stored job names
 # instead of the settings themselves.
 _SETTINGS: dict[str, Settings] = {}
+CYCLES = Counter("flywheel_trainer_cycles", "Training cycles finished, by outcome", ["outcome"])
 
 
 def lock_key(settings: Settings) -> str:
@@ -151,11 +155,14 @@ class TrainerScheduler:
             self._outage_retries = 0
             if isinstance(event.retval, CycleResult):
                 self.results.append(event.retval)
+                CYCLES.labels(event.retval.status).inc()
             return
         dep = self.health.blame(event.exception)
         if dep is None:
+            CYCLES.labels("failed").inc()
             log.error("trainer cycle failed", extra={"error": repr(event.exception)})
             return
+        CYCLES.labels("outage").inc()
         dep.failed(event.exception)  # one line per outage
         self._outage_retries += 1
         delay = min(self.interval_s, 5.0 * 2 ** min(self._outage_retries - 1, 10))

@@ -1,29 +1,24 @@
 """The analysis of one experiment and the decision it leads to: a pure function of per-user data.
 
-Statistics, with the user as the unit (users are what the split randomises; one user's
-generations are correlated, so a per-generation interval is too narrow):
+This module turns the lake's per-user rows into the cells `deploy_gate.rollout.rules.judge` reads
+(the same rules the calibration bench measures over thousands of simulated experiments), and the
+judgement into the views the API and dashboard show, each decision with the reason it was taken.
 
-- each arm's satisfaction is Σ reward / Σ generations over its users, a ratio metric whose
-  variance comes from the delta method over users (`deploy_gate.stats.RatioStats`);
-- the challenger-minus-champion difference has a fixed-sample interval and an always-valid
-  one, the asymptotic confidence sequence (`deploy_gate.stats.sequential_interval`); every
-  decision uses the sequential one, because the controller looks after every batch;
-- guardrail rates (undo, thumbs down, accepted, empty, ...) are ratio metrics too, and trip only
-  when the sequential interval of their difference is beyond the bound, so noise in a small
-  first step does not roll a good challenger back;
-- declining is not a guardrail: the reward prices a decline at 0 and a reject below it, so a
-  policy that declines where users would reject is doing the right thing. What it must not do is
-  lose accepts: accepted suggestions per generation is the guardrail, and the shown and decline
-  rates are reported beside the guardrails for information only (kind "info", never tripping);
-- sample-ratio mismatch: users first seen in the current step, by the arm they were first
-  served by, against the step's planned shares (Pearson chi-square, alarm at p < srm_alpha).
+- **The user is the unit**, counted in the arm they were first served by: a user moved to the
+  challenger by a later ramp step stays a champion user (their time on the challenger is left out),
+  so each arm holds exactly the users the split randomised to it.
+- **Ramp steps are strata**: a user belongs to the step they were first seen in (`step_starts`).
+- **Regression adjustment**: each user's covariate is their reward in the pre-experiment period
+  above the pre-period's rate (`Aggregates.pre_rate`); 0 for a user new to the product.
+- **SRM** runs over `SrmPeriod`s: spans of time with one share in force, as the split recorded it
+  (a manual ramp or a failed first ramp starts a period at the share actually set), re-armed after
+  a freeze by starting afresh at the resume.
+- Declining is not a guardrail: the reward prices a decline at 0 and a reject below it. Accepted
+  suggestions per rewarded generation is; the shown and decline rates are reported for information.
 
-A user moved from the champion to the challenger by a ramp step contributes to both arms
-(their generations under each); the SRM check counts them once, by their first arm.
-
-What must hold: no decision is taken before the step's minimum challenger users; no ramp or
-promotion before its minimum time (a harmful challenger is rolled back as soon as the sample
-shows it, without waiting out the clock).
+What must hold: no decision before the step's minimum challenger users and the evidence floor; no
+ramp or promotion before the step's minimum time (a harmful challenger is rolled back as soon as the
+sample shows it); every decision states why.
 """
 
 from __future__ import annotations
@@ -31,11 +26,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime
+from statistics import NormalDist
 
+import numpy as np
 import polars as pl
 
+from deploy_gate.rollout import rules
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.data import Aggregates
+from deploy_gate.rollout.evidence import MOMENTS, detectable, srm_log_bayes_factor, users_to_resolve
 from deploy_gate.rollout.models import (
     AnalysisView,
     ArmView,
@@ -44,14 +43,20 @@ from deploy_gate.rollout.models import (
     DifferenceView,
     EffectView,
     GuardrailView,
+    PowerView,
+    SrmPeriod,
     SrmView,
+    StratumView,
 )
-from deploy_gate.stats import Difference, RatioStats, check_srm, ratio_difference, sequential_interval
+from deploy_gate.stats import RatioStats, ratio_difference
 
 METHOD = (
-    "delta method over per-user sums (Deng et al. 2018); confidence sequence "
-    "(Waudby-Smith et al. 2023 eq. 9, Howard et al. 2021), N* = {n:g}"
+    "per-user ratio, delta method (Deng et al. 2018), stratified by ramp step, regression-adjusted on each "
+    "user's pre-experiment reward (CUPED, Deng et al. 2013); confidence sequence (Waudby-Smith et al. 2023 "
+    "eq. 9), N* = {n:g}"
 )
+SRM_METHOD = "sequential Dirichlet-multinomial test (Lindon & Malek 2022), prior concentration 100"
+ARMS = ("champion", "challenger")
 
 
 @dataclass(frozen=True)
@@ -64,169 +69,318 @@ class StepContext:
     last: bool
 
 
-def ratio_stats(users: pl.DataFrame, arm: str, y: str, x: str = "generations") -> RatioStats:
-    """Per-user (x, y) sums of `arm` as mergeable sufficient statistics (one polars pass)."""
-    part = users.filter(pl.col("arm") == arm)
-    if part.is_empty():
-        return RatioStats()
-    xs, ys = pl.col(x).cast(pl.Float64), pl.col(y).cast(pl.Float64)
-    row = part.select(
-        pl.len().alias("n"), xs.sum().alias("sx"), ys.sum().alias("sy"), (xs * xs).sum().alias("sxx"),
-        (ys * ys).sum().alias("syy"), (xs * ys).sum().alias("sxy"),
-    ).row(0, named=True)
-    return RatioStats(int(row["n"]), row["sx"], row["sy"], row["sxx"], row["syy"], row["sxy"])
+def first_arm_users(agg: Aggregates) -> pl.DataFrame:
+    """One row per user, in the arm they were first served by (champion or challenger)."""
+    users = agg.users.filter(pl.col("arm").is_in(list(ARMS)))
+    if users.is_empty():
+        return users
+    return users.sort("first_seen", "arm").unique("user_id", keep="first", maintain_order=True)
 
 
-def arm_view(users: pl.DataFrame, arm: str, level: float) -> ArmView:
-    s = ratio_stats(users, arm, "reward_sum", "reward_n")
-    part = users.filter(pl.col("arm") == arm)
-    return ArmView(
-        users=part.height,
-        generations=int(part["generations"].sum()) if part.height else 0,
-        mean=s.ratio,
-        ci=s.confidence_interval(level),
-    )
+def _stratum(users: pl.DataFrame, step_starts: list[datetime]) -> pl.DataFrame:
+    """Index of the last step that had started when the user was first seen (0 for anyone earlier)."""
+    expr = pl.lit(0, pl.Int64)
+    for i, start in enumerate(step_starts[1:], start=1):
+        expr = pl.when(pl.col("first_seen") >= start).then(pl.lit(i, pl.Int64)).otherwise(expr)
+    return users.with_columns(expr.alias("stratum"))
 
 
-def _seq(diff: Difference, n: int, config: RolloutConfig) -> tuple[float, float]:
-    return sequential_interval(diff, n, config.alpha, config.tuning_n)
-
-
-def _rate_guardrail(
-    users: pl.DataFrame,
-    name: str,
-    column: str,
-    bound: float,
-    direction: str,
-    kind: str,
-    config: RolloutConfig,
-    per: str = "generations",
-) -> GuardrailView:
-    """A rate guardrail (`column` per `per`): trips when the sequential interval of (challenger − champion)
-    is beyond the bound."""
-    a, b = ratio_stats(users, "champion", column, per), ratio_stats(users, "challenger", column, per)
-    diff = ratio_difference(a, b, config.alpha)
-    ok = True
-    if diff is not None:
-        lo, hi = _seq(diff, a.n + b.n, config)
-        ok = not (lo > bound) if direction == "rise" else not (hi < -bound)
-    text = (
-        f"challenger - champion <= {bound:g} (sequential interval)"
-        if direction == "rise"
-        else f"challenger - champion >= -{bound:g} (sequential interval)"
-    )
-    return GuardrailView(name=name, champion=a.ratio, challenger=b.ratio, bound=text, ok=ok, kind=kind)  # type: ignore[arg-type]
-
-
-def guardrails(agg: Aggregates, users: pl.DataFrame, config: RolloutConfig) -> list[GuardrailView]:
-    c = config
-    out = []
-    p_a, p_b = agg.latency_p95_ms.get("champion"), agg.latency_p95_ms.get("challenger")
-    enough = min(agg.latency_n.get("champion", 0), agg.latency_n.get("challenger", 0)) >= c.latency_min_generations
-    out.append(
-        GuardrailView(
-            name="latency_p95_ms", champion=p_a, challenger=p_b,
-            bound=f"challenger <= {c.latency_p95_ratio:g} x champion (from {c.latency_min_generations} generations)",
-            ok=not (enough and p_a is not None and p_b is not None and p_b > c.latency_p95_ratio * p_a),
-        )
-    )
-    out.append(_rate_guardrail(users, "error_rate", "errors", c.error_rate_rise, "rise", "guardrail", c))
-    out.append(_rate_guardrail(users, "undo_rate", "undone", c.undo_rate_rise, "rise", "guardrail", c))
-    out.append(
-        _rate_guardrail(users, "thumbs_down_rate", "thumbs_down", c.thumbs_down_rate_rise, "rise", "guardrail", c)
-    )
-    # Reward hacking: a policy can raise its reward by dropping suggestions users would have
-    # accepted (declining costs nothing, a reject costs 0.25), by answering blank instead of
-    # declining, or by drifting in length; explicit thumbs are the one signal it cannot shape.
-    # Accepts are known once a generation's reward is, so they are counted per rewarded generation.
-    out.append(
-        _rate_guardrail(
-            users, "accepted_rate", "accepted", c.accepted_rate_fall, "fall", "reward_hacking", c, per="reward_n"
-        )
-    )
-    out.append(_rate_guardrail(users, "empty_rate", "empty", c.empty_rate_rise, "rise", "reward_hacking", c))
-    out.append(
-        _rate_guardrail(users, "explicit_up_rate", "thumbs_up", c.explicit_up_rate_fall, "fall", "reward_hacking", c)
-    )
-    # Length is of what is suggested: a declined generation shows nothing and is not a short one.
-    la = ratio_stats(users, "champion", "length_sum", "suggested")
-    lb = ratio_stats(users, "challenger", "length_sum", "suggested")
-    ok = True
-    if la.ratio and lb.ratio is not None and min(la.sx, lb.sx) >= c.latency_min_generations:
-        ok = c.length_ratio_low <= lb.ratio / la.ratio <= c.length_ratio_high
-    out.append(
-        GuardrailView(
-            name="mean_length_chars", champion=la.ratio, challenger=lb.ratio,
-            bound=f"{c.length_ratio_low:g} x champion <= challenger <= {c.length_ratio_high:g} x champion",
-            ok=ok, kind="reward_hacking",
-        )
-    )
-    out += [_info(users, "shown_rate", "shown"), _info(users, "declined_rate", "declined")]
+def cells(users: pl.DataFrame, steps: int, pre_rate: float | None) -> dict[str, np.ndarray]:
+    """Each metric's moments per (step, arm), shape (1, steps, 2, MOMENTS), from users with a `stratum`."""
+    out = {m.name: np.zeros((1, steps, 2, MOMENTS)) for m in rules.METRICS}
+    if users.is_empty():
+        return out
+    z = (pl.col("pre_reward_sum") - (pre_rate or 0.0) * pl.col("pre_reward_n")) if pre_rate is not None else pl.lit(0.0)
+    aggs = []
+    for m in rules.METRICS:
+        x, y = pl.col(m.denominator).cast(pl.Float64), pl.col(m.numerator).cast(pl.Float64)
+        zz = z if m is rules.PRIMARY else pl.lit(0.0)
+        parts = (x, y, x * x, y * y, x * y, zz, zz * zz, x * zz, y * zz)
+        aggs += [pl.len().cast(pl.Float64).alias(f"{m.name}:0")]
+        aggs += [p.sum().alias(f"{m.name}:{k}") for k, p in enumerate(parts, start=1)]
+    table = users.with_columns(pl.col("arm").replace_strict({"champion": 0, "challenger": 1}).alias("a"))
+    for row in table.group_by("stratum", "a").agg(aggs).iter_rows(named=True):
+        for m in rules.METRICS:
+            out[m.name][0, row["stratum"], row["a"]] = [row[f"{m.name}:{k}"] for k in range(MOMENTS)]
     return out
 
 
-def _info(users: pl.DataFrame, name: str, column: str) -> GuardrailView:
-    """A rate per generation shown beside the guardrails, never tripping: how much each arm suggests."""
-    a, b = ratio_stats(users, "champion", column), ratio_stats(users, "challenger", column)
-    return GuardrailView(
-        name=name, champion=a.ratio, challenger=b.ratio, bound="information (never trips)", ok=True, kind="info"
-    )
+def srm(users: pl.DataFrame, periods: list[SrmPeriod], config: RolloutConfig) -> SrmView:
+    """The sequential SRM test over `periods`: Bayes factors of successive periods multiply."""
+    log_bf, counts = 0.0, [0, 0]
+    for p in periods:
+        span = users.filter(pl.col("first_seen") >= p.since)
+        if p.until is not None:
+            span = span.filter(pl.col("first_seen") < p.until)
+        counts = [span.filter(pl.col("arm") == a).height for a in ARMS]
+        log_bf += float(srm_log_bayes_factor(np.array(counts), np.array([1 - p.share, p.share])))
+    total = _counted(users, periods)
+    p_value = min(1.0, math.exp(-log_bf)) if log_bf > 0 else 1.0
+    current = periods[-1]
+    alarm = p_value < config.srm_alpha and total >= config.srm_min_users
+    return SrmView(
+        observed=counts, expected_shares=[1 - current.share, current.share], p_value=p_value, alarm=alarm,
+        since=current.since, periods=len(periods), method=SRM_METHOD,
+    )  # fmt: skip
 
 
-def srm(users: pl.DataFrame, step: StepContext, config: RolloutConfig) -> SrmView:
-    """Users first seen (in either arm) during this step, by their first arm, against the step's shares."""
-    shares = [1 - step.share, step.share]
-    firsts = (
-        users.filter(pl.col("arm").is_in(["champion", "challenger"]))
-        .sort("first_seen")
-        .group_by("user_id")
-        .agg(pl.col("arm").first(), pl.col("first_seen").first())
-        .filter(pl.col("first_seen") >= step.entered_at)
-    )
-    observed = [firsts.filter(pl.col("arm") == a).height for a in ("champion", "challenger")]
-    p = check_srm(observed, shares) if sum(observed) >= config.srm_min_users else 1.0
-    return SrmView(observed=observed, expected_shares=shares, p_value=p, alarm=p < config.srm_alpha)
+def _counted(users: pl.DataFrame, periods: list[SrmPeriod]) -> int:
+    if not periods:
+        return 0
+    span = users.filter(pl.col("first_seen") >= periods[0].since)
+    if periods[-1].until is not None:
+        span = span.filter(pl.col("first_seen") < periods[-1].until)
+    return span.height
 
 
 def analyse(
-    agg: Aggregates, step: StepContext, config: RolloutConfig, *, started_at: datetime, now: datetime
+    agg: Aggregates,
+    step: StepContext,
+    config: RolloutConfig,
+    *,
+    started_at: datetime,
+    now: datetime,
+    step_starts: list[datetime] | None = None,
+    srm_periods: list[SrmPeriod] | None = None,
 ) -> AnalysisView | None:
-    """The analysis and decision; None while the challenger has no reward (nothing to decide on)."""
-    users = agg.users.filter(pl.col("arm").is_in(["champion", "challenger"]))
+    """The analysis and decision; None while the challenger has no reward (nothing to decide on).
+
+    Without `step_starts` every user is in one stratum; without `srm_periods` the SRM test runs over the
+    current step at its planned share.
+    """
+    users = first_arm_users(agg)
     challenger = users.filter(pl.col("arm") == "challenger")
     if challenger.is_empty() or int(challenger["reward_n"].sum()) == 0:
         return None
-    level = 1 - config.alpha
-    arms = {a: arm_view(users, a, level) for a in ("champion", "challenger")}
-    a = ratio_stats(users, "champion", "reward_sum", "reward_n")
-    b = ratio_stats(users, "challenger", "reward_sum", "reward_n")
-    diff = ratio_difference(a, b, config.alpha)
-    diff_view = None
-    seq: tuple[float, float] | None = None
-    if diff is not None:
-        seq = _seq(diff, a.n + b.n, config)
-        diff_view = DifferenceView(
-            estimate=diff.estimate, ci=diff.ci, sequential_ci=seq, alpha=config.alpha,
-            method=METHOD.format(n=config.tuning_n), p_value=diff.p_value,
-        )
-    srm_view = srm(users, step, config)
-    rails = guardrails(agg, users, config)
-    flags = _flags(users, diff, config)
+    starts = step_starts or [started_at]
+    users = _stratum(users, starts)
+    c = cells(users, len(starts), agg.pre_rate)
+    periods = srm_periods or [SrmPeriod(share=step.share, since=step.entered_at)]
+    srm_view = srm(users, periods, config)
     step_users = challenger.filter(pl.col("first_seen") >= step.entered_at).height
-    action, reason = decide(
-        step, config, srm_view, rails, seq, step_users=step_users,
-        in_step_s=(now - step.entered_at).total_seconds(), running_s=(now - started_at).total_seconds(),
-    )
+    clock = rules.Clock(
+        step_users=np.array([step_users]), step_min_users=np.array([step.min_users]),
+        in_step_s=np.array([(now - step.entered_at).total_seconds()]), step_min_seconds=np.array([step.min_seconds]),
+        last=np.array([step.last]), running_s=np.array([(now - started_at).total_seconds()]),
+    )  # fmt: skip
+    j = rules.judge(c, np.array([srm_view.alarm]), clock, config)
+    code = int(j.code[0])
+    level = 1 - config.alpha
+    power = power_view(j, config, running_s=(now - started_at).total_seconds())
+    rails = guardrails(j, config)
+    diff = difference_view(j, c, config)
+    action: DecisionAction = rules.ACTION[code]  # type: ignore[assignment]
+    reason = explain(code, j, step, srm_view, rails, power, step_users, config, clock)
+    decision = DecisionView(action=action, reason=reason, at=now, inconclusive=code in rules.INCONCLUSIVE)
+    arms = {
+        a: ArmView(
+            users=int(users.filter(pl.col("arm") == a).height),
+            generations=int(users.filter(pl.col("arm") == a)["generations"].sum()),
+            mean=_num(j.primary.comparison.arm_ratio[0, i]),
+            ci=_normal_ci(j.primary.comparison.arm_ratio[0, i], j.primary.comparison.arm_variance[0, i], level),
+        )
+        for i, a in enumerate(ARMS)
+    }
     return AnalysisView(
-        reward_version=agg.reward_version, arms=arms, difference=diff_view, srm=srm_view, guardrails=rails,
-        decision=DecisionView(action=action, reason=reason, at=now), flags=flags,
+        reward_version=agg.reward_version, arms=arms, difference=diff, srm=srm_view, guardrails=rails,
+        decision=decision, power=power, flags=_flags(users, diff),
+    )  # fmt: skip
+
+
+def plan(agg: Aggregates, config: RolloutConfig, *, running_s: float) -> PowerView | None:
+    """Before the challenger has rewards: what the experiment could resolve, judged from the champion's users.
+
+    The champion's users, split in two alternately, stand in for an equal challenger; the minimum detectable
+    difference and the users each target needs follow from their per-user variance, as during the experiment.
+    """
+    users = first_arm_users(agg).filter(pl.col("arm") == "champion")
+    if users.height < 4:
+        return None
+    halves = users.with_columns(
+        pl.when(pl.int_range(pl.len()) % 2 == 0).then(pl.lit("champion")).otherwise(pl.lit("challenger")).alias("arm"),
+        pl.lit(0, pl.Int64).alias("stratum"),
+    )
+    c = cells(halves, 1, agg.pre_rate)
+    n = np.array([0])
+    clock = rules.Clock(n, n, n, n, np.array([False]), n)
+    j = rules.judge(c, np.array([False]), clock, config)
+    view = power_view(j, config, running_s=running_s)
+    note = f"before the challenger has rewards, from the champion's users: {view.note}"
+    return view.model_copy(update={"note": note})
+
+
+def _num(v: float | np.floating) -> float | None:
+    return float(v) if np.isfinite(v) else None
+
+
+def _normal_ci(mean: float, var: float, level: float) -> tuple[float, float] | None:
+    if not (np.isfinite(mean) and np.isfinite(var)) or var <= 0:
+        return None
+    half = NormalDist().inv_cdf((1 + level) / 2) * math.sqrt(var)
+    return float(mean - half), float(mean + half)
+
+
+def difference_view(j: rules.Judgement, c: dict[str, np.ndarray], config: RolloutConfig) -> DifferenceView | None:
+    p = j.primary
+    cmp = p.comparison
+    if not np.isfinite(p.lo[0]):
+        return None
+    fixed = _normal_ci(float(cmp.estimate[0]), float(cmp.raw_variance[0]), 1 - config.alpha)
+    strata = []
+    for k in range(c[rules.PRIMARY.name].shape[1]):
+        cell = c[rules.PRIMARY.name][0, k]
+        ratios = [cell[a, 2] / cell[a, 1] if cell[a, 1] > 0 else None for a in (0, 1)]
+        est = ratios[1] - ratios[0] if ratios[0] is not None and ratios[1] is not None else None
+        strata.append(StratumView(step=k + 1, users=[int(cell[0, 0]), int(cell[1, 0])], estimate=est))
+    reduction = 1 - float(cmp.variance[0] / cmp.raw_variance[0]) if np.isfinite(cmp.raw_variance[0]) else None
+    return DifferenceView(
+        estimate=float(cmp.estimate[0]), ci=fixed or (float(cmp.estimate[0]),) * 2, sequential_ci=(float(p.lo[0]),
+        float(p.hi[0])), alpha=p.alpha, method=METHOD.format(n=config.tuning_n), p_value=_num(p.p_value[0]),
+        adjusted_estimate=float(cmp.adjusted[0]), unadjusted_sequential_ci=(float(p.raw_lo[0]), float(p.raw_hi[0])),
+        variance_reduction=reduction, strata=strata, decisive=bool(j.enough[0]),
+    )  # fmt: skip
+
+
+def _bound_text(m: rules.Metric, config: RolloutConfig) -> str:
+    if m.harm == "drift":
+        return (f"{config.length_ratio_low:g} x champion <= challenger <= {config.length_ratio_high:g} x champion "
+                "(trips when the interval leaves it)")  # fmt: skip
+    bound = getattr(config, m.bound_field or "", None)
+    if m.harm == "ratio":
+        return f"challenger <= {bound:g} x champion, per user (trips when the interval is beyond it)"
+    word = "rise" if m.harm == "rise" else "fall"
+    return f"trips on any {word} the interval shows; tolerated {word} {bound:g}"
+
+
+def guardrails(j: rules.Judgement, config: RolloutConfig) -> list[GuardrailView]:
+    out = []
+    for m in rules.GUARDRAILS:
+        iv = j.guardrails[m.name]
+        cmp = iv.comparison
+        ci = (float(iv.lo[0]), float(iv.hi[0])) if np.isfinite(iv.lo[0]) else None
+        out.append(GuardrailView(
+            name=m.name, champion=_num(cmp.arm_ratio[0, 0]), challenger=_num(cmp.arm_ratio[0, 1]),
+            bound=_bound_text(m, config), ok=not bool(j.harmed[m.name][0]), kind=m.kind,  # type: ignore[arg-type]
+            ci=ci, alpha=iv.alpha,
+        ))  # fmt: skip
+    return out + [_info(j, m) for m in rules.INFO]
+
+
+def _info(j: rules.Judgement, m: rules.Metric) -> GuardrailView:
+    """A rate per generation shown beside the guardrails, never tripping: how much each arm suggests."""
+    ratio = j.info[m.name]
+    return GuardrailView(
+        name=m.name, champion=_num(ratio[0, 0]), challenger=_num(ratio[0, 1]), bound="information (never trips)",
+        ok=True, kind="info",
     )
 
 
-def _flags(users: pl.DataFrame, diff: Difference | None, config: RolloutConfig) -> list[str]:
+def power_view(j: rules.Judgement, config: RolloutConfig, *, running_s: float) -> PowerView:
+    """The minimum detectable difference now and at the maximum duration, and the users each target needs."""
+    cmp, alpha = j.primary.comparison, j.primary.alpha
+    n = float(cmp.users[0])
+    s2 = float(cmp.variance[0] * n) if np.isfinite(cmp.variance[0]) else math.nan
+    level = _num(cmp.level[0])
+    margin = _num(j.margin[0])
+    ok = np.isfinite(s2) and s2 > 0
+    now = float(detectable(np.array(s2), np.array(n), alpha, config.tuning_n)) if ok else None
+    projected = int(n * config.max_duration_s / running_s) if running_s > 0 and n > 0 else None
+    later = (
+        float(detectable(np.array(s2), np.array(float(projected)), alpha, config.tuning_n))
+        if ok and projected
+        else None
+    )
+
+    def need(effect: float | None) -> int | None:
+        if not ok or effect is None or effect == 0:
+            return None
+        v = float(users_to_resolve(np.array(s2), effect, alpha, config.tuning_n))
+        return int(v) if math.isfinite(v) else None
+
+    changes = {f"{c:+.0%}": need(c * level if level else None) for c in (-0.1, 0.05, 0.1, 0.2)}
+    for_margin = need(margin)
+    if not ok or now is None:
+        note = (f"not enough evidence yet: no variance to judge from ({int(n)} users compared; each arm needs "
+                f"{rules.MIN_ARM_USERS})")  # fmt: skip
+    else:
+        parts = [f"at {int(n)} users this experiment resolves a difference of {now:.3g} (80% power)"]
+        if level:
+            parts[0] += f", {now / abs(level):.0%} of the champion's {level:.3g}"
+        if later is not None and projected is not None:
+            parts.append(f"at the maximum duration (about {projected} users) {later:.3g}")
+        if margin is not None:
+            parts.append(
+                f"the margin {margin:.3g} needs {for_margin} users" if for_margin else f"the margin {margin:.3g} "
+                "cannot be resolved at any realistic size"
+            )
+        note = "; ".join(parts)
+    return PowerView(
+        users=int(n), min_arm_users=rules.MIN_ARM_USERS, per_user_sd=math.sqrt(s2) if ok else None,
+        detectable_now=now, users_projected=projected, detectable_projected=later, champion_level=level,
+        margin=margin, margin_share=config.non_inferiority_share, users_for_margin=for_margin,
+        users_for_changes=changes, note=note,
+    )  # fmt: skip
+
+
+def explain(
+    code: int,
+    j: rules.Judgement,
+    step: StepContext,
+    srm_view: SrmView,
+    rails: list[GuardrailView],
+    power: PowerView,
+    step_users: int,
+    config: RolloutConfig,
+    clock: rules.Clock,
+) -> str:
+    """Why the rules took `code`, in words (the controller records it with the action)."""
+    lo, hi = float(j.primary.lo[0]), float(j.primary.hi[0])
+    seq = f"[{lo:.3f}, {hi:.3f}]"
+    arm_users = [int(u) for u in j.primary.comparison.arm_users[0]]
+    if code == rules.FREEZE_SRM:
+        return (
+            f"sample ratio mismatch: users {srm_view.observed} against the shares in force "
+            f"{[round(s, 3) for s in srm_view.expected_shares]} (sequential p = {srm_view.p_value:.2g} < "
+            f"{config.srm_alpha:g}); the ramp is frozen until someone finds why"
+        )
+    if code == rules.CONTINUE_STEP_USERS:
+        return f"step {step.index + 1}: {step_users} of {step.min_users} challenger users so far"
+    if code == rules.ROLLBACK_STEP_USERS:
+        return (f"step {step.index + 1} saw {step_users} of its {step.min_users} challenger users by the maximum "
+                "duration: too little evidence to keep the challenger")  # fmt: skip
+    if code in (rules.CONTINUE_EVIDENCE, rules.ROLLBACK_NO_EVIDENCE):
+        why = (f"users per arm {arm_users}, each arm needs {rules.MIN_ARM_USERS} before any test decides"
+               if min(arm_users) < rules.MIN_ARM_USERS else "the difference has no variance to judge from")  # fmt: skip
+        if code == rules.CONTINUE_EVIDENCE:
+            return f"not enough evidence yet: {why}"
+        return f"inconclusive at the maximum duration: not enough evidence ({why}); the challenger is not kept"
+    if code == rules.ROLLBACK_GUARDRAIL:
+        return f"guardrail tripped: {', '.join(g.name for g in rails if not g.ok)}"
+    if code == rules.ROLLBACK_WORSE:
+        return f"challenger is worse: sequential interval of the difference {seq}"
+    if code == rules.CONTINUE_MIN_TIME:
+        left = math.ceil(float(clock.step_min_seconds[0] - clock.in_step_s[0]))
+        return f"step {step.index + 1}: {left}s left of its minimum time"
+    if code == rules.RAMP:
+        return f"step {step.index + 1} done ({step_users} challenger users, no harm shown)"
+    if code == rules.PROMOTE_WIN:
+        return f"significant win: sequential interval of the difference {seq}"
+    margin = float(j.margin[0])
+    if code == rules.PROMOTE_NON_INFERIOR:
+        return (f"non-inferior at the maximum duration: sequential lower bound {lo:.3f} > -{margin:.3g} "
+                f"({config.non_inferiority_share:.0%} of the champion's level)")  # fmt: skip
+    if code == rules.ROLLBACK_INCONCLUSIVE:
+        if not math.isfinite(margin):
+            return "inconclusive at the maximum duration: the champion's level is not positive, so no margin applies"
+        return (f"inconclusive at the maximum duration: not shown within {margin:.3g} of the champion "
+                f"(sequential lower bound {lo:.3f}); {power.note}")  # fmt: skip
+    return f"last step: waiting for a significant result or the maximum duration; {power.note}"
+
+
+def _flags(users: pl.DataFrame, diff: DifferenceView | None) -> list[str]:
     """Reward up while explicit satisfaction (thumbs up among explicit votes) goes down: a hacking sign."""
-    ea = ratio_stats(users, "champion", "thumbs_up", "explicit_n")
-    eb = ratio_stats(users, "challenger", "thumbs_up", "explicit_n")
+    ea = _ratio(users, "champion", "thumbs_up", "explicit_n")
+    eb = _ratio(users, "challenger", "thumbs_up", "explicit_n")
     if diff is not None and diff.estimate > 0 and ea.ratio is not None and eb.ratio is not None and eb.ratio < ea.ratio:
         return [
             f"reward_up_explicit_down: reward {diff.estimate:+.3f} while explicit satisfaction "
@@ -235,54 +389,14 @@ def _flags(users: pl.DataFrame, diff: Difference | None, config: RolloutConfig) 
     return []
 
 
-def decide(
-    step: StepContext,
-    config: RolloutConfig,
-    srm_view: SrmView,
-    rails: list[GuardrailView],
-    seq: tuple[float, float] | None,
-    *,
-    step_users: int,
-    in_step_s: float,
-    running_s: float,
-) -> tuple[DecisionAction, str]:
-    """The rules, in order of precedence (the module's doc says what must hold)."""
-    if srm_view.alarm:
-        return "freeze", (
-            f"sample ratio mismatch: users {srm_view.observed} against planned shares "
-            f"{[round(s, 3) for s in srm_view.expected_shares]} (p = {srm_view.p_value:.2g} < {config.srm_alpha:g}); "
-            "the ramp is frozen until someone finds why"
-        )
-    if step_users < step.min_users:
-        if running_s >= config.max_duration_s:  # no experiment runs forever; too little evidence never promotes
-            return "rollback", (
-                f"step {step.index + 1} saw {step_users} of its {step.min_users} challenger users by the maximum "
-                "duration: too little evidence to keep the challenger"
-            )
-        return "continue", f"step {step.index + 1}: {step_users} of {step.min_users} challenger users so far"
-    broken = [g.name for g in rails if not g.ok]
-    if broken:
-        return "rollback", f"guardrail tripped: {', '.join(broken)}"
-    if seq is not None and seq[1] < 0:
-        return "rollback", f"challenger is worse: sequential interval of the difference [{seq[0]:.3f}, {seq[1]:.3f}]"
-    if in_step_s < step.min_seconds:
-        return "continue", f"step {step.index + 1}: {math.ceil(step.min_seconds - in_step_s)}s left of its minimum time"
-    if not step.last:
-        return "ramp", f"step {step.index + 1} done ({step_users} challenger users, guardrails hold)"
-    if seq is not None and seq[0] > 0:
-        return "promote", f"significant win: sequential interval of the difference [{seq[0]:.3f}, {seq[1]:.3f}]"
-    if running_s >= config.max_duration_s:
-        margin = config.non_inferiority_margin
-        if seq is not None and seq[0] > -margin:
-            return "promote", f"non-inferior at the maximum duration: sequential lower bound {seq[0]:.3f} > -{margin:g}"
-        return "rollback", f"not shown non-inferior (margin {margin:g}) by the maximum duration"
-    return "continue", "last step: waiting for a significant result or the maximum duration"
+def _ratio(users: pl.DataFrame, arm: str, y: str, x: str) -> RatioStats:
+    part = users.filter(pl.col("arm") == arm)
+    return RatioStats.of(zip(part[x].cast(pl.Float64).to_list(), part[y].cast(pl.Float64).to_list(), strict=True))
 
 
 def cumulative_effect(users: pl.DataFrame, config: RolloutConfig) -> tuple[int, float | None, EffectView | None]:
     """Holdout users against today's champion: (holdout users, holdout mean, champion − holdout)."""
-    h = ratio_stats(users, "holdout", "reward_sum", "reward_n")
-    c = ratio_stats(users, "champion", "reward_sum", "reward_n")
+    h, c = _ratio(users, "holdout", "reward_sum", "reward_n"), _ratio(users, "champion", "reward_sum", "reward_n")
     diff = ratio_difference(h, c, config.alpha)
     effect = EffectView(estimate=diff.estimate, ci=diff.ci) if diff is not None else None
     return h.n, h.ratio, effect
@@ -309,3 +423,11 @@ def series(
         s = RatioStats(int(r["n"]), r["sx"], r["sy"], r["sxx"], r["syy"], r["sxy"])
         out.append((r["start"], str(r["arm"]), s.n, s.ratio, s.confidence_interval(1 - config.alpha)))
     return out
+
+
+def bucket_for(seconds: float) -> str:
+    """A time-chart bucket that gives an experiment of `seconds` about 20-60 points: minutes for a demo."""
+    for b, s in (("1m", 60), ("5m", 300), ("15m", 900), ("1h", 3600), ("6h", 21600)):
+        if seconds / s <= 60:
+            return b
+    return "1d"

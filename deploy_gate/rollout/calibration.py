@@ -1,77 +1,135 @@
-"""Simulated experiments that check the controller's test: its false-positive rate and its power.
+"""Simulated experiments run through the controller's own rules, thousands at once (numpy).
 
-Each simulated user gets 1 + Poisson(2) generations whose rewards are Bernoulli with a
-per-user propensity (Beta(2, 2), plus `effect` in the challenger arm), so one user's rewards are
-correlated, as real users' are. After every batch of users the experiment is looked at twice:
+Users come from `deploy_gate.rollout.population` (clustered: a few heavy users carry most
+generations). Each experiment runs the ramp of a `RolloutConfig` look by look: new users arrive (Poisson), are
+assigned at the share of the step in force, and belong to that step; after every look the same
+`deploy_gate.rollout.rules.judge` the controller calls decides, and a ramp, promotion, rollback or
+freeze is applied as the controller applies it. The sequential SRM test counts users per step
+against the step's share. Simplification: a user's generations all arrive at their first look
+(nobody is moved across arms by a later step), which is the pooled-ramp case the strata must handle.
 
-- the controller's way: the asymptotic confidence sequence on the per-user ratio difference
-  (`deploy_gate.stats.sequential_interval`), a winner declared when it excludes zero;
-- the naive way: the fixed-sample interval recomputed at every look, a winner declared when it
-  excludes zero, which is what watching a classical dashboard all day amounts to.
-
-Used by bench/rollout_stats.py (figures) and tests/test_rollout_stats.py (the A/A bound).
+Used by bench/rollout_decisions.py (figures) and tests/test_rollout_decisions.py (seeded bounds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from deploy_gate.stats import RatioStats, ratio_difference, sequential_interval
+from deploy_gate.rollout import rules
+from deploy_gate.rollout.config import RolloutConfig
+from deploy_gate.rollout.evidence import MOMENTS, compare, detectable, srm_log_bayes_factor
+from deploy_gate.rollout.population import Population, covariate, pre_rate, users
 
 
 @dataclass(frozen=True)
-class Outcome:
-    sequential_look: int | None  # first look whose confidence sequence excludes 0 (None: never)
-    sequential_sign: int
-    naive_look: int | None  # first look whose fixed-sample interval excludes 0
-    final_fixed_significant: bool  # the fixed-sample test at the planned end (the last look)
-    final_fixed_sign: int
-    users_per_look: int
+class Scenario:
+    config: RolloutConfig
+    users: int  # expected users arriving over the maximum duration
+    look_s: float  # seconds between looks (the controller's tick, or coarser for long experiments)
+    accept_factor: float = 1.0  # the challenger's users accept this many times as often
+    drift: float = 0.0  # both arms' accept propensity grows by this share over the maximum duration
+    population: Population = field(default_factory=Population)
+    srm_loss: float = 0.0  # share of challenger users lost before the lake (a broken logging path)
 
 
-def _arm_users(rng: np.random.Generator, n: int, effect: float) -> np.ndarray:
-    k = 1 + rng.poisson(2.0, n)
-    p = np.clip(rng.beta(2.0, 2.0, n) + effect, 0.0, 1.0)
-    y = rng.binomial(k, p).astype(float)
-    x = k.astype(float)
-    return np.stack([np.ones(n), x, y, x * x, y * y, x * y], axis=1)
+@dataclass(frozen=True)
+class Outcomes:
+    code: np.ndarray  # final action code per experiment (CONTINUE_LAST: undecided at the end)
+    at_s: np.ndarray  # when it was taken
+    users: np.ndarray  # users seen by then (both arms)
+    ever_excluded_zero: np.ndarray  # the primary interval excluded 0 at some look (before a decision)
+    mde: np.ndarray  # the minimum detectable harm the gate stated at its decision (absolute reward)
+    margin: np.ndarray
+    estimate: np.ndarray  # final adjusted estimate
+    raw_estimate: np.ndarray
+    pooled_estimate: np.ndarray  # the same users with the steps pooled (what the controller did before strata)
+
+    def share(self, *codes: int) -> float:
+        return float(np.isin(self.code, codes).mean())
 
 
-def simulate(
-    *, effect: float, looks: int, users_per_look: int, alpha: float = 0.05, tuning: float = 5000.0, seed: int = 0
-) -> Outcome:
-    """One experiment, both arms growing by `users_per_look` users (50/50 by a fair coin) per look."""
+def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
+    cfg, pop = scenario.config, scenario.population
     rng = np.random.default_rng(seed)
-    sums = {"a": np.zeros(6), "b": np.zeros(6)}
-    seq_look = naive_look = None
-    seq_sign = 0
-    diff = None
+    shares = np.array([s.share for s in cfg.ramp])
+    min_users = np.array([s.min_users for s in cfg.ramp])
+    min_seconds = np.array([s.min_seconds for s in cfg.ramp])
+    steps, e_ = len(cfg.ramp), experiments
+    cells = {m.name: np.zeros((e_, steps, 2, MOMENTS)) for m in rules.METRICS}
+    srm_counts = np.zeros((e_, steps, 2))
+    step = np.zeros(e_, dtype=int)
+    entered = np.zeros(e_)
+    done = np.zeros(e_, dtype=bool)
+    code = np.full(e_, rules.CONTINUE_LAST)
+    at = np.full(e_, np.nan)
+    seen = np.zeros(e_)
+    ever = np.zeros(e_, dtype=bool)
+    mde = np.full(e_, np.nan)
+    margin = np.full(e_, np.nan)
+    est = np.full(e_, np.nan)
+    raw = np.full(e_, np.nan)
+    pooled = np.full(e_, np.nan)
+    rate = scenario.users / cfg.max_duration_s * scenario.look_s
+    # Past the maximum duration a step may still wait out its minimum time: look until that is over too.
+    horizon = cfg.max_duration_s + sum(s.min_seconds for s in cfg.ramp) + scenario.look_s
+    looks = int(math.ceil(horizon / scenario.look_s))
+    log_alarm = math.log(1 / cfg.srm_alpha)
+    centre = pre_rate(pop)
     for look in range(1, looks + 1):
-        n_b = int(rng.binomial(users_per_look, 0.5))
-        sums["a"] = sums["a"] + _arm_users(rng, users_per_look - n_b, 0.0).sum(axis=0)
-        sums["b"] = sums["b"] + _arm_users(rng, n_b, effect).sum(axis=0)
-        a = RatioStats(int(sums["a"][0]), *map(float, sums["a"][1:]))
-        b = RatioStats(int(sums["b"][0]), *map(float, sums["b"][1:]))
-        diff = ratio_difference(a, b, alpha)
-        if diff is None:
-            continue
-        if naive_look is None and (diff.ci[0] > 0 or diff.ci[1] < 0):
-            naive_look = look
-        if seq_look is None:
-            lo, hi = sequential_interval(diff, a.n + b.n, alpha, tuning)
-            if lo > 0 or hi < 0:
-                seq_look, seq_sign = look, 1 if lo > 0 else -1
-    final = diff is not None and (diff.ci[0] > 0 or diff.ci[1] < 0)
-    sign = 0 if diff is None else (1 if diff.estimate > 0 else -1)
-    return Outcome(seq_look, seq_sign, naive_look, final, sign, users_per_look)
-
-
-def run_many(
-    n: int, *, effect: float, looks: int, users_per_look: int, alpha: float = 0.05, seed: int = 0
-) -> list[Outcome]:
-    return [
-        simulate(effect=effect, looks=looks, users_per_look=users_per_look, alpha=alpha, seed=seed * 1_000_003 + i)
-        for i in range(n)
-    ]
+        t = look * scenario.look_s
+        arrivals = rng.poisson(rate, e_) * ~done
+        m = int(arrivals.sum())
+        if m:
+            who = np.repeat(np.arange(e_), arrivals)
+            st = step[who]
+            arm = (rng.random(m) < shares[st]).astype(int)
+            if scenario.srm_loss:
+                keep = ~((arm == 1) & (rng.random(m) < scenario.srm_loss))
+                who, st, arm = who[keep], st[keep], arm[keep]
+                m = who.size
+            factor = np.where(arm == 1, scenario.accept_factor, 1.0)
+            level = np.full(m, 1.0 + scenario.drift * t / cfg.max_duration_s)
+            cols = users(rng, m, pop, factor, level)
+            z = covariate(cols, centre)
+            flat = (who * steps + st) * 2 + arm
+            size = e_ * steps * 2
+            for metric in rules.METRICS:
+                x, y = cols[metric.denominator], cols[metric.numerator]
+                zz = z if metric is rules.PRIMARY else np.zeros(m)
+                parts = (np.ones(m), x, y, x * x, y * y, x * y, zz, zz * zz, x * zz, y * zz)
+                add = np.stack([np.bincount(flat, w, size) for w in parts], axis=-1)
+                cells[metric.name] += add.reshape(e_, steps, 2, MOMENTS)
+            srm_counts += np.bincount(flat, minlength=size).reshape(e_, steps, 2)
+        # The sequential SRM test: one Bayes factor per step at its share, multiplied over the steps.
+        theta = np.stack([1 - shares, shares], axis=-1)  # (steps, 2)
+        log_bf = srm_log_bayes_factor(srm_counts, np.broadcast_to(theta, srm_counts.shape)).sum(axis=-1)
+        alarm = (log_bf >= log_alarm) & (srm_counts.sum(axis=(1, 2)) >= cfg.srm_min_users)
+        idx = np.arange(e_)
+        clock = rules.Clock(
+            step_users=srm_counts[idx, step, 1], step_min_users=min_users[step], in_step_s=t - entered,
+            step_min_seconds=min_seconds[step], last=step == steps - 1, running_s=np.full(e_, t),
+        )  # fmt: skip
+        j = rules.judge(cells, alarm, clock, cfg)
+        live = ~done
+        with np.errstate(invalid="ignore"):
+            ever |= live & j.enough & ((j.primary.lo > 0) | (j.primary.hi < 0))
+        act = np.array([rules.ACTION[c] for c in range(13)])[j.code]
+        ramp = live & (act == "ramp")
+        step = np.where(ramp, step + 1, step)
+        entered = np.where(ramp, t, entered)
+        end = live & np.isin(act, ["promote", "rollback", "freeze"])
+        if end.any():
+            code[end], at[end] = j.code[end], t
+            seen[end] = j.primary.comparison.users[end]
+            s2 = j.primary.comparison.variance * j.primary.comparison.users
+            mde[end] = detectable(s2, j.primary.comparison.users, j.primary.alpha, cfg.tuning_n)[end]
+            margin[end] = j.margin[end]
+            est[end], raw[end] = j.primary.comparison.adjusted[end], j.primary.comparison.estimate[end]
+            pooled[end] = compare(cells[rules.PRIMARY.name].sum(axis=1, keepdims=True)).estimate[end]
+            done |= end
+        if done.all():
+            break
+    return Outcomes(code, at, seen, ever, mde, margin, est, raw, pooled)

@@ -38,12 +38,22 @@ class RolloutConfig(BaseSettings):
     srm_alpha: float = Field(default=0.001, gt=0, lt=0.1)
     srm_min_users: int = Field(default=100, ge=2, description="Users in a step before SRM is checked.")
     max_duration_s: float = Field(default=14 * 86400, gt=0, description="Then decide on non-inferiority.")
-    non_inferiority_margin: float = Field(default=0.02, ge=0, description="Allowed loss in mean reward.")
+    non_inferiority_share: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="Allowed loss at the maximum duration, as a share of the champion's mean reward (0.1: 10%; "
+        "0: only a significant win is promoted).",
+    )
+    pre_period_s: float = Field(
+        default=14 * 86400, ge=0,
+        description="Each user's rewards this long before the start adjust the estimate (CUPED); 0: no adjustment.",
+    )
     auto_promote: bool = Field(default=True, description="False: hold a winner for a human to promote.")
     interval_s: float = Field(default=30.0, gt=0, description="Seconds between ticks.")
     metrics_port: int = Field(default=8005, ge=0, description="/metrics, /healthz, /readyz; 0 = off.")
     # Guardrail bounds (challenger against champion); rates are shares of generations.
-    latency_p95_ratio: float = Field(default=1.2, gt=1)
+    latency_p95_ratio: float = Field(
+        default=1.2, gt=1, description="Trips when each user's mean latency is shown above this x the champion's."
+    )
     latency_min_generations: int = Field(default=100, ge=1)
     error_rate_rise: float = Field(default=0.02, ge=0)
     undo_rate_rise: float = Field(default=0.05, ge=0)

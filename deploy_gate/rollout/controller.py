@@ -26,14 +26,16 @@ from deploy_gate.errors import GateError
 from deploy_gate.gate import DeployGate
 from deploy_gate.plan import Plan
 from deploy_gate.rollout import data
-from deploy_gate.rollout.analysis import StepContext, analyse, cumulative_effect
+from deploy_gate.rollout.analysis import StepContext, analyse, bucket_for, cumulative_effect, plan
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.models import (
     AnalysisView,
     ExperimentState,
     ExperimentView,
     HoldoutView,
+    PowerView,
     RampView,
+    SrmPeriod,
     TimelineEntry,
 )
 from flywheel.contract import TrafficSplit, utcnow
@@ -65,6 +67,10 @@ class ExperimentRecord(BaseModel):
     analysis: AnalysisView | None = None
     holdout: HoldoutView | None = None
     holdout_since: datetime | None = None
+    # The shares in force since the SRM test was (re-)armed, as the split had them: what SRM tests against.
+    srm_periods: list[SrmPeriod] = Field(default_factory=list)
+    looked_at: datetime | None = None  # the last tick that looked at this experiment
+    plan: PowerView | None = None  # before the challenger has rewards, from the champion's users
 
     def note(self, at: datetime, event: str, by: str = CONTROLLER_ACTOR) -> None:
         self.timeline = [*self.timeline, TimelineEntry(at=at, event=event, by=by)][-TIMELINE_MAX:]
@@ -111,6 +117,12 @@ class RolloutController:
             analysis=rec.analysis,
             timeline=rec.timeline,
             holdout=rec.holdout if split and split.holdout_version else None,
+            srm_periods=rec.srm_periods,
+            plan=rec.plan if rec.analysis is None else None,
+            bucket=bucket_for(
+                ((rec.ramp[-1].left_at or rec.looked_at or rec.started_at) - rec.started_at).total_seconds()
+                if rec.started_at and rec.ramp else self.config.max_duration_s
+            ),
         )
 
     # ---- the loop ------------------------------------------------------------------------
@@ -179,14 +191,23 @@ class RolloutController:
         elif split.state == "running" and rec.state == "frozen":
             rec.state = "ramping"
             rec.note(now, f"resumed at {split.challenger_share:.0%}", by=split.changed_by)
+            # Re-armed: what froze it was seen and acted on; the test starts afresh from the resume.
+            rec.srm_periods = [SrmPeriod(share=split.challenger_share, since=self._since(split, rec, now)[1])]
+        self._track_share(rec, split, now)
         assert split.challenger_version is not None
         arms = {"champion": split.champion_version, "challenger": split.challenger_version}
-        agg = data.load(self.gate.settings.lake_root, arms, since=rec.started_at, cache=self._cache)
+        agg = data.load(self.gate.settings.lake_root, arms, since=rec.started_at, cache=self._cache,
+                        pre_period_s=self.config.pre_period_s)  # fmt: skip
         step = self._step(rec)
         assert rec.started_at is not None
-        rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now)
+        starts = [r.entered_at for r in rec.ramp[: step.index + 1] if r.entered_at is not None]
+        rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now, step_starts=starts,
+                               srm_periods=rec.srm_periods)  # fmt: skip
+        if rec.analysis is None:
+            rec.plan = plan(agg, self.config, running_s=(now - rec.started_at).total_seconds())
         if rec.analysis is not None and rec.state == "ramping":
             self._act(rec, split, step, now)
+        rec.looked_at = now
         self._holdout(self.gate.splits.get() or split, rec)
         self._save(rec)
         return rec
@@ -214,7 +235,33 @@ class RolloutController:
             lambda: self.gate.plan_ramp(first, by=CONTROLLER_ACTOR, reason="ramp step 1")
         ):
             rec.note(now, f"ramp to {first:.0%}")
+            self._new_period(rec, first, now)
         return rec, self.gate.splits.get() or split
+
+    @staticmethod
+    def _since(split: TrafficSplit, rec: ExperimentRecord, now: datetime) -> tuple[datetime, datetime]:
+        """(end of the old share, start of the new one) for a change this controller did not make.
+
+        The split's own change time when it falls since the last look; otherwise the change happened at an
+        unknown moment since the last look, and the users first seen in between are counted in neither.
+        """
+        last = rec.looked_at or rec.started_at or now
+        changed = split.changed_at
+        return (changed, changed) if last <= changed <= now else (last, now)
+
+    def _track_share(self, rec: ExperimentRecord, split: TrafficSplit, now: datetime) -> None:
+        """A new SRM period whenever the share in force changes, whoever changed it (controller or person)."""
+        share = split.challenger_share
+        if rec.srm_periods and abs(rec.srm_periods[-1].share - share) < 1e-12:
+            return
+        end_old, start_new = self._since(split, rec, now)
+        self._new_period(rec, share, start_new, end_old)
+
+    @staticmethod
+    def _new_period(rec: ExperimentRecord, share: float, since: datetime, until: datetime | None = None) -> None:
+        if rec.srm_periods:
+            rec.srm_periods[-1] = rec.srm_periods[-1].model_copy(update={"until": until or since})
+        rec.srm_periods = [*rec.srm_periods, SrmPeriod(share=share, since=since)]
 
     def _step(self, rec: ExperimentRecord) -> StepContext:
         i = min(rec.step, len(rec.ramp) - 1)
@@ -237,9 +284,12 @@ class RolloutController:
                 rec.state = "rolled_back"
                 rec.ramp[step.index].left_at = now
                 rec.note(now, f"rolled back {split.challenger_version}: {d.reason}")
+                if d.inconclusive and split.challenger_version:
+                    self._unquarantine(rec, split.challenger_version, now)
         elif d.action == "ramp":
             nxt = rec.ramp[step.index + 1]
             if self._apply(lambda: self.gate.plan_ramp(nxt.share, by=CONTROLLER_ACTOR, reason=d.reason)):
+                self._new_period(rec, nxt.share, now)
                 rec.ramp[step.index].left_at = now
                 nxt.entered_at = now
                 rec.step = step.index + 1
@@ -255,6 +305,14 @@ class RolloutController:
                 rec.state = "promoted"
                 rec.ramp[step.index].left_at = now
                 rec.note(now, f"promoted {version}: {d.reason}")
+
+    def _unquarantine(self, rec: ExperimentRecord, version: str, now: datetime) -> None:
+        """An inconclusive rollback showed no harm: what the version served stays eligible for training
+        (a rollback quarantines by default; a flywheel whose candidates all end inconclusive would
+        otherwise stop learning from the traffic they served)."""
+        why = "inconclusive: nothing showed it harmful, so its served data stays eligible for training"
+        if self._apply(lambda: self.gate.plan_unquarantine(version, by=CONTROLLER_ACTOR, reason=why)):
+            rec.note(now, f"{version} not quarantined: {why}")
 
     def _apply(self, make: Callable[[], Plan]) -> bool:
         try:

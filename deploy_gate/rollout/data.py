@@ -41,6 +41,10 @@ USER_COLUMNS = {
     "empty": pl.Int64(),
     "errors": pl.Int64(),
     "length_sum": pl.Float64(),
+    "latency_sum": pl.Float64(),  # over generations with a latency: the latency guardrail is per user
+    # The user's rewards before the experiment started (any version): the covariate of regression adjustment.
+    "pre_reward_n": pl.Int64(),
+    "pre_reward_sum": pl.Float64(),
 }
 
 
@@ -50,6 +54,7 @@ class Aggregates:
     latency_p95_ms: dict[str, float | None]
     latency_n: dict[str, int]
     reward_version: str | None
+    pre_rate: float | None = None  # reward per generation over the pre-experiment period (all its users)
 
 
 def _arm_filter(arm_col: pl.Expr, version_col: pl.Expr, arms: dict[str, str]) -> pl.Expr:
@@ -168,6 +173,7 @@ def load(
     since: datetime | None = None,
     reward_version: str | None = None,
     cache: FileCache | None = None,
+    pre_period_s: float = 0.0,
 ) -> Aggregates:
     rewards, version = reward_rows(lake, arms, since=since, reward_version=reward_version, cache=cache)
     per_user: list[pl.DataFrame] = []
@@ -198,6 +204,7 @@ def load(
                 pl.col("empty").sum().cast(pl.Int64).alias("empty"),
                 pl.col("truncated").sum().cast(pl.Int64).alias("errors"),
                 pl.col("length").sum().cast(pl.Float64).alias("length_sum"),
+                pl.col("latency_ms").fill_null(0.0).sum().alias("latency_sum"),
             )
         )
         lat = gens.group_by("arm").agg(
@@ -206,7 +213,44 @@ def load(
         for row in lat.iter_rows(named=True):
             latency_p95[row["arm"]] = row["p95"]
             latency_n[row["arm"]] = int(row["n"])
-    return Aggregates(_merge(per_user), latency_p95, latency_n, version)
+    users = _merge(per_user)
+    pre_rate = None
+    if since is not None and pre_period_s > 0:
+        pre = pre_period(lake, since, pre_period_s, version, cache)
+        if pre is not None and not pre.is_empty():
+            n, total = int(pre["pre_reward_n"].sum()), float(pre["pre_reward_sum"].sum())
+            pre_rate = total / n if n else None
+            users = users.drop("pre_reward_n", "pre_reward_sum").join(pre, on="user_id", how="left").with_columns(
+                pl.col("pre_reward_n").fill_null(0), pl.col("pre_reward_sum").fill_null(0.0)
+            ).select(list(USER_COLUMNS))
+    return Aggregates(users, latency_p95, latency_n, version, pre_rate)
+
+
+def pre_period(
+    lake: str | Path, before: datetime, seconds: float, reward_version: str | None, cache: FileCache | None = None
+) -> pl.DataFrame | None:
+    """Each user's rewards (count, sum) in the `seconds` before `before`, whatever version served them.
+
+    Fixed before assignment, so adjusting on it cannot bias the difference; one reward definition only, the
+    experiment's, so the covariate and the metric are the same quantity.
+    """
+    from datetime import timedelta
+
+    df = _frame(REWARDS, lake, _slim_rewards, cache)
+    if df is None or reward_version is None:
+        return None
+    df = df.filter(
+        (pl.col("window_start") < before)
+        & (pl.col("window_start") >= before - timedelta(seconds=seconds))
+        & (pl.col("reward_version") == reward_version)
+    )
+    if df.is_empty():
+        return None
+    revised = int(df["revision"].max() or 0) > 0  # type: ignore[arg-type]
+    df = REWARDS.latest(df) if revised else df.unique(["generation_id"], keep="any")
+    return df.group_by("user_id").agg(
+        pl.len().cast(pl.Int64).alias("pre_reward_n"), pl.col("reward").sum().cast(pl.Float64).alias("pre_reward_sum")
+    )
 
 
 def generation_rows(

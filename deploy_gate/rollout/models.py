@@ -27,26 +27,59 @@ class RampView(_Model):
 
 
 class ArmView(_Model):
+    """One arm over all its users: mean reward per generation and its 1 - alpha interval, users as the unit."""
+
     users: int
     generations: int
     mean: float | None
     ci: tuple[float, float] | None
 
 
+class StratumView(_Model):
+    """One ramp step's users (by the step they were first seen in) and its own difference."""
+
+    step: int
+    users: list[int]  # champion, challenger
+    estimate: float | None
+
+
 class DifferenceView(_Model):
+    """Challenger minus champion, stratified by ramp step. What decides is `sequential_ci` (always valid,
+    regression-adjusted) at `alpha`; `p_value` is the sequential p-value of the same test. `ci` is the
+    fixed-sample interval of the unadjusted estimate, shown for reference only (not valid when peeked at)."""
+
     estimate: float
     ci: tuple[float, float]
     sequential_ci: tuple[float, float]
     alpha: float
     method: str
     p_value: float | None = None
+    adjusted_estimate: float | None = None
+    unadjusted_sequential_ci: tuple[float, float] | None = None
+    variance_reduction: float | None = None  # 1 - Var(adjusted) / Var(unadjusted)
+    decisive: bool = True  # False below the evidence floor: the interval is shown, not yet trusted or acted on
+    strata: list[StratumView] = []
+
+
+class SrmPeriod(_Model):
+    """A span of time with one challenger share in force; `until` None: still in force."""
+
+    share: float
+    since: datetime
+    until: datetime | None = None
 
 
 class SrmView(_Model):
+    """Users first seen since `since`, by their first arm, against the shares in force (the current period);
+    `p_value` is the sequential test's over every period since the test was (re-)armed."""
+
     observed: list[int]
     expected_shares: list[float]
     p_value: float
     alarm: bool
+    since: datetime | None = None
+    periods: int = 1
+    method: str = ""
 
 
 class GuardrailView(_Model):
@@ -59,12 +92,33 @@ class GuardrailView(_Model):
     bound: str
     ok: bool
     kind: Literal["guardrail", "reward_hacking", "info"] = "guardrail"
+    ci: tuple[float, float] | None = None  # always-valid interval of challenger - champion, at `alpha`
+    alpha: float | None = None
 
 
 class DecisionView(_Model):
     action: DecisionAction
     reason: str
     at: datetime
+    # A rollback for want of evidence, not for harm shown: the version's served data is not quarantined.
+    inconclusive: bool = False
+
+
+class PowerView(_Model):
+    """What this experiment's traffic can resolve, before and during it (80% power, the deciding alpha)."""
+
+    users: int  # users compared so far (both arms)
+    min_arm_users: int  # no test decides before each arm has this many
+    per_user_sd: float | None  # of the adjusted difference, per user (s in s / sqrt(N))
+    detectable_now: float | None  # smallest true difference resolved at today's users
+    users_projected: int | None  # at the maximum duration, at the arrival rate so far
+    detectable_projected: float | None
+    champion_level: float | None
+    margin: float | None  # absolute: share x champion level
+    margin_share: float
+    users_for_margin: int | None  # users needed to resolve a difference of the margin
+    users_for_changes: dict[str, int | None]  # "-10%": users needed for a 10% change of the champion's level
+    note: str
 
 
 class AnalysisView(_Model):
@@ -76,6 +130,7 @@ class AnalysisView(_Model):
     srm: SrmView
     guardrails: list[GuardrailView]
     decision: DecisionView
+    power: PowerView | None = None
     # Visible warnings that are not (yet) a rollback, e.g. "reward_up_explicit_down".
     flags: list[str] = []
 
@@ -111,6 +166,9 @@ class ExperimentView(_Model):
     analysis: AnalysisView | None
     timeline: list[TimelineEntry]
     holdout: HoldoutView | None
+    srm_periods: list[SrmPeriod] = []
+    plan: PowerView | None = None  # before the challenger has rewards: what the traffic could resolve
+    bucket: str = "1h"  # the time chart's bucket, following the experiment's length
 
 
 class SeriesBucket(_Model):

@@ -250,32 +250,58 @@
   function renderDifference(exp) {
     const a = exp && exp.analysis;
     if (!a) {
-      fill('difference', empty('No experiment analysis yet.'));
+      // Before the challenger has rewards the gate still says what this traffic could resolve.
+      fill('difference', exp && exp.plan
+        ? el('p', { class: 'muted', 'data-field': 'power-note' }, exp.plan.note)
+        : empty('No experiment analysis yet.'));
       fill('srm', empty('No experiment analysis yet.'));
       return;
     }
     const d = a.difference;
-    if (d) renderEffect(d); // null while an arm has too few users for an interval
-    else fill('difference', empty('Too few users in an arm for an interval yet.'));
+    if (d) renderEffect(d, a.power); // null while an arm has too few users for an interval
+    else {
+      fill('difference', el('p', { class: 'muted' }, 'Too few users in an arm for an interval yet. ',
+        a.power ? el('span', { 'data-field': 'power-note' }, a.power.note) : ''));
+    }
     const srm = a.srm;
     fill('srm', el('p', null, badge(!srm.alarm, 'no mismatch', 'MISMATCH: ramp frozen'),
-      ` p = ${srm.p_value === null ? '–' : srm.p_value.toPrecision(3)}; users observed ${srm.observed.join(' / ')}, ` +
-      `expected shares ${srm.expected_shares.map(pct).join(' / ')}.`));
+      ` sequential p = ${srm.p_value === null ? '–' : srm.p_value.toPrecision(3)} over ${srm.periods} period(s); ` +
+      `users observed ${srm.observed.join(' / ')} since ${srm.since ? when(srm.since) : 'the start'}, ` +
+      `against the shares in force ${srm.expected_shares.map(pct).join(' / ')}.`,
+      el('span', { class: 'muted small' }, ` ${srm.method || ''}`)));
   }
 
-  function renderEffect(d) {
+  function renderEffect(d, power) {
+    // What decides: the always-valid interval of the regression-adjusted, step-stratified difference.
     const seq = d.sequential_ci;
-    const verdict = seq[0] > 0 ? 'challenger better' : seq[1] < 0 ? 'challenger worse' : 'not yet decided';
-    fill('difference', el('dl', { class: 'facts' },
-      el('dt', null, 'estimate'), el('dd', { 'data-field': 'diff-estimate' }, fmt(d.estimate)),
+    const decisive = d.decisive !== false;
+    const verdict = !decisive ? 'not enough evidence yet' : seq[0] > 0 ? 'challenger better'
+      : seq[1] < 0 ? 'challenger worse' : 'not yet decided';
+    const cls = !decisive ? 'badge' : seq[0] > 0 ? 'badge ok' : seq[1] < 0 ? 'badge bad' : 'badge';
+    const num = (x) => (x === null || x === undefined ? '–' : x.toPrecision(3));
+    const facts = [
+      el('dt', null, 'estimate (adjusted)'), el('dd', { 'data-field': 'diff-adjusted' }, fmt(d.adjusted_estimate)),
       el('dt', null, `always-valid ${pct(1 - d.alpha)} interval`),
-      el('dd', { 'data-field': 'diff-sequential' }, ci(seq), ' ',
-        el('span', { class: seq[0] > 0 ? 'badge ok' : seq[1] < 0 ? 'badge bad' : 'badge' }, verdict)),
+      el('dd', { 'data-field': 'diff-sequential' }, ci(seq), ' ', el('span', { class: cls }, verdict)),
+      el('dt', null, 'sequential p'), el('dd', { 'data-field': 'diff-p' }, num(d.p_value)),
+      el('dt', null, 'estimate (unadjusted)'), el('dd', { 'data-field': 'diff-estimate' }, fmt(d.estimate)),
+      el('dt', null, 'unadjusted always-valid interval'), el('dd', null, ci(d.unadjusted_sequential_ci)),
+      el('dt', null, 'variance removed by adjustment'),
+      el('dd', { 'data-field': 'diff-reduction' }, d.variance_reduction === null ? '–' : pct(d.variance_reduction)),
+      el('dt', null, 'by ramp step'), el('dd', { class: 'small' }, (d.strata || []).map((s) =>
+        `step ${s.step}: ${s.users.join(' / ')} users, ${s.estimate === null ? '–' : fmt(s.estimate)}`).join('; ')),
       el('dt', null, 'fixed-sample interval'), el('dd', null, ci(d.ci), ' ',
-        el('span', { class: 'muted small' }, '(valid only at one planned look)')),
-      el('dt', null, 'fixed-sample p'), el('dd', { 'data-field': 'diff-p' },
-        d.p_value === null || d.p_value === undefined ? '–' : d.p_value.toPrecision(3)),
-      el('dt', null, 'method'), el('dd', { class: 'small' }, d.method)));
+        el('span', { class: 'muted small' }, '(reference only: not valid when looked at repeatedly)')),
+      el('dt', null, 'method'), el('dd', { class: 'small' }, d.method),
+    ];
+    if (power) {
+      facts.push(el('dt', null, 'what this traffic can resolve'),
+        el('dd', { 'data-field': 'power-note' }, power.note),
+        el('dt', null, 'users needed (80% power)'), el('dd', { 'data-field': 'power-users', class: 'small' },
+          Object.entries(power.users_for_changes).map(([k, n]) => `${k} of the champion: ${n === null ? '–' : n}`)
+            .join('; ')));
+    }
+    fill('difference', el('dl', { class: 'facts' }, ...facts));
   }
 
   function renderGuardrails(exp) {
@@ -289,8 +315,9 @@
       const rails = a.guardrails.slice().sort((x, y) => rank(x) - rank(y));
       fill('guardrails', table(
         [{ label: 'check', key: 'name' }, { label: 'kind', key: 'kind' }, { label: 'champion', num: true, key: 'champion' },
-          { label: 'challenger', num: true, key: 'challenger' }, { label: 'bound' }, { label: '', key: 'ok' }],
-        rails.map((g) => [g.name, KIND_LABEL[g.kind], fmt(g.champion), fmt(g.challenger), g.bound,
+          { label: 'challenger', num: true, key: 'challenger' }, { label: 'always-valid interval of the change', key: 'ci' },
+          { label: 'bound' }, { label: '', key: 'ok' }],
+        rails.map((g) => [g.name, KIND_LABEL[g.kind], fmt(g.champion), fmt(g.challenger), g.ci ? ci(g.ci) : '–', g.bound,
           g.kind === 'info' ? el('span', { class: 'badge' }, 'info') : badge(g.ok, 'ok', 'breached')]),
         (i) => ({ 'data-guardrail': rails[i].name })));
     }
@@ -423,6 +450,10 @@
   // ---- refresh loop ----------------------------------------------------------------------
 
   async function refresh() {
+    // The page's bucket if one was asked for (?bucket=), else the experiment's own (minutes for a demo).
+    if (!document.body.dataset.bucketAsked) {
+      try { document.body.dataset.bucket = (await load('api/experiment')).bucket || '1h'; } catch (e) { /* idle */ }
+    }
     const bucket = encodeURIComponent(document.body.dataset.bucket || '1h');
     const got = await Promise.allSettled([
       load('api/experiment'), load('api/split'), load('api/versions'), load('api/audit?limit=50'),

@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
+from flywheel.bus.security import client_security
 from flywheel.bus.types import (
     BrokerUnavailable,
     Consumer,
@@ -25,13 +26,14 @@ from flywheel.settings import Settings
 
 __all__ = [
     "BrokerUnavailable", "Consumer", "Outgoing", "Producer", "Record", "RecordBatch", "ensure_topics",
-    "make_consumer", "make_producer", "next_offsets",
+    "client_security", "make_consumer", "make_producer", "next_offsets",
 ]
 
 log = logging.getLogger(__name__)
 
 
 def make_producer(settings: Settings, **config: object) -> Producer:
+    config = {**client_security(settings), **config}
     if settings.kafka_client == "confluent":
         from flywheel.bus.confluent import ConfluentProducer
 
@@ -42,6 +44,7 @@ def make_producer(settings: Settings, **config: object) -> Producer:
 
 
 def make_consumer(settings: Settings, topics: Sequence[str], group_id: str, **config: object) -> Consumer:
+    config = {**client_security(settings), **config}
     if settings.kafka_client == "confluent":
         from flywheel.bus.confluent import ConfluentConsumer
 
@@ -58,7 +61,7 @@ def ensure_topics(settings: Settings, names: Sequence[str] | None = None) -> Non
     from kafka.errors import TopicAlreadyExistsError
 
     names = list(names or (settings.events_topic, settings.rewards_topic, settings.dead_letter_topic))
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers.split(","))
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers.split(","), **client_security(settings))
     try:
         existing = set(admin.list_topics())
         missing = [n for n in names if n not in existing]

@@ -24,6 +24,8 @@ _KAFKA_PYTHON_NAMES: dict[str, str | None] = {
     "heartbeat_interval_ms": "heartbeat.interval.ms",
     "max_poll_records": None,
     "linger_ms": "linger.ms",
+    "sasl_plain_username": "sasl.username",
+    "sasl_plain_password": "sasl.password",
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+from flywheel.bus.security import client_security
 from flywheel.bus.types import Record
 from flywheel.settings import Settings
 
@@ -33,11 +34,11 @@ def topic_reader(settings: Settings, topic: str) -> Iterator[TopicReader]:
     if settings.kafka_client == "confluent":
         from flywheel.bus.confluent import ConfluentTopicReader
 
-        reader = ConfluentTopicReader(settings.kafka_bootstrap_servers, topic)
+        reader = ConfluentTopicReader(settings.kafka_bootstrap_servers, topic, **client_security(settings))
     else:
         from flywheel.bus.kafka_python import KafkaPythonTopicReader
 
-        reader = KafkaPythonTopicReader(settings.kafka_bootstrap_servers, topic)
+        reader = KafkaPythonTopicReader(settings.kafka_bootstrap_servers, topic, **client_security(settings))
     try:
         yield reader
     finally:

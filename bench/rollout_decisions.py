@@ -1,0 +1,275 @@
+"""Benchmark: the rollout controller's decisions over simulated experiments, demo and production alike.
+
+Every row runs `--experiments` simulated experiments (clustered users: 3% heavy users with about
+200 generations, the rest about 5) through the controller's own rules
+(`deploy_gate.rollout.rules.judge`, via `deploy_gate.rollout.calibration`), ramp, guardrails,
+sequential SRM and all, looked at every tick (the demo) or every hour (14-day experiments). Rows:
+
+- A/A: wrong decisions (promoted as a win, rolled back as worse or on a guardrail), SRM false
+  alarms, and how the rest ended; the target is at most alpha (5%) and the SRM alpha (0.1%).
+- a challenger whose users accept 10% less often: the share promoted (target at most 1%).
+- a trend shared by both arms (drift): the mean estimate, which stratifying by step keeps near 0.
+- SRM power: 5% of the challenger's users lost before the lake.
+- power curves: users needed at 80% power for -10%, +5%, +10%, +20% changes in accept rate, without
+  and with regression adjustment, on users whose behaviour persists and on users whose does not.
+
+`--through-analyse N` instead runs N experiments of the demo configuration through
+`deploy_gate.rollout.analysis.analyse` on polars frames, one call per tick, as the controller does
+(slow; it also runs against the code before this bench existed, which is how the issue's table was
+reproduced: see the README).
+
+    python bench/rollout_decisions.py [--experiments 1000]
+    python bench/rollout_decisions.py --through-analyse 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+
+from deploy_gate.rollout.config import RampStep, RolloutConfig
+from deploy_gate.rollout.population import Population, users
+
+# The demo's rollout configuration, as `flywheel up` sets it (launcher/up.py, DEMO_ROLLOUT_ENV).
+DEMO = {
+    "ramp": [{"share": 0.25, "min_users": 1, "min_seconds": 60}, {"share": 0.5, "min_users": 2, "min_seconds": 120}],
+    "max_duration_s": 600, "tuning_n": 100, "interval_s": 10, "srm_min_users": 50,
+}  # fmt: skip
+DAY = 86400.0
+
+
+def demo_config(**extra: Any) -> RolloutConfig:
+    fields = RolloutConfig.model_fields
+    return RolloutConfig(**{k: v for k, v in {**DEMO, **extra}.items() if k in fields})
+
+
+def check_demo_matches_launcher() -> None:
+    from launcher.up import DEMO_ROLLOUT_ENV
+
+    env = {k.removeprefix("FLYWHEEL_ROLLOUT_").lower(): json.loads(v) for k, v in DEMO_ROLLOUT_ENV.items()}
+    assert {k: env[k] for k in DEMO} == DEMO, f"launcher/up.py's demo configuration changed: {env}"
+
+
+def configurations() -> list[tuple[str, RolloutConfig, int, float]]:
+    """(name, config, users over the maximum duration, seconds between looks)."""
+    one = RolloutConfig(ramp=[RampStep(share=0.5, min_users=200, min_seconds=600)])
+    return [
+        ("demo (flywheel up), 40 users in 10 min", demo_config(), 40, 10.0),
+        ("demo configuration, 4,000 users in 10 min", demo_config(), 4000, 10.0),
+        ("defaults, one 50% step, 2,000 users in 14 days", one, 2000, 3600.0),
+        ("defaults (5/25/50% ramp), 20,000 users in 14 days", RolloutConfig(), 20000, 3600.0),
+    ]
+
+
+def vectorised(experiments: int) -> None:
+    from deploy_gate.rollout import rules
+    from deploy_gate.rollout.calibration import Scenario, simulate
+
+    names = {v: k for k, v in vars(rules).items() if k.isupper() and isinstance(v, int) and k != "MIN_ARM_USERS"}
+    for name, cfg, n, look in configurations():
+        t0 = time.perf_counter()
+        aa = simulate(Scenario(cfg, n, look), experiments, seed=1)
+        harm = simulate(Scenario(cfg, n, look, accept_factor=0.9), experiments, seed=2)
+        ends = {names[int(c)]: f"{(aa.code == c).mean():.1%}" for c in np.unique(aa.code)}
+        print(f"{name}  ({experiments} experiments a row, {time.perf_counter() - t0:.1f}s)")
+        print(f"  A/A: wrong decisions {aa.share(*rules.WRONG_ON_AA):.1%} (alpha {cfg.alpha:.0%}); SRM false alarms "
+              f"{aa.share(rules.FREEZE_SRM):.2%} (alpha {cfg.srm_alpha:.1%}); interval ever excluded 0 past the floor "
+              f"{aa.ever_excluded_zero.mean():.1%}; ended: {ends}")  # fmt: skip
+        mde = np.nanmedian(harm.mde) if np.isfinite(harm.mde).any() else float("nan")
+        print(f"  10%-worse challenger (true difference {harm_size(cfg):+.3f}): promoted "
+              f"{harm.share(rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR):.1%}, rolled back as worse or on a "
+              f"guardrail {harm.share(rules.ROLLBACK_WORSE, rules.ROLLBACK_GUARDRAIL):.1%}; minimum detectable "
+              f"difference stated at the decision (median) {mde:.3f}; A/A promoted as non-inferior "
+              f"{aa.share(rules.PROMOTE_NON_INFERIOR):.1%}")  # fmt: skip
+    cfg = RolloutConfig()
+    drift = simulate(Scenario(cfg, 20000, 3600.0, drift=0.3), experiments, seed=3)
+    print(f"drift: both arms' accept rate +30% over 14 days, defaults, 20,000 users: A/A wrong "
+          f"{drift.share(*rules.WRONG_ON_AA):.1%}; mean estimate stratified by step "
+          f"{np.nanmean(drift.raw_estimate):+.4f} "
+          f"(adjusted {np.nanmean(drift.estimate):+.4f}), the steps pooled {np.nanmean(drift.pooled_estimate):+.4f} "
+          f"(sd of one estimate {np.nanstd(drift.raw_estimate):.4f})")  # fmt: skip
+    one = configurations()[2]
+    big = simulate(Scenario(one[1], one[2], one[3], accept_factor=0.8), experiments, seed=6)
+    promoted = big.share(rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR)
+    print(f"{one[0]}: a challenger whose users accept 20% less (true {harm_size(one[1], factor=0.8):+.3f}, beyond the "
+          f"stated minimum detectable difference): promoted {promoted:.1%}, rolled back as worse or on a guardrail "
+          f"{big.share(rules.ROLLBACK_WORSE, rules.ROLLBACK_GUARDRAIL):.1%}")
+    lost = simulate(Scenario(cfg, 20000, 3600.0, srm_loss=0.05), experiments, seed=4)
+    print(f"SRM power: 5% of the challenger's users lost, defaults, 20,000 users: frozen "
+          f"{lost.share(rules.FREEZE_SRM):.1%}")
+
+
+def srm_calibration(experiments: int = 100_000) -> None:
+    """The sequential SRM test alone on many more experiments: its false-alarm rate against its alpha."""
+    import math
+
+    from deploy_gate.rollout.evidence import srm_log_bayes_factor
+
+    rng = np.random.default_rng(8)
+    cfg = RolloutConfig()
+    shares = np.array([s.share for s in cfg.ramp])
+    theta = np.stack([1 - shares, shares], axis=-1)
+    counts = np.zeros((experiments, len(shares), 2))
+    alarm = np.zeros(experiments, dtype=bool)
+    for look in range(1, 337):  # 14 days of hourly looks, 20,000 users; steps change after 20 and 60 hours
+        step = 0 if look <= 20 else 1 if look <= 60 else 2
+        n = rng.poisson(20000 / 336, experiments)
+        challenger = rng.binomial(n, shares[step])
+        counts[:, step, 1] += challenger
+        counts[:, step, 0] += n - challenger
+        log_bf = srm_log_bayes_factor(counts, np.broadcast_to(theta, counts.shape)).sum(axis=-1)
+        alarm |= log_bf >= math.log(1 / cfg.srm_alpha)
+    print(f"SRM alone, {experiments:,} A/A experiments of 20,000 users over the default ramp, looked at hourly: "
+          f"false alarms {alarm.mean():.3%} (alpha {cfg.srm_alpha:.1%})")
+
+
+def harm_size(cfg: RolloutConfig, pop: Population | None = None, factor: float = 0.9) -> float:
+    """True difference in reward per generation of a challenger whose users accept `factor` times as often."""
+    pop = pop or Population()
+    rng = np.random.default_rng(0)
+    a = users(rng, 200_000, pop, np.ones(200_000), np.ones(200_000))
+    b = users(rng, 200_000, pop, np.full(200_000, factor), np.ones(200_000))
+    return float(b["reward_sum"].sum() / b["reward_n"].sum() - a["reward_sum"].sum() / a["reward_n"].sum())
+
+
+def power_curves() -> None:
+    """Users needed at 80% power, from the per-user variance of the difference with and without adjustment."""
+    from deploy_gate.rollout import rules
+    from deploy_gate.rollout.evidence import compare, moments, users_to_resolve
+    from deploy_gate.rollout.population import covariate, pre_rate
+
+    cfg = RolloutConfig()
+    alpha = rules.alphas(cfg)[0]
+    print(f"power curves, defaults (alpha {alpha:g} for the primary metric, N* {cfg.tuning_n:g}): users needed "
+          "(both arms) at 80% power")  # fmt: skip
+    for persistence in (1.0, 0.0):
+        pop = Population(persistence=persistence)
+        rng = np.random.default_rng(5)
+        row = []
+        for change in (-0.10, 0.05, 0.10, 0.20):
+            n = 200_000
+            a = users(rng, n, pop, np.ones(n), np.ones(n))
+            b = users(rng, n, pop, np.full(n, 1 + change), np.ones(n))
+            cells = np.stack([
+                moments(c["reward_n"], c["reward_sum"], covariate(c, pre_rate(pop))) for c in (a, b)
+            ])[None, None]  # fmt: skip
+            cmp = compare(cells)
+            true = float(cmp.estimate[0])
+            raw = float(users_to_resolve(cmp.raw_variance * 2 * n, true, alpha, cfg.tuning_n)[0])
+            adj = float(users_to_resolve(cmp.variance * 2 * n, true, alpha, cfg.tuning_n)[0])
+            row.append(f"{change:+.0%} ({true:+.4f}): {raw:,.0f} -> {adj:,.0f} ({raw / adj:.2f}x)")
+        print(f"  behaviour {'persists' if persistence else 'does not persist'}: " + "; ".join(row))
+    check_power(cfg, alpha)
+
+
+def check_power(cfg: RolloutConfig, alpha: float, experiments: int = 1000) -> None:
+    """The users-needed formula against simulation: at the stated users, the share of experiments whose
+    adjusted interval excludes 0 (one look at that size) should be about 80%."""
+    from deploy_gate.rollout.evidence import compare, half_width, moments, users_to_resolve
+    from deploy_gate.rollout.population import covariate, pre_rate
+
+    pop = Population()
+    rng = np.random.default_rng(9)
+    big = 100_000
+    a = users(rng, big, pop, np.ones(big), np.ones(big))
+    b = users(rng, big, pop, np.full(big, 1.2), np.ones(big))
+    probe = compare(np.stack([moments(c["reward_n"], c["reward_sum"], covariate(c, pre_rate(pop))) for c in (a, b)])[
+        None, None])  # fmt: skip
+    need = float(users_to_resolve(probe.variance * 2 * big, float(probe.estimate[0]), alpha, cfg.tuning_n)[0])
+    half = int(need // 2)
+    cells = np.zeros((experiments, 1, 2, 10))
+    for arm, factor in ((0, 1.0), (1, 1.2)):
+        c = users(rng, experiments * half, pop, np.full(experiments * half, factor), np.ones(experiments * half))
+        z = covariate(c, pre_rate(pop))
+        cells[:, 0, arm] = moments(c["reward_n"].reshape(experiments, half), c["reward_sum"].reshape(experiments, half),
+                                   z.reshape(experiments, half))  # fmt: skip
+    cmp = compare(cells)
+    lo = cmp.adjusted - half_width(cmp.variance, cmp.users, alpha, cfg.tuning_n)
+    print(f"  check: +20% at the stated {2 * half:,} users, {experiments} simulated experiments: the adjusted interval "
+          f"excludes 0 in {(lo > 0).mean():.1%} (target 80%)")
+
+
+def through_analyse(experiments: int) -> None:
+    """The demo configuration through `analyse` itself, one polars frame per tick (runs on older code too)."""
+    import polars as pl
+
+    from deploy_gate.rollout import analysis
+    from deploy_gate.rollout.data import USER_COLUMNS, Aggregates
+
+    cfg = demo_config(non_inferiority_margin=0.25)
+    params = inspect.signature(analysis.analyse).parameters
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    pop = Population()
+    for factor, label in ((1.0, "A/A"), (0.9, "10%-worse challenger")):
+        rng = np.random.default_rng(11 if factor == 1.0 else 12)
+        ends: dict[str, int] = {}
+        ever = 0
+        for _ in range(experiments):
+            rows: list[dict[str, Any]] = []
+            lat: dict[str, list[np.ndarray]] = {"champion": [], "challenger": []}
+            step, entered, starts, excluded = 0, t0, [t0], False
+            outcome = "undecided"
+            for look in range(1, 200):
+                now = t0 + timedelta(seconds=10 * look)
+                k = rng.poisson(40 / 60)
+                shares = cfg.ramp[step].share
+                for _u in range(k):
+                    arm = "challenger" if rng.random() < shares else "champion"
+                    c = users(rng, 1, pop, np.array([factor if arm == "challenger" else 1.0]), np.ones(1))
+                    row = {col: float(v[0]) for col, v in c.items()}
+                    lat[arm].append(row["latency_mu"] * rng.lognormal(0, 0.3, int(row["generations"])))
+                    rows.append({**row, "arm": arm, "user_id": f"u{len(rows)}", "first_seen": now})
+                if not rows:
+                    continue
+                frame = pl.DataFrame([{c: r.get(c, 0) for c in USER_COLUMNS} for r in rows], schema=USER_COLUMNS)
+                p95 = {a: float(np.quantile(np.concatenate(v), 0.95)) if v else None for a, v in lat.items()}
+                nlat = {a: int(sum(x.size for x in v)) for a, v in lat.items()}
+                agg = Aggregates(frame, p95, nlat, "rules-v1")
+                ctx = analysis.StepContext(index=step, share=shares, min_users=cfg.ramp[step].min_users,
+                                           min_seconds=cfg.ramp[step].min_seconds, entered_at=entered,
+                                           last=step == len(cfg.ramp) - 1)  # fmt: skip
+                kw: dict[str, Any] = {"started_at": t0, "now": now}
+                if "step_starts" in params:
+                    kw["step_starts"] = starts
+                view = analysis.analyse(agg, ctx, cfg, **kw)
+                if view is None:
+                    continue
+                d = view.difference
+                decisive = getattr(d, "decisive", True)  # the code before the evidence floor trusted every interval
+                excluded |= d is not None and decisive and (d.sequential_ci[0] > 0 or d.sequential_ci[1] < 0)
+                action, reason = view.decision.action, view.decision.reason
+                if action == "ramp":
+                    step, entered = step + 1, now
+                    starts.append(now)
+                elif action in ("promote", "rollback", "freeze"):
+                    outcome = f"{action}: {reason.split(':')[0].split(' (')[0]}"
+                    break
+            ends[outcome] = ends.get(outcome, 0) + 1
+            ever += excluded
+        print(f"through analyse(), demo configuration, 40 users in 10 min, {label}, {experiments} experiments: "
+              f"interval ever excluded 0 {ever / experiments:.1%}; "
+              + ", ".join(f"{k} {v / experiments:.1%}" for k, v in sorted(ends.items(), key=lambda kv: -kv[1])))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experiments", type=int, default=1000)
+    ap.add_argument("--through-analyse", type=int, default=0, metavar="N")
+    args = ap.parse_args()
+    if args.through_analyse:
+        through_analyse(args.through_analyse)
+        return
+    check_demo_matches_launcher()
+    vectorised(args.experiments)
+    srm_calibration()
+    power_curves()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The decision rules, vectorised over experiments: one procedure for the demo and for production.
+
+`judge` takes the per-(step, arm) cells of every metric and the experiment's clock and ramp state,
+and returns one action code per experiment. The controller calls it with one experiment; the
+calibration bench with thousands, so the figures it prints are those of this code. What must hold,
+whatever the configuration (the bench measures each):
+
+- **Error budget.** Wrong decisions on an A/A experiment (promote as a win, roll back as worse or
+  on a guardrail) stay at most α over every look: the primary metric's confidence sequence gets
+  α/2 (two-sided: a win and a loss each), the guardrails share the other α/2 (Bonferroni).
+- **Evidence floor.** No test decides before each arm has `MIN_ARM_USERS` users in comparable
+  steps. The confidence sequence is asymptotic: with a few heavy users carrying most generations,
+  the normal approximation needs users, not generations (measured by `bench/rollout_decisions.py`).
+  It is a constant, not a setting: a demo with eight users must say "not enough evidence yet",
+  not decide on a tuned-down test. Zero or undefined variance is no evidence either.
+- **Guardrails are deterioration tests.** A guardrail trips when its interval shows any harm (the
+  whole interval on the harmful side of 0), so a harm smaller than the configured bound is caught
+  too; the bound is what the dashboard reports beside it. Two exceptions keep a tolerance: mean
+  length may drift both ways within its ratio bounds, and latency (each user's mean) may rise up to
+  `latency_p95_ratio` x the champion's, since two versions served by one machine differ by whatever
+  else it does; each trips when its interval leaves the tolerance.
+- **A relative non-inferiority margin.** At the maximum duration the challenger is promoted if the
+  interval's lower end is above −(margin share × the champion's level); without a positive champion
+  level there is no margin and nothing is promoted as non-inferior.
+- **Honest about the sample.** At the maximum duration, an experiment that has not resolved its
+  margin rolls back as inconclusive and says how many users the margin would have needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from deploy_gate.rollout.config import RolloutConfig
+from deploy_gate.rollout.evidence import Comparison, compare, half_width, sequential_p_value
+
+# Users per arm (in comparable steps) before any test may decide; see the module's doc and the bench.
+MIN_ARM_USERS = 200
+
+Harm = Literal["rise", "fall", "drift", "ratio"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    numerator: str  # per-user column summed into y
+    denominator: str  # per-user column summed into x
+    harm: Harm | None  # None: the primary metric, or information only
+    kind: Literal["primary", "guardrail", "reward_hacking", "info"]
+    bound_field: str | None = None  # RolloutConfig field holding the bound shown beside it
+
+
+PRIMARY = Metric("satisfaction", "reward_sum", "reward_n", None, "primary")
+# Reward hacking: a policy can raise its reward by dropping suggestions users would have accepted
+# (declining costs nothing, a reject costs 0.25), by answering blank instead of declining, or by
+# drifting in length; explicit thumbs are the one signal it cannot shape. Accepts are known once a
+# generation's reward is, so they are counted per rewarded generation.
+GUARDRAILS = (
+    Metric("latency_ms", "latency_sum", "generations", "ratio", "guardrail", "latency_p95_ratio"),
+    Metric("error_rate", "errors", "generations", "rise", "guardrail", "error_rate_rise"),
+    Metric("undo_rate", "undone", "generations", "rise", "guardrail", "undo_rate_rise"),
+    Metric("thumbs_down_rate", "thumbs_down", "generations", "rise", "guardrail", "thumbs_down_rate_rise"),
+    Metric("accepted_rate", "accepted", "reward_n", "fall", "reward_hacking", "accepted_rate_fall"),
+    Metric("empty_rate", "empty", "generations", "rise", "reward_hacking", "empty_rate_rise"),
+    Metric("explicit_up_rate", "thumbs_up", "generations", "fall", "reward_hacking", "explicit_up_rate_fall"),
+    # Length is of what is suggested: a declined generation shows nothing and is not a short one.
+    Metric("mean_length_chars", "length_sum", "suggested", "drift", "reward_hacking"),
+)
+INFO = (
+    Metric("shown_rate", "shown", "generations", None, "info"),
+    Metric("declined_rate", "declined", "generations", None, "info"),
+)
+METRICS = (PRIMARY, *GUARDRAILS, *INFO)
+
+# Action codes, in the order of precedence `judge` applies them.
+FREEZE_SRM = 0
+CONTINUE_STEP_USERS = 1
+ROLLBACK_STEP_USERS = 2
+CONTINUE_EVIDENCE = 3
+ROLLBACK_NO_EVIDENCE = 4
+ROLLBACK_GUARDRAIL = 5
+ROLLBACK_WORSE = 6
+CONTINUE_MIN_TIME = 7
+RAMP = 8
+PROMOTE_WIN = 9
+PROMOTE_NON_INFERIOR = 10
+ROLLBACK_INCONCLUSIVE = 11
+CONTINUE_LAST = 12
+ACTION = {
+    FREEZE_SRM: "freeze", CONTINUE_STEP_USERS: "continue", ROLLBACK_STEP_USERS: "rollback",
+    CONTINUE_EVIDENCE: "continue", ROLLBACK_NO_EVIDENCE: "rollback", ROLLBACK_GUARDRAIL: "rollback",
+    ROLLBACK_WORSE: "rollback", CONTINUE_MIN_TIME: "continue", RAMP: "ramp", PROMOTE_WIN: "promote",
+    PROMOTE_NON_INFERIOR: "promote", ROLLBACK_INCONCLUSIVE: "rollback", CONTINUE_LAST: "continue",
+}  # fmt: skip
+# Rollbacks for want of evidence: nothing showed the challenger harmful.
+INCONCLUSIVE = (ROLLBACK_STEP_USERS, ROLLBACK_NO_EVIDENCE, ROLLBACK_INCONCLUSIVE)
+# What the A/A figure counts as wrong: a win or a loss claimed where there is none.
+WRONG_ON_AA = (ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, PROMOTE_WIN)
+
+
+def alphas(config: RolloutConfig) -> tuple[float, float]:
+    """(α of the primary metric's two-sided sequence, α of each guardrail's), summing to config.alpha."""
+    return config.alpha / 2, config.alpha / 2 / len(GUARDRAILS)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A comparison with its always-valid interval at a given α, per experiment."""
+
+    comparison: Comparison
+    alpha: float
+    lo: np.ndarray
+    hi: np.ndarray
+    raw_lo: np.ndarray  # the unadjusted estimate's interval
+    raw_hi: np.ndarray
+    p_value: np.ndarray  # sequential p-value of the adjusted estimate
+
+    @classmethod
+    def of(cls, cells: np.ndarray, alpha: float, tuning: float) -> Interval:
+        c = compare(cells)
+        h = half_width(c.variance, c.users, alpha, tuning)
+        raw_h = half_width(c.raw_variance, c.users, alpha, tuning)
+        p = sequential_p_value(c.adjusted, c.variance, c.users, alpha, tuning)
+        return cls(c, alpha, c.adjusted - h, c.adjusted + h, c.estimate - raw_h, c.estimate + raw_h, p)
+
+
+@dataclass(frozen=True)
+class Clock:
+    """The ramp and the clock of each experiment, arrays of shape (E,)."""
+
+    step_users: np.ndarray  # challenger users first seen in the current step
+    step_min_users: np.ndarray
+    in_step_s: np.ndarray
+    step_min_seconds: np.ndarray
+    last: np.ndarray  # bool: the current step is the last
+    running_s: np.ndarray
+
+
+@dataclass(frozen=True)
+class Judgement:
+    code: np.ndarray  # (E,) action codes
+    primary: Interval
+    guardrails: dict[str, Interval]
+    harmed: dict[str, np.ndarray]  # guardrail name -> (E,) bool: harm shown
+    enough: np.ndarray  # (E,) bool: past the evidence floor with a defined variance
+    margin: np.ndarray  # (E,) absolute margin: share × champion level (NaN: none)
+    info: dict[str, np.ndarray]  # information-only metric -> (E, 2) each arm's ratio
+
+
+def guardrail_harm(metric: Metric, iv: Interval, config: RolloutConfig) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        if metric.harm == "rise":
+            return iv.lo > 0
+        if metric.harm == "fall":
+            return iv.hi < 0
+        level = iv.comparison.level
+        if metric.harm == "ratio":  # latency: a tolerance, not a deterioration test (see the module's doc)
+            return iv.lo > (config.latency_p95_ratio - 1) * level
+        return (iv.lo > (config.length_ratio_high - 1) * level) | (iv.hi < (config.length_ratio_low - 1) * level)
+
+
+def judge(
+    cells: dict[str, np.ndarray], srm_alarm: np.ndarray, clock: Clock, config: RolloutConfig
+) -> Judgement:
+    """One action code per experiment; `cells[metric.name]` is (E, steps, 2, MOMENTS)."""
+    a_primary, a_guard = alphas(config)
+    primary = Interval.of(cells[PRIMARY.name], a_primary, config.tuning_n)
+    rails = {m.name: Interval.of(cells[m.name], a_guard, config.tuning_n) for m in GUARDRAILS}
+    enough = (primary.comparison.arm_users.min(axis=-1) >= MIN_ARM_USERS) & np.isfinite(primary.lo)
+    harmed = {
+        m.name: guardrail_harm(m, rails[m.name], config)
+        & (rails[m.name].comparison.arm_users.min(axis=-1) >= MIN_ARM_USERS)
+        for m in GUARDRAILS
+    }
+    any_harm = np.zeros_like(enough)
+    for h in harmed.values():
+        any_harm |= h
+    with np.errstate(invalid="ignore"):
+        level = primary.comparison.level
+        margin = np.where(level > 0, config.non_inferiority_share * level, np.nan)
+        worse = primary.hi < 0
+        win = primary.lo > 0
+        non_inferior = primary.lo > -margin
+    over = clock.running_s >= config.max_duration_s
+    few = clock.step_users < clock.step_min_users
+    # np.select takes the first condition that holds: the precedence of the rules.
+    code = np.select(
+        [
+            srm_alarm,
+            few & ~over,
+            few & over,
+            ~enough & ~over,
+            ~enough & over,
+            any_harm,
+            worse,
+            clock.in_step_s < clock.step_min_seconds,
+            ~clock.last,
+            win,
+            over & non_inferior,
+            over,
+        ],
+        [
+            FREEZE_SRM, CONTINUE_STEP_USERS, ROLLBACK_STEP_USERS, CONTINUE_EVIDENCE, ROLLBACK_NO_EVIDENCE,
+            ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, CONTINUE_MIN_TIME, RAMP, PROMOTE_WIN, PROMOTE_NON_INFERIOR,
+            ROLLBACK_INCONCLUSIVE,
+        ],  # fmt: skip
+        CONTINUE_LAST,
+    )
+    info = {m.name: compare(cells[m.name]).arm_ratio for m in INFO}
+    return Judgement(code, primary, rails, harmed, enough, margin, info)

