@@ -48,7 +48,7 @@ def main() -> None:
         n_rows = write_events(settings, events, at=positions).height
 
         def bare() -> int:
-            lf = EVENTS.scan(EVENTS.at(settings.lake_dir))
+            lf = EVENTS.scan(EVENTS.at(settings.lake_root))
             assert lf is not None
             return lf.group_by("generation_id").agg(pl.len(), pl.col("ts").max()).collect().height
 

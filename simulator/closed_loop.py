@@ -239,7 +239,7 @@ class ClosedLoop:
         while True:
             self.ingest.run_once()
             self.signals.run_once()
-            rewards = REWARDS.scan(REWARDS.at(self.settings.lake_dir))
+            rewards = REWARDS.scan(REWARDS.at(self.settings.lake_root))
             done = set() if rewards is None else set(
                 rewards.filter(pl.col("generation_id").is_in(list(generation_ids)))
                 .select("generation_id").unique().collect()["generation_id"].to_list()

@@ -343,8 +343,8 @@ def log_champion_traffic(settings: Settings, policy: Policy, version: str, n: in
                                     confidence=1.0, label_source="explicit", user_id=user, model_version=version,
                                     arm="champion", experiment="default", window_start=at, window_end=at,
                                     emitted_at=at + timedelta(seconds=5)))  # fmt: skip
-    EVENTS.write(EVENTS.at(settings.lake_dir), events_frame(events), "gen")
-    REWARDS.write(REWARDS.at(settings.lake_dir), rewards_frame(rewards), "rew")
+    EVENTS.write(EVENTS.at(settings.lake_root), events_frame(events), "gen")
+    REWARDS.write(REWARDS.at(settings.lake_root), rewards_frame(rewards), "rew")
 
 
 def test_ope_uses_only_signed_champion_traffic_and_passes_the_champion_itself(

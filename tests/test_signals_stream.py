@@ -68,7 +68,7 @@ def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settin
     keys = Counter((r.generation_id, r.reward_version, r.revision) for r in streamed)
     assert max(keys.values()) == 1, "one record per generation, version and revision"
     assert {r.generation_id for r in streamed if r.revision == 0} == set(hist.generation_ids)
-    assert len(read_rewards(REWARDS.at(settings.lake_dir))) == len(streamed)
+    assert len(read_rewards(REWARDS.at(settings.lake_root))) == len(streamed)
 
     lake_events_from_topic(settings)
     batch = recompute_records(settings, DEFAULT_DEFINITION, config=CONFIG)
@@ -123,7 +123,7 @@ def test_worker_restarted_mid_window_loses_nothing_and_duplicates_nothing(settin
     )
     # the shown from before the restart and the accept after it both count
     assert all(r.reward == 0.75 and r.signals["shown"] == 1.0 for r in streamed)
-    lake = read_rewards(REWARDS.at(settings.lake_dir))
+    lake = read_rewards(REWARDS.at(settings.lake_root))
     assert lake.height == 7 and lake["generation_id"].n_unique() == 7
 
 

@@ -163,8 +163,7 @@ def test_every_population_sends_valid_events_that_land_in_the_lake(settings: Set
         feedback = EVENTS.empty()
         while time.monotonic() < deadline:
             worker.run_once()
-            table = EVENTS.at(settings.lake_dir)
-            lake = EVENTS.read(table) if table.exists() else EVENTS.empty()
+            lake = EVENTS.read(EVENTS.at(settings.lake_root))
             feedback = lake.filter(lake["type"] != "generation")
             if feedback.height >= sent:
                 break

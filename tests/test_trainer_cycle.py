@@ -18,9 +18,11 @@ from mlflow import MlflowClient
 
 from flywheel.contract import DataWindow, Event, GenerationRecord, ModelLineage, RewardRecord
 from flywheel.holdout import in_holdout
+from flywheel.lake.tables import REWARDS
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
 from flywheel.signing import sign_generation
+from launcher.lake import pinned_versions
 from model_registry import ModelRegistry
 from simulator.lake_feedback import consent_events, simulate_feedback, write_rewards
 from simulator.telemetry import write_events
@@ -240,6 +242,22 @@ def test_learning_accumulates_from_the_parent_champions_window(tsettings: Settin
     third = run_cycle(tsettings, config, progress=False)
     assert third.status == "registered" and third.parent_version == second.version and third.sample_count == 6
     assert registry.lineage(third.version).data_window.start == registry.lineage(second.version).data_window.end
+
+    # Time travel: the second candidate's lineage names the lake's table versions it read. With more data in the
+    # lake since, a selection at those versions picks exactly its samples again, and the rewards table at its
+    # version holds exactly the rows it trained on.
+    window = registry.lineage(second.version).data_window
+    assert window is not None and set(window.lake_versions) == {"events", "rewards"}
+    again = load_selection(tsettings, config, watermark=None, quarantined=set(), lake_versions=window.lake_versions,
+                           encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    assert again.window is not None and again.window.generation_ids_sha256 == window.generation_ids_sha256
+    assert len(again.samples) == 24
+    rows = REWARDS.read(REWARDS.at(tsettings.lake_root), window.lake_versions["rewards"])
+    assert sorted(rows["generation_id"].to_list()) == sorted(s.generation_id for s in again.samples)
+    assert REWARDS.read(REWARDS.at(tsettings.lake_root)).height == 30  # the newest version holds the third's too
+    # The lake's vacuum keeps the versions every registered model trained on.
+    pinned = pinned_versions(tsettings)
+    assert window.lake_versions["rewards"] in pinned["rewards"] and window.lake_versions["events"] in pinned["events"]
 
 
 def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: str) -> None:
