@@ -19,7 +19,6 @@ import numpy as np
 import polars as pl
 
 from deploy_gate.metrics import arm_metrics
-from flywheel.lake import parquet_files
 from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
 
@@ -65,9 +64,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp))
-        table = REWARDS.at(settings.lake_dir)
+        table = REWARDS.at(settings.lake_root)
         REWARDS.write(table, make_rewards(args.rows), "bench")
-        files = list(parquet_files(table))
+        files = REWARDS.files(table)
 
         def bare() -> pl.DataFrame:
             return pl.scan_parquet(files).group_by("arm").agg(pl.col("reward").mean()).collect()

@@ -67,7 +67,7 @@ def write_lake(lake: Path, rows: int, split: TrafficSplit, seed: int = 0) -> Non
 
 def bare_group_by(lake: Path) -> int:
     df = (
-        pl.scan_parquet(str(REWARDS.at(lake) / "**" / "*.parquet"))
+        pl.scan_delta(REWARDS.at(lake))
         .group_by("arm", "user_id")
         .agg(pl.len(), pl.col("reward").sum())
         .collect()

@@ -63,12 +63,16 @@ class ArmMetrics(BaseModel):
 
 
 def latest_rewards(
-    lake_dir: Path, *, reward_version: str | None = None, since: datetime | None = None
+    lake_dir: Path,
+    *,
+    reward_version: str | None = None,
+    since: datetime | None = None,
+    lake_uri: str | None = None,
 ) -> tuple[pl.DataFrame | None, str | None]:
-    """The rewards that count (latest revision each) in the lake at `lake_dir`, for one reward definition,
-    or else the versions signals made active (`flywheel.reward_versions.versions_to_read`); (frame, version(s)
-    read)."""
-    lf = REWARDS.scan(REWARDS.at(lake_dir))
+    """The rewards that count (latest revision each) in the lake at `lake_uri` (default `lake_dir`), for one
+    reward definition, or else the versions signals made active in `lake_dir`
+    (`flywheel.reward_versions.versions_to_read`); (frame, version(s) read)."""
+    lf = REWARDS.scan(REWARDS.at(lake_uri or lake_dir))
     if lf is None:
         return None, reward_version
     versions = [reward_version] if reward_version else versions_to_read(lake_dir, lf)
@@ -100,7 +104,9 @@ def arm_metrics(
     since: datetime | None = None,
 ) -> ArmMetrics:
     """n, mean and 95% interval per arm and model version, overall and per `bucket` (a polars duration)."""
-    df, version = latest_rewards(settings.lake_dir, reward_version=reward_version, since=since)
+    df, version = latest_rewards(
+        settings.lake_dir, reward_version=reward_version, since=since, lake_uri=settings.lake_root
+    )
     arms: list[ArmSummary] = []
     if df is not None and not df.is_empty():
         df = df.with_columns(

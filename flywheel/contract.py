@@ -426,6 +426,10 @@ class DataWindow(BaseModel):
     end: datetime
     reward_version: str = ""
     generation_ids_sha256: str = Field(default="", description="Hash of the sorted generation ids used.")
+    lake_versions: dict[str, int] = Field(
+        default_factory=dict,
+        description="The lake's table versions read ({table: Delta version}): reading them again gives these rows.",
+    )
 
 
 class ModelLineage(BaseModel):

@@ -19,6 +19,8 @@ from flywheel.write_keys import KeyScope, parse_write_keys
 # Secrets (every `SecretStr` field) are never empty, and in production at least this long and
 # never their development default. Values are never echoed: errors name the variable only.
 MIN_SECRET_LENGTH = 24
+# Stores the lake's Delta tables open (`flywheel.lake`); a value without a scheme is a local path.
+_LAKE_SCHEMES = frozenset({"file", "s3", "s3a", "gs", "az", "abfs", "abfss"})
 # Secret fields holding a comma-separated list; each item is checked as one secret.
 _LIST_SECRETS = frozenset({"write_keys"})
 
@@ -37,6 +39,11 @@ class Settings(BaseSettings):
 
     environment: Literal["development", "production"] = "development"
     data_dir: Path = Field(default=Path("var"), description="Lake, models, MLflow and embedded state.")
+    lake_uri: str = Field(
+        default="",
+        description="Where the lake's Delta tables live: a local path or s3://BUCKET/PREFIX (credentials and "
+        "endpoint from the AWS_* variables); empty: <data_dir>/lake.",
+    )
 
     # Kafka
     kafka_bootstrap_servers: str = Field(
@@ -196,6 +203,18 @@ class Settings(BaseSettings):
     def _strip(cls, value: str) -> str:
         return value.strip()
 
+    @field_validator("lake_uri")
+    @classmethod
+    def _lake_uri(cls, value: str) -> str:
+        value = value.strip()
+        scheme, sep, rest = value.partition("://")
+        if sep and scheme not in _LAKE_SCHEMES:
+            raise ValueError(f"FLYWHEEL_LAKE_URI: {scheme}:// is not a store the lake opens; use a local path or "
+                             f"one of {', '.join(s + '://' for s in sorted(_LAKE_SCHEMES))} (e.g. s3://bucket/lake)")
+        if sep and scheme != "file" and not rest.split("/")[0]:
+            raise ValueError(f"FLYWHEEL_LAKE_URI names no bucket: write {scheme}://BUCKET/PREFIX")
+        return value.removeprefix("file://")
+
     @field_validator("*", mode="before")
     @classmethod
     def _strip_secrets(cls, value: Any, info: ValidationInfo) -> Any:
@@ -261,7 +280,13 @@ class Settings(BaseSettings):
 
     @property
     def lake_dir(self) -> Path:
+        """The embedded lake's folder (also where the reward definitions live, whatever `lake_uri` says)."""
         return self.data_dir / "lake"
+
+    @property
+    def lake_root(self) -> str:
+        """The lake's root: `lake_uri`, or the embedded `lake_dir`."""
+        return self.lake_uri or str(self.lake_dir.resolve())
 
     @property
     def embedded_mlflow_uri(self) -> str:

@@ -48,7 +48,10 @@ def worker(
     group_id: str | None = typer.Option(
         None, help="Consumer group of the ingest workers (default: flywheel-ingest.<events topic>)."
     ),
-    batch_size: int = typer.Option(10_000, min=1, help="Most records per batch (one lake file per hour each)."),
+    batch_size: int = typer.Option(10_000, min=1, help="Most records per batch (one Delta commit each)."),
+    linger_s: float = typer.Option(
+        1.0, min=0, help="A batch waits this long after its first record to fill up (a Delta commit costs ~20 ms)."
+    ),
     pause_before_commit_s: float = typer.Option(0.0, hidden=True, help="Fault injection for crash tests."),
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", min=0, help="Serve /metrics, /healthz, /readyz on settings.bind_host:PORT; "
@@ -62,8 +65,9 @@ def worker(
     settings = get_settings()
     stop = stop_on_signals()
     worker = IngestWorker(
-        settings, group_id=group_id, batch_size=batch_size, pause_before_commit_s=pause_before_commit_s
-    )
+        settings, group_id=group_id, batch_size=batch_size, linger_s=linger_s,
+        pause_before_commit_s=pause_before_commit_s,
+    )  # fmt: skip
     run_worker(
         worker, stop, settings.ingest_metrics_port if metrics_port is None else metrics_port, settings.bind_host
     )

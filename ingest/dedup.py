@@ -1,42 +1,46 @@
-"""De-duplication by `event_id` and skipping of replayed records, per Kafka partition, in memory.
+"""Exactly once from Kafka into the lake: the Delta log holds each partition's offset; event ids are de-duplicated.
 
-The lake is the source of truth; this module only remembers, per (topic, partition)
-this worker owns, what the lake holds for it:
+The lake is the source of truth, as in kafka-delta-ingest: the events table (a Delta table,
+`flywheel.lake`) carries, for every Kafka (topic, partition) ingest has written, an application
+transaction `ingest:<topic>/<partition>` whose version is the last offset committed with it.
+`PartitionLedger` keeps, per partition this worker owns:
 
-- the event ids of its rows written within the window (`window_s`, by write time:
-  file modification time on load, batch time after), to drop a later record that
-  carries an id already written from this partition (`duplicates`);
-- the offsets, with their event ids, of its rows at or after the offset this worker
-  started reading the partition from, to skip a record whose very position is already
-  in the lake (`already_in_lake`).
+- `committed`: the offset the table held when this worker took the partition, then the offsets of
+  its own commits: what it expects the table to hold;
+- the event ids of the partition's rows received within the window (`window_s`), to drop a later
+  record that carries an id already written (a client's retry: `duplicates`).
 
-The state of a partition is loaded from the lake the first time a batch holds it after
-`reset()`; the worker resets on every new assignment (`Consumer.assignment_epoch`) and
-after a failed batch, so the state is never older than the last time someone else could
-have written the partition.
+Why every record is in the table exactly once (at-least-once from Kafka):
 
-Why this is exactly once in the lake (at-least-once from Kafka):
+1. A batch and its offsets go in one Delta commit: the rows, and for each partition the batch's
+   last offset as that partition's transaction version. The commit is atomic (a rename on a disk,
+   a conditional put on S3), so the table holds a batch's rows exactly when it holds its offsets.
+2. On every assignment (`Consumer.assignment_epoch` changes) the ledger reloads the table and the
+   worker seeks each partition to its stored offset + 1 (a partition the table has never seen
+   starts at the consumer group's offset). The group's committed offsets are only a hint for lag:
+   a crash anywhere loses at most uncommitted work, which is read again from the stored offset.
+3. A record at or below the stored offset is dropped before the write (`already_in_lake`), so a
+   batch polled from an older position never writes a row twice.
+4. The check and the commit happen on one `DeltaTable` snapshot (`Table.commit`): for each
+   partition in the batch, the table's offset must be the one this worker expects, and the new
+   one must be higher. A stale worker (frozen past its session timeout, or not yet told its
+   partitions moved) either sees the new owner's offset on its snapshot and is refused
+   (`CommitRefused`), or holds a snapshot from before the new owner's commit, and then Delta's
+   conflict check fails its commit (`CommitFailedError`: a concurrent transaction for the same
+   application id). Measured here with deltalake 1.6.6: checking on one snapshot and writing
+   through another let 90 of 150 racing rounds commit twice; one snapshot, 0 of 150. A worker
+   whose partitions were revoked drops its ledger on the new assignment, so it cannot commit for
+   them from memory either.
+5. A failed commit is never retried blindly: the worker reloads the table, re-reads the offsets,
+   drops what is now committed and seeks to stored + 1 (`ingest.worker`).
+6. Duplicates by event id are recognised among records of the same partition. The collector keys
+   every event by its `generation_id`, part of the event, so a client's retry of an event lands in
+   the partition of the first copy; records produced with other keys that repeat an event id
+   across partitions are not de-duplicated.
 
-1. Offsets are committed only after the lake write, so everything below the committed
-   offset of a partition is in the lake (or dead-lettered, or a duplicate), and a
-   record at or above it may or may not be: a previous owner may have written part of a
-   batch (one file per date/hour, each atomic) and died before committing, or written
-   whole batches whose commits (sent without waiting) never landed.
-2. A consumer that gets a partition starts reading at the committed offset `c`, so the
-   rows the lake holds at offsets >= `c` (loaded by position, whatever their age) are
-   exactly the records written since that commit: they are skipped by (offset,
-   event_id), each written once. Matching the event id too means a topic recreated
-   from offset 0 is never mistaken for a replay.
-3. The group hands a partition to one member at a time: with the eager protocol a member
-   gives up its partitions only inside its own poll, i.e. between batches, so no batch
-   of the old owner is in flight when the new owner loads the lake (a member that stops
-   heartbeating for the session timeout is dead or frozen; a frozen one that wakes up
-   fails its commit, and may have written a batch the new owner also writes: the one
-   case not covered, as with any Kafka consumer that has no fencing token).
-4. Duplicates by event id are recognised among records of the same partition. The
-   collector keys every event by its `generation_id`, part of the event, so a client's
-   retry of an event lands in the partition of the first copy; records produced with
-   other keys that repeat an event id across partitions are not de-duplicated.
+The dead-letter table is kept exactly the same way, with transactions of its own
+(`dead_letters:<topic>/<partition>`), committed before the events: a batch replayed after a crash
+between the two skips the letters already in the table.
 
 Memory: about 100 bytes an event id, for one to two windows of a partition's events.
 """
@@ -44,13 +48,21 @@ Memory: about 100 bytes an event id, for one to two windows of a partition's eve
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from datetime import UTC, datetime, timedelta
 
 import polars as pl
+from deltalake import DeltaTable
 
-from flywheel.lake import parquet_files
-from flywheel.lake.tables import EVENTS
+from flywheel.lake.tables import EVENTS, CommitRefused, Table
+
+Partition = tuple[str, int]
+
+
+def app_id(prefix: str, key: Partition) -> str:
+    """The application transaction of one Kafka partition in a table."""
+    return f"{prefix}:{key[0]}/{key[1]}"
 
 
 @dataclass(slots=True)
@@ -58,7 +70,6 @@ class _PartitionState:
     ids: set[str]
     older_ids: set[str] = field(default_factory=set)  # the previous window, still checked
     rotated_at: float = field(default_factory=time.time)
-    in_lake: dict[int, str] = field(default_factory=dict)  # offset -> event_id, from `start` on
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,80 +79,98 @@ class Selection:
     already_in_lake: int
 
 
-class LakeDedup:
-    """`select(rows, first_offsets) -> Selection`, in memory after a load per partition."""
+class PartitionLedger:
+    """The offsets a table holds per Kafka partition and, for events, the recent event ids (module doc)."""
 
-    def __init__(self, table_dir: Path, window_s: float = 7 * 24 * 3600) -> None:
-        self._table = table_dir
+    def __init__(self, table: Table, location: str, prefix: str, window_s: float = 7 * 24 * 3600) -> None:
+        self.table = table
+        self.location = location
+        self.prefix = prefix
         self._window_s = window_s
-        self._states: dict[tuple[str, int], _PartitionState] = {}
+        self._snapshot: DeltaTable | None = None
+        self.committed: dict[Partition, int | None] = {}
+        self._ids: dict[Partition, _PartitionState] = {}
 
-    def reset(self) -> None:
-        """Forget everything: the next batch of each partition reloads it from the lake."""
-        self._states.clear()
+    def snapshot(self) -> DeltaTable:
+        if self._snapshot is None:
+            self._snapshot = self.table.create(self.location)
+        return self._snapshot
 
-    def select(self, rows: pl.DataFrame, first_offsets: dict[tuple[str, int], int]) -> Selection:
-        """Which of `rows` (with `kafka_topic`, `kafka_partition`, `kafka_offset`, `event_id`) to write.
-        `first_offsets`: per partition, the first offset of the whole polled batch (where reading resumed),
-        which bounds the positions that may already be in the lake."""
+    def reload(self, partitions: Iterable[Partition]) -> dict[Partition, int | None]:
+        """Forget everything and read the table's offsets of `partitions` (the new assignment) from one fresh
+        snapshot; returns them (None: never written)."""
+        self._snapshot = None
+        self._ids.clear()
+        snapshot = self.snapshot()
+        self.committed = {key: snapshot.transaction_version(app_id(self.prefix, key)) for key in partitions}
+        return dict(self.committed)
+
+    def owns(self, key: Partition) -> bool:
+        return key in self.committed
+
+    def select(self, rows: pl.DataFrame, dedup_ids: bool = True) -> Selection:
+        """Which of `rows` (with `kafka_topic`, `kafka_partition`, `kafka_offset`, `event_id`) to write: none at
+        or below its partition's committed offset and, with `dedup_ids`, none whose event id was written."""
         now = time.time()
         keep: list[pl.Series] = []
         duplicates = in_lake = 0
-        # Split only the columns needed here: the rows themselves are picked at the end, once.
         keys = rows.select("kafka_topic", "kafka_partition", "kafka_offset", "event_id").with_row_index("_row")
         for (topic, partition), part in keys.partition_by("kafka_topic", "kafka_partition", as_dict=True).items():
             key = (str(topic), int(partition))
-            state = self._states.get(key)
+            committed = self.committed.get(key)
+            if committed is not None:
+                fresh = part.filter(pl.col("kafka_offset") > committed)
+                in_lake += part.height - fresh.height
+                part = fresh
+            if not dedup_ids:
+                keep.append(part["_row"])
+                continue
+            state = self._ids.get(key)
             if state is None:
-                state = self._states[key] = self._load(key, first_offsets[key])
+                state = self._ids[key] = self._load_ids(key)
             elif now - state.rotated_at > self._window_s:
                 state.older_ids, state.ids, state.rotated_at = state.ids, set(), now
             event_ids: list[str] = part["event_id"].to_list()
             batch_ids = set(event_ids)
-            if (
-                not state.in_lake
-                and len(batch_ids) == len(event_ids)
-                and batch_ids.isdisjoint(state.ids)
-                and batch_ids.isdisjoint(state.older_ids)
+            if len(batch_ids) == len(event_ids) and batch_ids.isdisjoint(state.ids) and batch_ids.isdisjoint(
+                state.older_ids
             ):  # the usual case: nothing seen before, set operations in C
                 state.ids |= batch_ids
                 keep.append(part["_row"])
                 continue
             kept: list[int] = []
-            offsets: list[int] = part["kafka_offset"].to_list()
-            for row, offset, event_id in zip(part["_row"].to_list(), offsets, event_ids, strict=True):
-                if state.in_lake and state.in_lake.get(offset) == event_id:
-                    in_lake += 1
-                elif event_id in state.ids or event_id in state.older_ids:
+            for row, event_id in zip(part["_row"].to_list(), event_ids, strict=True):
+                if event_id in state.ids or event_id in state.older_ids:
                     duplicates += 1
                 else:
                     state.ids.add(event_id)
                     kept.append(row)
             keep.append(pl.Series(kept, dtype=pl.UInt32))
-            # Positions written after the last commit lie between it and their end: once read past, done.
-            if state.in_lake and max(offsets) >= max(state.in_lake):
-                state.in_lake = {}
         if sum(map(len, keep)) == rows.height:
             return Selection(rows, duplicates, in_lake)
         chosen = pl.concat(keep).sort() if keep else pl.Series(dtype=pl.UInt32)
         return Selection(rows[chosen], duplicates, in_lake)
 
-    def _load(self, key: tuple[str, int], start: int) -> _PartitionState:
-        topic, partition = key
-        files = list(parquet_files(self._table))
-        if not files:
-            return _PartitionState(set())
-        mine = (pl.col("kafka_topic") == topic) & (pl.col("kafka_partition") == partition)
-        # Positions: every file (row-group statistics on kafka_offset skip most of them), whatever its age.
-        positions = (
-            EVENTS.scan_files(files)
-            .filter(mine & (pl.col("kafka_offset") >= start))
-            .select("kafka_offset", "event_id")
-            .collect()
-        )
-        cutoff = time.time() - self._window_s
-        recent = [f for f in files if f.stat().st_mtime >= cutoff]
-        ids: set[str] = set()
-        if recent:
-            ids = set(EVENTS.scan_files(recent).filter(mine).select("event_id").collect()["event_id"].to_list())
-        return _PartitionState(ids, in_lake=dict(positions.iter_rows()))
+    def commit(self, rows: pl.DataFrame, ends: dict[Partition, int]) -> int:
+        """Append `rows` with each partition's new offset `ends[key]` in one commit on the ledger's snapshot
+        (`Table.commit`: refused unless the table holds what this ledger expects and every offset moves forward).
+        Returns the table version; raises `CommitRefused` for a partition this ledger does not own."""
+        foreign = [key for key in ends if not self.owns(key)]
+        if foreign:
+            raise CommitRefused(f"{self.table.name}: not assigned {foreign}: their new owner commits for them")
+        transactions = {app_id(self.prefix, key): end for key, end in ends.items()}
+        expected = {app_id(self.prefix, key): self.committed[key] for key in ends}
+        version = self.table.commit(self.snapshot(), rows, transactions, expected)
+        self.committed.update(ends)
+        return version
+
+    def _load_ids(self, key: Partition) -> _PartitionState:
+        lf = self.table.scan_table(self.snapshot())
+        cutoff = datetime.now(UTC) - timedelta(seconds=self._window_s)
+        mine = (pl.col("kafka_topic") == key[0]) & (pl.col("kafka_partition") == key[1])
+        ids = lf.filter(mine & (pl.col("received_at") >= cutoff)).select("event_id").collect()["event_id"]
+        return _PartitionState(set(ids.to_list()))
+
+
+def events_ledger(location: str, window_s: float = 7 * 24 * 3600) -> PartitionLedger:
+    return PartitionLedger(EVENTS, location, "ingest", window_s)

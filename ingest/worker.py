@@ -1,21 +1,26 @@
-"""Ingest worker: Kafka events topic -> validated, de-duplicated rows in the lake, exactly once.
+"""Ingest worker: Kafka events topic -> validated, de-duplicated rows in the lake's Delta table, exactly once.
 
 One batch at a time (`run_once`):
 
-1. poll a batch column-wise (`Consumer.poll_columns`; consumer group, offsets committed by hand);
-2. validate it against the contract (`ingest.fast_validate.validate_batch`);
-3. de-duplicate by `event_id` and skip records whose Kafka position is already in the lake
-   (`ingest.dedup.LakeDedup`: in memory per partition, loaded from the lake on assignment);
-4. write the lake (files visible only when complete, `ingest.lake_sink.write_batch`);
-5. produce every record that could not be decoded, validated, partitioned or written to the dead-letter
-   topic, with its bytes, the reason and `kafka:<topic>/<partition>/<offset>`; then commit the offsets
-   (sent, not waited for). No record stops the worker: each is written or dead-lettered, then passed.
+1. poll a batch column-wise (`Consumer.poll_columns`; consumer group, offsets committed by hand), until
+   `batch_size` records or `linger_s` after the first: a Delta commit costs a fixed 15-30 ms, so a batch
+   is made big enough to pay for it, and a quiet topic still commits within `linger_s`;
+2. on a new assignment, reload each partition's offset from the table and seek to it + 1 (the table,
+   not the consumer group, says where reading resumes: `ingest.dedup`);
+3. validate against the contract (`ingest.fast_validate.validate_batch`);
+4. drop records the table already holds and duplicate event ids (`ingest.dedup.PartitionLedger`);
+5. produce every record that could not be decoded, validated or stored to the dead-letter topic, with
+   its bytes, the reason and `kafka:<topic>/<partition>/<offset>`, and commit them to the dead-letter
+   table with their partitions' offsets;
+6. commit the rows with each partition's last offset in one Delta commit, checked on the snapshot that
+   commits (`ingest.dedup` argues why that is exactly once); then commit the offsets to the group (sent,
+   not waited for: they only feed the lag gauge and a fresh group's start). A commit that fails is never
+   retried blindly: the table is reloaded and every partition is sought to its stored offset + 1.
 
-A crash anywhere replays from the last commit that landed; the lake's Kafka positions turn
-the replay into a no-op for what was already written (the argument is in `ingest.dedup`).
+No record stops the worker: each is written or dead-lettered, then passed.
 Run it with `python -m ingest.worker` or `flywheel ingest worker` (settings from the env); the process
 serves its metrics and health on `settings.bind_host`:`settings.ingest_metrics_port` (`flywheel.ops`), and
-waits out a Kafka outage (at start too) with one log line when Kafka goes down and one when it is back.
+waits out a Kafka or lake outage (at start too) with one log line when it goes down and one when it is back.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import polars as pl
+from deltalake.exceptions import CommitFailedError
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from flywheel.bus import (
@@ -37,16 +43,15 @@ from flywheel.bus import (
     make_consumer,
     make_producer,
 )
-from flywheel.lake import TempFileSweeper
-from flywheel.lake.tables import EVENTS
+from flywheel.lake.tables import DEAD_LETTERS, EVENTS, CommitRefused
 from flywheel.ops import ProcessHealth, kafka_dependency, lake_dependency, run_loop
 from flywheel.ops import run_worker as run_with_ops
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
-from ingest.dedup import LakeDedup
+from ingest.dedup import PartitionLedger
 from ingest.fast_validate import validate_batch
-from ingest.lake_sink import write_batch
+from ingest.lake_sink import storable
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,7 @@ class IngestWorker:
         group_id: str | None = None,
         batch_size: int = 10_000,  # bench/ingest_pipeline.py: 5000 went about a tenth slower
         poll_timeout_s: float = 0.5,
+        linger_s: float = 1.0,
         dedup_ttl_s: int = 7 * 24 * 3600,
         connect_attempts: int | None = None,
         pause_before_commit_s: float = 0.0,
@@ -97,13 +103,15 @@ class IngestWorker:
         self.group_id = group_id or f"{DEFAULT_GROUP_PREFIX}.{settings.events_topic}"
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
+        self.linger_s = linger_s
         self.connect_attempts = connect_attempts
         # Fault injection for the crash tests: widens the window between the lake write and the commit.
         self.pause_before_commit_s = pause_before_commit_s
         self._consumer = consumer
         self._producer = producer
-        self._table = EVENTS.at(settings.lake_dir)
-        self._dedup = LakeDedup(self._table, window_s=dedup_ttl_s)
+        lake = settings.lake_root
+        self._events = PartitionLedger(EVENTS, EVENTS.at(lake), "ingest", window_s=dedup_ttl_s)
+        self._letters = PartitionLedger(DEAD_LETTERS, DEAD_LETTERS.at(lake), "ingest")
         self._epoch: int | None = None
         # Lag asks the broker for every partition's end: every few seconds, not per batch.
         self.lag_interval_s = lag_interval_s
@@ -115,7 +123,7 @@ class IngestWorker:
         self._last_poll_at: float | None = None
         self.kafka = kafka_dependency(settings)
         self.health = ProcessHealth(
-            "ingest-worker", [self.kafka, lake_dependency(settings.lake_dir)], {"polling": self.polling}
+            "ingest-worker", [self.kafka, lake_dependency(lake)], {"polling": self.polling}
         )
 
     # ------------------------------------------------------------ connecting
@@ -167,31 +175,70 @@ class IngestWorker:
         started = time.perf_counter()
         try:
             result = self._process(batch)
+        except (CommitFailedError, CommitRefused) as exc:
+            # Someone else committed for one of our partitions (a stale owner, or us being the stale one): never
+            # retried blindly. The table, reloaded, says what is in; reading resumes there.
+            log.warning("lake commit refused (%s); reloading the table and seeking to its offsets", exc)
+            self._resume_from_lake(batch)
+            return BatchResult(polled=len(batch))
         except BaseException:
-            # Not committed: go back so this process retries the batch instead of skipping it, and forget
-            # what the de-duplication state learnt from it (part of it may be written): the lake says.
-            self._dedup.reset()
-            self._rewind(batch)
+            # Not committed: go back to the table's offsets, so this process retries the batch instead of
+            # skipping it (the lake says what is in).
+            self._resume_from_lake(batch)
             raise
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
         return result
 
-    def _poll(self) -> RecordBatch:
+    def _poll_once(self, max_records: int, timeout_s: float) -> RecordBatch:
         assert self._consumer is not None
         poll_columns = getattr(self._consumer, "poll_columns", None)
         if poll_columns is not None:
-            batch = poll_columns(max_records=self.batch_size, timeout_s=self.poll_timeout_s)
-        else:
-            batch = RecordBatch.from_records(self._consumer.poll_batch(self.batch_size, self.poll_timeout_s))
+            return poll_columns(max_records=max_records, timeout_s=timeout_s)
+        return RecordBatch.from_records(self._consumer.poll_batch(max_records, timeout_s))
+
+    def _poll(self) -> RecordBatch:
+        """Up to `batch_size` records, polled until full or `linger_s` after the first; empty on a new assignment
+        (the table's offsets are sought first: whatever the group's position gave is read again from there)."""
+        batch = self._poll_once(self.batch_size, self.poll_timeout_s)
+        if self._new_assignment():
+            self._resume_from_lake(batch)
+            return _EMPTY
+        parts, n, deadline = [batch], len(batch), time.monotonic() + self.linger_s
+        while 0 < n < self.batch_size and (left := deadline - time.monotonic()) > 0:
+            more = self._poll_once(self.batch_size - n, min(left, self.poll_timeout_s))
+            if self._new_assignment():
+                self._resume_from_lake(_concat(parts + [more]))
+                return _EMPTY
+            parts.append(more)
+            n += len(more)
+        return _concat(parts) if len(parts) > 1 else batch
+
+    def _new_assignment(self) -> bool:
         epoch_of = getattr(self._consumer, "assignment_epoch", None)
         epoch = epoch_of() if epoch_of is not None else None
-        if epoch != self._epoch:
-            # New partitions: someone else may have written them since we last did; reload from the lake.
-            # (And our last commit may be older than theirs: it is no longer ours to confirm.)
-            self._epoch = epoch
-            self._dedup.reset()
-            self._uncertain_commit = {}
-        return batch
+        if epoch == self._epoch:
+            return False
+        # Our last group commit may be older than the new owners': it is no longer ours to confirm.
+        self._epoch = epoch
+        self._uncertain_commit = {}
+        return True
+
+    def _resume_from_lake(self, batch: RecordBatch | None = None) -> None:
+        """Reload both tables' offsets of the assigned partitions and seek each to its stored offset + 1; a
+        partition the events table has never seen goes back to the first offset `batch` read of it, if any."""
+        assert self._consumer is not None
+        assigned = self._consumer.assignment()
+        stored = self._events.reload(assigned)
+        self._letters.reload(assigned)
+        first = batch.first_offsets() if batch is not None and len(batch) else {}
+        try:
+            for key in sorted(assigned):
+                offset = stored[key]
+                target = offset + 1 if offset is not None else first.get(key)
+                if target is not None:
+                    self._consumer.seek(key[0], key[1], target)
+        except Exception:  # a partition revoked meanwhile: its new owner seeks to the table's offset
+            log.warning("could not seek to the lake's offsets", exc_info=True)
 
     # ------------------------------------------------------------ operational surface
 
@@ -228,66 +275,77 @@ class IngestWorker:
         that cannot be decoded, validated, partitioned or written is dead-lettered with its reason and committed
         past. Only the broker and the lake's I/O raise (the batch is then retried)."""
         assert self._consumer is not None and self._producer is not None
+        ranges = batch.offset_range()
+        if any(not self._events.owns(key) for key in ranges):
+            # Records of a partition whose offset this worker has not read from the table (a consumer that
+            # does not count assignments): read it, and read the records again from there.
+            self._resume_from_lake(batch)
+            return BatchResult()
         metrics.EVENTS_IN.labels("worker", "kafka").inc(len(batch))
         clock = _StageClock()
         valid, refused = _validate(batch)
         clock.lap("validate")
-        ranges = batch.offset_range()
-        selection = self._dedup.select(valid, {key: first for key, (first, _) in ranges.items()})
+        ends = {key: end - 1 for key, (_, end) in ranges.items()}  # the last offset read of each partition
+        valid, more_refused = storable(valid)
+        refused += more_refused
+        selection = self._events.select(valid)
         clock.lap("dedup")
-        written = 0
-        if selection.keep.height:
-            _, unwritten = write_batch(self._table, selection.keep)
-            written = selection.keep.height - len(unwritten)
-            if unwritten:
-                # De-duplication took their ids as written; the lake, reloaded, says otherwise.
-                self._dedup.reset()
-                refused += unwritten
-            clock.lap("write")
-        letters = [
-            dead_letter(
-                reason, f"kafka:{batch.topics[i]}/{batch.partitions[i]}/{batch.offsets[i]}", batch.values[i] or b""
-            ).outgoing(self.settings.dead_letter_topic)
-            for i, reason in sorted(refused)
-        ]
+        letters = self._dead_letters(batch, refused)
         if letters:
-            # Before the commit: a crash in between re-reads these records and dead-letters them again.
-            self._producer.send_all(letters)
             clock.lap("dead_letter")
         if self.pause_before_commit_s:
             time.sleep(self.pause_before_commit_s)
-        # Not waited for: the lake, not the commit, says what is written (`ingest.dedup`), so a commit lost
-        # with the process only means records read again and skipped. Measured: 0.2 us an event with kafka-python.
+        # Even when nothing is left to write: the partitions' offsets move forward in the table.
+        self._events.commit(selection.keep.drop("_i"), ends)
+        written = selection.keep.height
+        clock.lap("write")
+        # Not waited for: the lake, not the group, says where reading resumes (`ingest.dedup`); the group's offsets
+        # feed the lag gauge and a fresh group's start. Measured: 0.2 us an event with kafka-python.
         commit = {key: end for key, (_, end) in ranges.items()}
         self._consumer.commit(commit, wait=False)
         self._uncertain_commit.update(commit)
         clock.lap("commit")
 
         metrics.EVENTS_ACCEPTED.labels("worker").inc(written)
-        metrics.EVENTS_REFUSED.labels("worker").inc(len(letters))
-        metrics.DEAD_LETTERED.labels("worker").inc(len(letters))
+        metrics.EVENTS_REFUSED.labels("worker").inc(letters)
+        metrics.DEAD_LETTERED.labels("worker").inc(letters)
         metrics.DEDUPLICATED.inc(selection.duplicates)
         metrics.SKIPPED_IN_LAKE.inc(selection.already_in_lake)
-        return BatchResult(len(batch), written, len(letters), selection.duplicates, selection.already_in_lake)
+        return BatchResult(len(batch), written, letters, selection.duplicates, selection.already_in_lake)
 
-    def _rewind(self, batch: RecordBatch) -> None:
-        if self._consumer is None:
-            return
-        try:
-            for (topic, partition), offset in batch.first_offsets().items():
-                self._consumer.seek(topic, partition, offset)
-        except Exception:  # a partition revoked meanwhile: its new owner replays from the commit
-            log.warning("could not rewind after a failed batch", exc_info=True)
+    def _dead_letters(self, batch: RecordBatch, refused: list[tuple[int, str]]) -> int:
+        """Produce the refused records to the dead-letter topic, then commit those the dead-letter table does not
+        hold yet, with the offsets of their partitions (a replayed batch skips what it committed before)."""
+        assert self._producer is not None
+        if not refused:
+            return 0
+        letters = [
+            (i, dead_letter(reason, f"kafka:{batch.topics[i]}/{batch.partitions[i]}/{batch.offsets[i]}",
+                            batch.values[i] or b""))
+            for i, reason in sorted(refused)
+        ]  # fmt: skip
+        # Before the commits: a crash in between re-reads these records and dead-letters them again.
+        self._producer.send_all([d.outgoing(self.settings.dead_letter_topic) for _, d in letters])
+        held = {key: -1 if offset is None else offset for key, offset in self._letters.committed.items()}
+        new = [(i, d) for i, d in letters if batch.offsets[i] > held.get((batch.topics[i], batch.partitions[i]), -1)]
+        if new:
+            ends: dict[tuple[str, int], int] = {}
+            for i, _ in new:
+                key = (batch.topics[i], batch.partitions[i])
+                ends[key] = max(ends.get(key, -1), batch.offsets[i])
+            frame = pl.DataFrame(
+                [(d.reason, d.source, d.original, d.received_at) for _, d in new],
+                schema=DEAD_LETTERS.schema, orient="row",
+            )  # fmt: skip
+            self._letters.commit(frame, ends)
+        return len(letters)
 
     # ------------------------------------------------------------ loop
 
     def run(self, stop_event: threading.Event) -> None:
         """Process batches until `stop_event` is set; a batch failed by Kafka or the lake is retried once
         the failed one answers again (backoff, one log line per outage)."""
-        sweeper = TempFileSweeper(self._table)
-
         def step() -> None:
-            sweeper.maybe()
             result = self.run_once()
             if result.polled:
                 log.debug("batch %s", result)
@@ -311,6 +369,16 @@ class IngestWorker:
                 except Exception:
                     log.warning("error while closing", exc_info=True)
         self._consumer = self._producer = None
+
+
+_EMPTY = RecordBatch([], [], [], [])
+
+
+def _concat(parts: list[RecordBatch]) -> RecordBatch:
+    return RecordBatch(
+        [t for p in parts for t in p.topics], [n for p in parts for n in p.partitions],
+        [o for p in parts for o in p.offsets], [v for p in parts for v in p.values],
+    )  # fmt: skip
 
 
 def _validate(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:

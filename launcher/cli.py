@@ -26,7 +26,7 @@ _COMPONENTS = [
     ("trainer", "trainer.cli", "The incremental RL trainer."),
     ("registry", "model_registry.cli", "Model versions and their lineage."),
     ("gate", "deploy_gate.cli", "Approvals, traffic split and the A/B dashboard."),
-    ("lake", "flywheel.lake.cli", "The Parquet lake: compaction of closed hours."),
+    ("lake", "launcher.lake", "The lake's Delta tables: history, compaction, vacuum, migration."),
 ]
 
 

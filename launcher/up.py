@@ -98,8 +98,14 @@ class Running:
 # users for hours between cycles): on a few hundred samples every two minutes the embedded model's accept
 # rate should move within minutes. Its baseline is the reward of not suggesting (0 under Cursor's rewards),
 # so each suggestion is weighed against silence, and a declined request teaches nothing by itself.
+# No sample cap: a cycle trains on all eligible data since its parent champion's window, within a 90-s
+# budget (cycles start every two minutes); past it, it stops and reports how many samples it did not reach
+# (visited in a seeded random order, so the trained ones are a uniform sample), never "the newest N".
 # `flywheel up --trainer-config FILE` replaces it (TrainerConfig fields as JSON, trainer/config.py).
-DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline": 0.0, "max_samples": 800}
+# A fifth of the traffic is held out of training so the offline gate estimates each candidate on traffic it
+# never saw (flywheel/holdout.py).
+DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline": 0.0, "time_budget_s": 90,
+                       "ope_holdout_share": 0.2}
 
 
 def start_components(

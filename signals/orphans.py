@@ -24,7 +24,7 @@ SCHEMA: dict[str, pl.DataType] = {
 def orphan_feedback(settings: Settings) -> pl.DataFrame:
     """One row per orphan generation id: how many events, of which types, first and last event time;
     the most recent first."""
-    lf = EVENTS.scan(EVENTS.at(settings.lake_dir))
+    lf = EVENTS.scan(EVENTS.at(settings.lake_root))
     if lf is None:
         return pl.DataFrame(schema=SCHEMA)
     rows = lf.select("event_id", "type", "generation_id", "ts").unique(list(EVENTS.key), keep="first")

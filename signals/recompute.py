@@ -23,7 +23,6 @@ revision 0): history replayed from the lake is never a default followed by revis
 from __future__ import annotations
 
 from datetime import datetime
-from pathlib import Path
 
 import polars as pl
 
@@ -46,7 +45,7 @@ def _prop(key: str, default: str) -> pl.Expr:
     return pl.col("properties").str.json_path_match(f"$.{key}").fill_null(default).alias(key)
 
 
-def load_events(table: Path, topic: str) -> pl.DataFrame | None:
+def load_events(table: str, topic: str) -> pl.DataFrame | None:
     """The rows of the events table at `table` read from Kafka `topic` (or written without a topic)."""
     lf = EVENTS.scan(table)
     if lf is None:
@@ -210,7 +209,7 @@ def recompute_scores(
     in-window event, revision 0)."""
     config = config or SignalsConfig()
     if events is None:
-        events = load_events(EVENTS.at(settings.lake_dir), settings.events_topic)
+        events = load_events(EVENTS.at(settings.lake_root), settings.events_topic)
     if events is None or events.is_empty():
         return pl.DataFrame()
     gens, feedback = plan_windows(
@@ -296,7 +295,7 @@ def backfill(settings: Settings, version: str) -> tuple[int, int]:
     and the gate do not read it."""
     DefinitionStore(settings, redis_client(settings)).ensure_pointer()
     records = recompute_records(settings, _definition(settings, version), final_only=True)
-    table = REWARDS.at(settings.lake_dir)
+    table = REWARDS.at(settings.lake_root)
     existing = read_rewards(table).filter(pl.col("reward_version") == version)
     have = set(existing["generation_id"].to_list())
     missing = [r for r in records if r.generation_id not in have]
@@ -311,7 +310,7 @@ def parity(settings: Settings, version: str) -> dict[str, int]:
     another reward (`reward_differs`), a generation only one side has (`only_stream`, `only_recompute`).
     Revisions count: a replay that gave a default and then revisions differs from one final record."""
     recomputed = rewards_frame(recompute_records(settings, _definition(settings, version)))
-    lake = read_rewards(REWARDS.at(settings.lake_dir)).filter(pl.col("reward_version") == version)
+    lake = read_rewards(REWARDS.at(settings.lake_root)).filter(pl.col("reward_version") == version)
 
     def finals(df: pl.DataFrame) -> pl.DataFrame:
         return df.sort("revision").group_by("generation_id").agg(pl.col("revision", "reward").last())

@@ -209,7 +209,7 @@ def explicit_labels(settings: Settings, store: DefinitionStore, surface: str) ->
     """One row per generation of `surface` with a thumbs vote: generation_id, signals (dict), label
     (1 = up), sorted by generation id (the fit is the same whatever order records were written in)."""
     empty = pl.DataFrame(schema={"generation_id": pl.String, "signals": pl.Object, "label": pl.Int64})
-    df = read_rewards(REWARDS.at(settings.lake_dir))
+    df = read_rewards(REWARDS.at(settings.lake_root))
     if df.is_empty():
         return empty
     versions = [v for v in df["reward_version"].unique().to_list() if _surface_of_version(store, v) == surface]

@@ -74,7 +74,7 @@ def signal_trends(settings: Settings, *, every: str = "1h", version: str | None 
     """Per time bucket (of generation time), arm and model version: shares and rates of the signals
     and the mean reward, for one reward version (default: the active one of each surface; on a lake
     signals never pointed, the one most recently emitted)."""
-    rewards = read_rewards(REWARDS.at(settings.lake_dir), latest_only=True)
+    rewards = read_rewards(REWARDS.at(settings.lake_root), latest_only=True)
     if rewards.is_empty():
         return pl.DataFrame(schema=TREND_SCHEMA)
     active = read_active(settings.lake_dir)

@@ -37,7 +37,7 @@ Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
 and the lake and is popped. A restarted worker re-reads uncommitted events (their
 ids are already seen, so nothing counts twice) and first flushes any outbox left
-behind. The lake write is idempotent (deterministic file name); a crash between
+behind. The lake write is idempotent (one commit named by the outbox entry); a crash between
 Kafka's acknowledgement and the pop can repeat a Kafka message, which carries a
 `record_id` header for consumers to drop it.
 
@@ -74,7 +74,6 @@ from flywheel.bus import (
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, RewardRecord
 from flywheel.dead_letters import DeadLetter, dead_letter
-from flywheel.lake import TempFileSweeper
 from flywheel.lake.tables import REWARDS
 from flywheel.ops import (
     ProcessHealth,
@@ -456,7 +455,7 @@ class SignalsWorker:
         self.kafka = kafka_dependency(settings)
         self.health = ProcessHealth(
             "signals-worker",
-            [self.kafka, redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_dir)],
+            [self.kafka, redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_root)],
             optional={"mlflow"},  # only the periodic refit needs the registry
         )
         self.stats = WorkerStats()
@@ -582,10 +581,7 @@ class SignalsWorker:
         """Poll and emit until `stop_event` is set, waiting out Kafka, Redis and MLflow outages."""
         log.info("signals worker starting",
                  extra={"topic": self.settings.events_topic, "group": self.group_id})
-        sweeper = TempFileSweeper(REWARDS.at(self.settings.lake_dir))
-
         def step() -> None:
-            sweeper.maybe()
             self.run_once()
             self._maybe_refit()
 
@@ -668,7 +664,7 @@ class SignalsWorker:
                 entry_id, *lines = raw.decode().split("\n")
                 recs = [RewardRecord.model_validate_json(line) for line in lines]
                 produce_rewards(self.producer, self.settings, recs)
-                write_rewards(REWARDS.at(self.settings.lake_dir), recs, f"signals-{entry_id}")
+                write_rewards(REWARDS.at(self.settings.lake_root), recs, f"signals-{entry_id}")
                 self.store.pop_outbox(self.keys, p)
                 first = sum(1 for r in recs if r.revision == 0)
                 self.stats.records += first

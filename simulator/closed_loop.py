@@ -116,6 +116,8 @@ class CycleRecord:
     truth_ab: dict[str, dict[str, Truth]] = field(default_factory=dict)  # arm -> population -> truth
     truth_eval: dict[str, Truth] = field(default_factory=dict)  # the champion after the cycle, per population
     truth_candidate: dict[str, Truth] = field(default_factory=dict)  # the candidate, evaluated the same way
+    offline_estimate: float | None = None  # ope_satisfaction's DR - champion's logged mean reward
+    offline_verdict: str = ""  # its status (passed, insufficient_evidence, failed)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
     turnaround_s: float | None = None  # last trained-on feedback -> the candidate serving traffic (training,
     # offline gates, approval, swap; the reward window and the signals before it are the deployment's)
@@ -237,7 +239,7 @@ class ClosedLoop:
         while True:
             self.ingest.run_once()
             self.signals.run_once()
-            rewards = REWARDS.scan(REWARDS.at(self.settings.lake_dir))
+            rewards = REWARDS.scan(REWARDS.at(self.settings.lake_root))
             done = set() if rewards is None else set(
                 rewards.filter(pl.col("generation_id").is_in(list(generation_ids)))
                 .select("generation_id").unique().collect()["generation_id"].to_list()
@@ -283,6 +285,10 @@ class ClosedLoop:
         except Exception as exc:  # noqa: BLE001 - the refusal is the result (the audit log has it too)
             rec.decision, rec.reason = "refused", str(exc)
         rec.seconds["offline gates+approve"] = time.perf_counter() - started
+        report = self.registry.offline_gates(candidate)
+        ope_result = next((r for r in report.results if r.name == "ope_satisfaction"), None) if report else None
+        if ope_result is not None:
+            rec.offline_estimate, rec.offline_verdict = ope_result.value, ope_result.status
         if rec.decision == "refused":  # the champion keeps serving; its traffic is the next cycle's new data
             self.gate.reject(candidate, by="closed-loop", reason=f"refused at approval: {rec.reason[:200]}")
             self.traffic_round(rec.seconds)

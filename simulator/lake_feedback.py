@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the model stack (torch) is imported only by those who pass 
 
 def write_rewards(settings: Settings, records: Sequence[RewardRecord]) -> None:
     """Write `records` to the lake's rewards table, in a file of their own."""
-    write_lake_rewards(REWARDS.at(settings.lake_dir), records, f"sim-{uuid.uuid4().hex[:8]}")
+    write_lake_rewards(REWARDS.at(settings.lake_root), records, f"sim-{uuid.uuid4().hex[:8]}")
 
 
 def consent_events(users: Sequence[str], consent: bool = True, prop: str = "training_consent") -> list[Event]:

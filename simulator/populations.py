@@ -219,3 +219,39 @@ class NoisyPopulation(Population):
 def default_populations() -> list[Population]:
     """One of each kind, with their default preferences (the mix `flywheel up`'s users are drawn from)."""
     return [LengthPopulation(), StylePopulation(), ContentPopulation(), DecliningPopulation(), NoisyPopulation()]
+
+
+@dataclass(frozen=True)
+class BracketPopulation(Population):
+    """A kind added after the defaults were fixed (never used to tune them): likes suggestions that open and
+    close their own brackets on the line, dislikes ones leaving a bracket open, is lukewarm about the rest."""
+
+    name: str = "brackets"
+    p_closed: float = 0.75
+    p_plain: float = 0.3
+    p_open: float = 0.08
+
+    def judge(self, ctx: Context, text: str, finish_reason: str) -> float:
+        line = _first_line(text)
+        depth = 0
+        for ch in line:
+            depth += ch in "([{"
+            depth -= ch in ")]}"
+        if depth > 0:
+            return self.p_open
+        return self.p_closed if any(ch in line for ch in "([{") and depth == 0 else self.p_plain
+
+
+def tuning_populations() -> list[Population]:
+    """The populations the defaults (trainer config, windows, cycle length, gate settings) were chosen on."""
+    return [LengthPopulation(), StylePopulation(), DecliningPopulation()]
+
+
+def reporting_populations() -> list[Population]:
+    """Populations only reported on, never tuned on: two known kinds with other preferences, and new kinds.
+
+    Content judges by the real continuation (a preference no default was chosen for); `noisy` contradicts
+    itself; `style` liking single quotes and camelCase is the mirror of the tuned style; `brackets` is a
+    kind added after the defaults were fixed."""
+    return [ContentPopulation(), NoisyPopulation(inner=StylePopulation()),
+            StylePopulation(name="style-mirror", quote="'", naming="camel"), BracketPopulation()]  # fmt: skip

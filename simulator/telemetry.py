@@ -249,7 +249,7 @@ def write_events(
     """
     positions = at if at is not None else [(SIMULATED_TOPIC, 0, i) for i in range(len(events))]
     df = events_frame((e, *pos) for e, pos in zip(events, positions, strict=True))
-    write_lake_events(EVENTS.at(settings.lake_dir), df)
+    write_lake_events(EVENTS.at(settings.lake_root), df)
     return df
 
 

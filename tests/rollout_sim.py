@@ -94,6 +94,6 @@ def write_batch(
                             "window_start": ts, "window_end": ts, "late_events": 0, "emitted_at": ts})
     name = f"sim-{uuid.uuid4().hex[:8]}"
     if events:
-        EVENTS.write(EVENTS.at(settings.lake_dir), pl.DataFrame(events, schema=EVENTS.schema), name)
-        REWARDS.write(REWARDS.at(settings.lake_dir), pl.DataFrame(rewards, schema=REWARDS.schema), name)
+        EVENTS.write(EVENTS.at(settings.lake_root), pl.DataFrame(events, schema=EVENTS.schema), name)
+        REWARDS.write(REWARDS.at(settings.lake_root), pl.DataFrame(rewards, schema=REWARDS.schema), name)
     return counts

@@ -11,7 +11,7 @@ import random
 import threading
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from deploy_gate.rollout.config import RampStep, RolloutConfig
+from flywheel.contract import ModelLineage
 from flywheel.lm import load_policy
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
@@ -26,6 +27,7 @@ from simulator.closed_loop import ClosedLoop, LoopPlan, harm_weights, train_inve
 from simulator.contexts import Context, held_out_contexts
 from simulator.populations import DecliningPopulation, LengthPopulation, Population, Reaction, Truth
 from trainer.config import TrainerConfig
+from trainer.cycle import run_cycle
 from trainer.loop import decline_probabilities
 
 pytestmark = pytest.mark.slow
@@ -98,6 +100,40 @@ def test_a_short_loop_raises_a_learnable_populations_reward_and_not_when_the_sig
     base_i, learned_i = learned_reward(inverted, tiny_model_dir, Contrarian(), cycles=3)
     assert base_i == base  # same model, same contexts, same seeds
     assert learned_i < base + 0.01, f"trained on inverted reactions: base {base:.3f} -> {learned_i:.3f}"
+
+
+def test_the_offline_estimates_sign_agrees_with_the_ground_truth_for_a_better_and_a_worse_candidate(
+    settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """On the loop's own logged, rewarded traffic (serving, collector, ingest, signals all real), the offline
+    gate's estimate of candidate - champion has the sign of the simulator's ground truth: for a candidate
+    trained on the users' rewards (better) and one trained on them negated (worse), judged on the traffic their
+    trainer held out."""
+    pop = LengthPopulation()
+    lp = loop(settings, tiny_model_dir, [pop], requests=96, lr=1e-2, eval_contexts=80, eval_repeats=4)
+    # A third of the traffic held out of training (`flywheel.holdout`): the gate estimates on what neither saw.
+    trainer = replace(lp.trainer, ope_holdout_share=0.3)
+    with lp.running():
+        for _ in range(3):  # three rounds of the base model's traffic: the champion's logged data
+            lp.warm_up()
+        better = run_cycle(lp.settings, trainer, progress=False).version
+        assert better is not None
+        worse_dir = train_inverted(lp.settings, trainer, lp.base, tmp_path / "worse")
+        worse = lp.registry.register(worse_dir, ModelLineage(base=str(tiny_model_dir), parent_version=lp.base,
+                                                             trainer_config=trainer.to_dict()))  # fmt: skip
+        offline = lp.gate.offline
+        assert offline is not None
+        found = {}
+        for name, version in (("better", better), ("worse", worse)):
+            report = offline.check(version, lp.base)
+            ope_result = next(r for r in report.results if r.name == "ope_satisfaction")
+            assert ope_result.value is not None, ope_result
+            truth = lp.evaluate(version)[pop.name].reward - lp.base_eval[pop.name].reward
+            found[name] = (ope_result.value, truth, ope_result.detail)
+    (est_b, truth_b, why_b), (est_w, truth_w, why_w) = found["better"], found["worse"]
+    assert truth_b > 0.03 and truth_w < -0.03, found  # clearly better and clearly worse in ground truth
+    assert est_b > 0, f"better by {truth_b:+.3f} in truth, estimated {est_b:+.3f}: {why_b}"
+    assert est_w < 0, f"worse by {truth_w:+.3f} in truth, estimated {est_w:+.3f}: {why_w}"
 
 
 @pytest.fixture(scope="module")

@@ -35,4 +35,5 @@ def test_a_future_dated_grant_sent_after_a_revocation_does_not_make_the_user_tra
         statement("returning", False, t, t),
         statement("returning", True, t + timedelta(minutes=3), t + timedelta(minutes=3)),
     ])  # fmt: skip
-    assert _consenting_users(EVENTS.at(settings.lake_dir), TrainerConfig()) == {"returning"}
+    table = EVENTS.at(settings.lake_root)
+    assert _consenting_users(table, EVENTS.version(table) or 0, TrainerConfig()) == {"returning"}

@@ -150,12 +150,12 @@ def test_through_the_collector_and_worker_the_lake_keeps_extras_mapped_values_an
     worker = IngestWorker(settings, group_id="g-contract", poll_timeout_s=0.3)
     try:
         deadline = time.monotonic() + 60
-        table = EVENTS.at(settings.lake_dir)
-        while time.monotonic() < deadline and (not table.exists() or EVENTS.read(table).height < 3):
+        table = EVENTS.at(settings.lake_root)
+        while time.monotonic() < deadline and EVENTS.read(table).height < 3:
             worker.run_once()
     finally:
         worker.close()
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     props = {row["event_id"]: json.loads(row["properties"]) for row in lake.iter_rows(named=True)}
     assert props["gen"] == {**GENERATION, **EXTRAS, "product_arm": "variant-b", "finish_reason": "declined",
                             "provider_finish_reason": "content_filter"}  # fmt: skip

@@ -98,7 +98,7 @@ def test_feedback_becomes_a_served_model_version(settings: Settings, tiny_model_
             while time.monotonic() < deadline:
                 ingest.run_once()
                 signals.run_once()
-                rewards = read_rewards(REWARDS.at(settings.lake_dir), latest_only=True)
+                rewards = read_rewards(REWARDS.at(settings.lake_root), latest_only=True)
                 if not rewards.is_empty() and set(served) <= set(rewards["generation_id"]):
                     break
         finally:

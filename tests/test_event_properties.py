@@ -142,13 +142,12 @@ def test_ingest_worker_dead_letters_them_straight_off_the_topic(settings: Settin
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             worker.run_once()
-            table = EVENTS.at(settings.lake_dir)
-            rows = EVENTS.read(table).height if table.exists() else 0
+            rows = EVENTS.read(EVENTS.at(settings.lake_root)).height
             if rows >= len(good) and len(read_topic(settings, settings.dead_letter_topic)) >= len(bad):
                 break
     finally:
         worker.close()
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     assert sorted(lake["event_id"].to_list()) == sorted(f"ok{i}" for i in range(len(ACCEPTED)))
     extras = json.loads(lake.filter(lake["event_id"] == "ok4")["properties"].item())
     assert extras == ACCEPTED[4][1]

@@ -221,7 +221,7 @@ def test_collector_never_answers_5xx_and_everything_lands_once_or_is_dead_letter
         _drain(worker, settings, rows=len(produced), letters=len(letters))
     finally:
         worker.close()
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     assert sorted(lake["event_id"].to_list()) == sorted(e.event_id for e in produced)
     assert not lake["properties"].str.contains(r"NaN|Infinity").any()
 
@@ -276,7 +276,7 @@ def _drain(worker: IngestWorker, settings: Settings, rows: int, letters: int, ti
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         worker.run_once()  # raises if the worker would die
-        in_lake = EVENTS.read(EVENTS.at(settings.lake_dir)).height
+        in_lake = EVENTS.read(EVENTS.at(settings.lake_root)).height
         if in_lake >= rows and len(read_topic(settings, settings.dead_letter_topic)) >= letters:
             break
     for _ in range(3):
@@ -310,7 +310,7 @@ def test_raw_records_on_the_topic_never_stop_the_worker(settings: Settings) -> N
         _drain(worker, settings, rows=len(valid_ids), letters=len(invalid))
     finally:
         worker.close()
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     assert sorted(lake["event_id"].to_list()) == sorted(valid_ids), "every valid event in the lake exactly once"
     letters = [DeadLetter.from_bytes(r.value) for r in read_topic(settings, settings.dead_letter_topic)]
     assert sorted(d.original for d in letters) == sorted(invalid), "every invalid record dead-lettered once"

@@ -91,7 +91,7 @@ def rewards_written(settings: Settings) -> dict[tuple[str, str, int], list[float
     records, expected = make_rewards()
     df = rewards_frame(records)
     half = len(df) // 2  # two files per partition, as two signals workers would write
-    table = REWARDS.at(settings.lake_dir)
+    table = REWARDS.at(settings.lake_root)
     REWARDS.write(table, df.head(half), "worker-a")
     REWARDS.write(table, df.tail(len(df) - half), "worker-b")
     return expected
@@ -159,7 +159,7 @@ def test_metrics_per_arm_match_a_numpy_reference(
 def test_label_source_mix_matches_polars(
     client: TestClient, settings: Settings, rewards_written: dict[tuple[str, str, int], list[float]]
 ) -> None:
-    df = pl.read_parquet(list(REWARDS.at(settings.lake_dir).rglob("*.parquet")))
+    df = pl.read_delta(REWARDS.at(settings.lake_root))
     latest = (
         df.filter(pl.col("reward_version") == "r1")
         .sort("revision")

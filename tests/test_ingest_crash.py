@@ -48,7 +48,7 @@ def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
 
 
 def rows(settings: Settings) -> int:
-    return EVENTS.read(EVENTS.at(settings.lake_dir)).height
+    return EVENTS.read(EVENTS.at(settings.lake_root)).height
 
 
 def wait_for_rows(settings: Settings, more_than: int, timeout_s: float) -> int:
@@ -99,6 +99,6 @@ def test_sigkilled_worker_leaves_every_event_exactly_once(settings, tmp_path):
     assert worker.wait(timeout=20) == 0, log.read_text()[-3000:]
     producer.close()
 
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     assert lake.height == N_EVENTS, "every event exactly once"
     assert lake["event_id"].n_unique() == N_EVENTS

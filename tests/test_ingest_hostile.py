@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -24,7 +23,7 @@ from ingest import collector as collector_module
 from ingest import lake_sink
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.lake_sink import rows_frame, write_batch
+from ingest.lake_sink import rows_frame, storable
 from ingest.worker import IngestWorker
 from signals.config import SignalsConfig
 from signals.worker import SignalsWorker
@@ -58,7 +57,7 @@ def drain(worker: IngestWorker, settings: Settings, rows: int, letters_at_least:
     """Run batches until the lake holds `rows` rows and the dead-letter topic `letters_at_least` letters, then
     a few more (so anything extra would show)."""
     for _ in range(200):
-        if EVENTS.read(EVENTS.at(settings.lake_dir)).height >= rows and len(letters(settings)) >= letters_at_least:
+        if EVENTS.read(EVENTS.at(settings.lake_root)).height >= rows and len(letters(settings)) >= letters_at_least:
             break
         worker.run_once()
     for _ in range(3):
@@ -95,7 +94,7 @@ def test_out_of_range_times_through_the_collector_are_refused_and_ingest_goes_on
     worker = IngestWorker(settings, group_id="g-range", poll_timeout_s=0.3)
     drain(worker, settings, 2, 4)
     worker.close()
-    assert sorted(EVENTS.read(EVENTS.at(settings.lake_dir))["event_id"].to_list()) == ["good", "seg-good"]
+    assert sorted(EVENTS.read(EVENTS.at(settings.lake_root))["event_id"].to_list()) == ["good", "seg-good"]
     assert len(letters(settings)) == 4
 
 
@@ -139,7 +138,7 @@ def test_hostile_records_on_the_topic_are_dead_lettered_and_the_worker_keeps_goi
     restarted.close()
     producer.close()
 
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     assert sorted(lake["event_id"].to_list()) == [f"e{i}" for i in range(6)]
     found = letters(settings)
     assert len(found) == len(hostile), "each hostile record dead-lettered once (the restart re-read none)"
@@ -273,29 +272,29 @@ def _rows(n: int, ts_us: list[int] | None = None) -> pl.DataFrame:
     return rows_frame(rows).with_columns(pl.Series("_i", range(n), dtype=pl.Int64))
 
 
-def test_rows_the_lake_cannot_partition_are_handed_back_and_the_rest_written(tmp_path):
+def test_rows_the_lake_cannot_partition_are_handed_back_and_the_rest_written():
     year_zero = -62_167_219_200_000_000 - 3_600_000_000  # 0000-12-31T23:00Z: before year 1
     frame = _rows(3, [1_767_225_600_000_000, year_zero, 1_767_225_600_000_001])
-    written, refused = write_batch(tmp_path, frame)
-    assert len(written) == 1 and [i for i, _ in refused] == [1] and "partition" in refused[0][1]
-    assert sorted(pl.read_parquet(written)["event_id"].to_list()) == ["e0", "e2"]
+    kept, refused = storable(frame)
+    assert [i for i, _ in refused] == [1] and "partition" in refused[0][1]
+    assert sorted(kept["event_id"].to_list()) == ["e0", "e2"]
 
 
-def test_a_row_the_writer_fails_on_is_handed_back_alone_and_no_row_is_written_twice(tmp_path, monkeypatch):
-    """Fault injection: the Parquet writer is made to fail on one row (no real row is known to), to prove the
-    split: every other row is written exactly once."""
-    real = lake_sink.write_atomic
+def test_a_row_the_lake_fails_on_is_handed_back_alone_and_every_other_row_kept_once(monkeypatch):
+    """Fault injection: the conversion to the table's Arrow rows is made to fail on one row (no real row is known
+    to), to prove the split: every other row is kept exactly once."""
+    real = lake_sink.to_arrow
 
-    def failing(df: pl.DataFrame, path: Path) -> Path:
+    def failing(df: pl.DataFrame) -> object:
         if "e5" in df["event_id"].to_list():
             raise pl.exceptions.ComputeError("cannot write e5")
-        return real(df, path)
+        return real(df)
 
-    monkeypatch.setattr(lake_sink, "write_atomic", failing)
-    written, refused = write_batch(tmp_path, _rows(12))
+    monkeypatch.setattr(lake_sink, "to_arrow", failing)
+    kept, refused = storable(_rows(12))
     assert refused == [(5, "cannot be written to the lake: ComputeError: cannot write e5")]
-    ids = pl.read_parquet(written)["event_id"].to_list()
+    ids = kept["event_id"].to_list()
     assert sorted(ids) == sorted(f"e{i}" for i in range(12) if i != 5) and len(ids) == len(set(ids))
     with pytest.raises(OSError):  # the lake's own failure is not a row's: the batch is retried
-        monkeypatch.setattr(lake_sink, "write_atomic", lambda df, path: (_ for _ in ()).throw(OSError("disk full")))
-        write_batch(tmp_path, _rows(2))
+        monkeypatch.setattr(lake_sink, "to_arrow", lambda df: (_ for _ in ()).throw(OSError("disk full")))
+        storable(_rows(2))

@@ -50,9 +50,9 @@ def lag_gauge(settings: Settings) -> float:
 
 def drain(worker: IngestWorker, settings: Settings, rows: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while EVENTS.read(EVENTS.at(settings.lake_dir)).height < rows and time.monotonic() < deadline:
+    while EVENTS.read(EVENTS.at(settings.lake_root)).height < rows and time.monotonic() < deadline:
         worker.run_once()
-    assert EVENTS.read(EVENTS.at(settings.lake_dir)).height == rows
+    assert EVENTS.read(EVENTS.at(settings.lake_root)).height == rows
 
 
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])

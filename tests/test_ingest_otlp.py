@@ -115,10 +115,10 @@ def genai_spans() -> Sequence[ReadableSpan]:
 
 def drain_lake(settings: Settings, rows: int, group: str) -> None:
     worker = IngestWorker(settings, group_id=group, poll_timeout_s=0.3)
-    table = EVENTS.at(settings.lake_dir)
+    table = EVENTS.at(settings.lake_root)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not table.exists() or EVENTS.read(table).height < rows):
+        while time.monotonic() < deadline and EVENTS.read(table).height < rows:
             worker.run_once()
         worker.run_once()  # anything more would land now
     finally:
@@ -145,7 +145,7 @@ def feedback_through_segment(base_url: str, ids: dict[str, str]) -> None:
 
 
 def check_lake_and_rewards(settings: Settings, ids: dict[str, str]) -> None:
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     gens = lake.filter(lake["type"] == "generation")
     assert sorted(gens["generation_id"].to_list()) == sorted(ids.values())  # once each
     by_id = {row["generation_id"]: row for row in gens.iter_rows(named=True)}
@@ -190,7 +190,7 @@ def test_official_otlp_http_exporter_lands_generations_once_and_segment_feedback
     ids = generation_ids(spans)
     feedback_through_segment(collector_url, ids)
     drain_lake(settings, 6, "g-otlp")
-    assert EVENTS.read(EVENTS.at(settings.lake_dir)).height == 6
+    assert EVENTS.read(EVENTS.at(settings.lake_root)).height == 6
     check_lake_and_rewards(settings, ids)
     assert read_topic(settings, settings.dead_letter_topic) == []
     assert ignored("operation:embeddings") == before["operation:embeddings"] + 2

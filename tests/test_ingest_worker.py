@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -13,7 +15,7 @@ import uvicorn
 from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
-from flywheel.lake.tables import EVENTS
+from flywheel.lake.tables import DEAD_LETTERS, EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
@@ -23,7 +25,7 @@ from launcher.embedded import free_port, start_broker, wait_for_port
 
 def drain(worker: IngestWorker, until_rows: int, settings: Settings, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while EVENTS.read(EVENTS.at(settings.lake_dir)).height < until_rows and time.monotonic() < deadline:
+    while EVENTS.read(EVENTS.at(settings.lake_root)).height < until_rows and time.monotonic() < deadline:
         worker.run_once()
 
 
@@ -70,14 +72,14 @@ def test_segment_library_delivers_n_track_events_exactly_n_rows(settings, collec
     drain(worker, n, settings)
     worker.run_once()  # nothing more arrives
     worker.close()
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
     assert lake.height == n
     assert sorted(lake["event_id"].to_list()) == sorted(f"msg-{i}" for i in range(n))
     row = lake.filter(lake["event_id"] == "msg-7").row(0, named=True)
     assert row["generation_id"] == "gen-7" and row["user_id"] == "user-2" and row["source"] == "segment"
     assert json.loads(row["properties"]) == {"accepted_chars": 7}
     # Partitioned by the event's date and hour.
-    files = list(EVENTS.at(settings.lake_dir).rglob("*.parquet"))
+    files = list(Path(EVENTS.at(settings.lake_root)).rglob("*.parquet"))
     assert files and all(
         f.parent.name.startswith("hour=") and f.parent.parent.name.startswith("date=") for f in files
     )
@@ -105,7 +107,7 @@ def test_poison_messages_go_to_dead_letters_and_the_worker_keeps_consuming(setti
     worker = IngestWorker(settings, group_id="g-poison", poll_timeout_s=0.3)
     drain(worker, 5, settings)
     worker.close()
-    assert sorted(EVENTS.read(EVENTS.at(settings.lake_dir))["event_id"].to_list()) == [f"e{i}" for i in range(5)]
+    assert sorted(EVENTS.read(EVENTS.at(settings.lake_root))["event_id"].to_list()) == [f"e{i}" for i in range(5)]
 
     letters = [DeadLetter.from_bytes(r.value) for r in read_topic(settings, settings.dead_letter_topic)]
     assert sorted(d.original for d in letters) == sorted(poison)
@@ -115,7 +117,77 @@ def test_poison_messages_go_to_dead_letters_and_the_worker_keeps_consuming(setti
     assert "unknown schema_version 7" in reasons[poison[2]]
     assert "limit is" in reasons[poison[3]]
     assert all(d.source.startswith(f"kafka:{t}/") for d in letters)
+    # The dead-letter table holds each refused record once, with its bytes and reason.
+    table = DEAD_LETTERS.read(DEAD_LETTERS.at(settings.lake_root))
+    assert sorted(table["original"].to_list()) == sorted(poison)
+    assert dict(zip(table["original"], table["reason"], strict=True)) == reasons
     producer.close()
+
+
+def test_a_batch_failing_between_its_dead_letter_and_event_commits_is_replayed_once(settings):
+    """The dead letters are committed first: the batch read again from the table's offsets skips them, and its
+    events are written once."""
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    t = settings.events_topic
+    records = [b"{broken", *(event(i).to_bytes() for i in range(4))]
+    producer.send_all([Outgoing(t, raw, key=b"g0") for raw in records])
+    producer.close()
+    worker = IngestWorker(settings, group_id="g-between", poll_timeout_s=0.3, linger_s=0.2)
+    real, failed = worker._events.commit, []
+
+    def crash_once(rows, ends):  # noqa: ANN001, ANN202 - stands in for a process dying between the two commits
+        if not failed:
+            failed.append(True)
+            raise OSError("the lake went away")
+        return real(rows, ends)
+
+    worker._events.commit = crash_once  # type: ignore[method-assign]
+    deadline = time.monotonic() + 30
+    while EVENTS.read(EVENTS.at(settings.lake_root)).height < 4 and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            worker.run_once()
+    worker.close()
+    assert failed
+    assert sorted(EVENTS.read(EVENTS.at(settings.lake_root))["event_id"].to_list()) == [f"e{i}" for i in range(4)]
+    assert DEAD_LETTERS.read(DEAD_LETTERS.at(settings.lake_root))["original"].to_list() == [b"{broken"]
+
+
+def test_two_workers_writing_the_same_partitions_commit_each_offset_once(settings, caplog):
+    """Two workers in different groups both own every partition (as a stale worker still believes it does):
+    each checks the table's offsets on the snapshot it commits with, so every record lands once, and the
+    loser of each race reloads the table and goes on from its offsets."""
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    sent = [event(i) for i in range(400)]
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in sent])
+    producer.close()
+    workers = [IngestWorker(settings, group_id=f"g-twin-{n}", batch_size=20, poll_timeout_s=0.2, linger_s=0.05)
+               for n in range(2)]  # fmt: skip
+    done = threading.Event()
+
+    def run(worker: IngestWorker) -> None:
+        while not done.is_set():
+            worker.run_once()
+
+    caplog.set_level(logging.WARNING, logger="ingest.worker")
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while EVENTS.read(EVENTS.at(settings.lake_root)).height < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # anything written twice would land now
+    done.set()
+    for t in threads:
+        t.join(timeout=30)
+    for w in workers:
+        w.close()
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
+    assert sorted(lake["event_id"].to_list()) == sorted(e.event_id for e in sent)
+    positions = lake.select("kafka_partition", "kafka_offset")
+    assert positions.n_unique() == positions.height == len(sent)
+    assert "lake commit refused" in caplog.text, "the workers never raced"
 
 
 def test_duplicates_and_replays_are_written_once(settings):
@@ -136,17 +208,18 @@ def test_duplicates_and_replays_are_written_once(settings):
     for _ in range(2):
         worker.run_once()
     worker.close()
-    # A new group replays the whole topic from the start: every record is already in the lake.
+    # A new group (no committed offsets: it would read the topic from the start) resumes where the lake's
+    # table says instead: it reads only what came after.
+    producer.send_all([Outgoing(settings.events_topic, event(11).to_bytes(), key=event(11).generation_id.encode())])
     replay = IngestWorker(settings, group_id="g-dup-replay", poll_timeout_s=0.3)
     results = []
     deadline = time.monotonic() + 30
-    while sum(r.polled for r in results) < 17 and time.monotonic() < deadline:
+    while sum(r.written for r in results) < 1 and time.monotonic() < deadline:
         results.append(replay.run_once())
     replay.close()
-    lake = EVENTS.read(EVENTS.at(settings.lake_dir))
-    assert sorted(lake["event_id"].to_list()) == sorted(f"e{i}" for i in range(11))
-    assert sum(r.already_in_lake for r in results) == 11
-    assert sum(r.written for r in results) == 0
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
+    assert sorted(lake["event_id"].to_list()) == sorted(f"e{i}" for i in range(12))
+    assert sum(r.written for r in results) == 1 and sum(r.polled for r in results) == 1
     producer.close()
 
 
@@ -175,11 +248,11 @@ def test_broker_down_at_start_waits_with_backoff_then_catches_up(tmp_path, redis
         producer.send_all([Outgoing(settings.events_topic, event(i).to_bytes()) for i in range(20)])
         producer.close()
         deadline = time.monotonic() + 30
-        while EVENTS.read(EVENTS.at(settings.lake_dir)).height < 20 and time.monotonic() < deadline:
+        while EVENTS.read(EVENTS.at(settings.lake_root)).height < 20 and time.monotonic() < deadline:
             time.sleep(0.2)
         stop.set()
         thread.join(timeout=15)
-        assert EVENTS.read(EVENTS.at(settings.lake_dir)).height == 20
+        assert EVENTS.read(EVENTS.at(settings.lake_root)).height == 20
     finally:
         stop.set()
         broker.terminate()
@@ -201,7 +274,8 @@ def test_confluent_client_behind_the_same_interface(settings):
     while processed < 31 and time.monotonic() < deadline:
         processed += worker.run_once().polled
     worker.close()
-    assert sorted(EVENTS.read(EVENTS.at(settings.lake_dir))["event_id"].to_list()) == sorted(e.event_id for e in events)
+    lake = EVENTS.read(EVENTS.at(settings.lake_root))
+    assert sorted(lake["event_id"].to_list()) == sorted(e.event_id for e in events)
     letters = read_topic(settings, settings.dead_letter_topic)
     assert [DeadLetter.from_bytes(r.value).original for r in letters] == [b"{not json"]
 

@@ -23,7 +23,8 @@ from deploy_gate.gate import DeployGate
 from deploy_gate.offline import GATES, OfflineGateConfig, OfflineGates, ope
 from deploy_gate.offline.gates import run_gates
 from deploy_gate.offline.heldout import held_out
-from deploy_gate.offline.logged import LoggedTraffic, champion_traffic
+from deploy_gate.offline.logged import LoggedSample, LoggedTraffic, champion_traffic
+from deploy_gate.offline.measure import sample
 from flywheel.connections import redis_client
 from flywheel.contract import Event, EventType, GenerationRecord, ModelLineage, RewardRecord
 from flywheel.lake.tables import EVENTS, REWARDS, events_frame, rewards_frame
@@ -31,6 +32,10 @@ from flywheel.lm import Policy, load_policy
 from flywheel.settings import Settings, get_settings
 from flywheel.signing import sign_generation
 from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
+from trainer.config import TrainerConfig
+from trainer.data import Sample
+from trainer.loop import score_samples, train_policy
+from trainer.scoring import scorer_for
 
 CONFIG = OfflineGateConfig(
     n_prompts=8, logged_prompts=4, n_text_windows=4, ope_min_samples=20, ope_min_ess=5, bootstrap_samples=200,
@@ -95,6 +100,22 @@ def test_dr_with_a_good_reward_model_is_tighter_than_snips() -> None:
     _, r, log_w, q_logged, q_target = _bandit(5_000, seed=2)
     est = ope.estimate(r, log_w, q_logged, q_target, bootstrap_samples=300, seed=0)
     assert est.dr.ci[1] - est.dr.ci[0] < est.snips.ci[1] - est.snips.ci[0]
+
+
+def test_a_paired_direct_method_term_cancels_what_the_contexts_share() -> None:
+    """Paired (the target's completion of each logged context): the champion against itself has d = 0 exactly;
+    unpaired, the contexts' spread shows up as a wide interval around it."""
+    rng = np.random.default_rng(4)
+    q = rng.normal(0.2, 0.4, 300)  # qhat of the logged completions: contexts differ a lot
+    r = q + rng.normal(0, 0.1, 300)
+    paired = ope.estimate(r, np.zeros(300), q, q, bootstrap_samples=200, seed=1, paired=True)
+    unpaired = ope.estimate(r, np.zeros(300), q, q, bootstrap_samples=200, seed=1)
+    assert paired.dr_minus_behaviour.value == pytest.approx(0.0, abs=1e-12)
+    assert paired.dr_minus_behaviour.ci == pytest.approx((0.0, 0.0), abs=1e-12)
+    low, high = unpaired.dr_minus_behaviour.ci
+    assert high - low > 0.05
+    with pytest.raises(ValueError, match="one value per logged sample"):
+        ope.estimate(r, np.zeros(300), q, q[:10], paired=True)
 
 
 def test_huge_log_weights_do_not_overflow() -> None:
@@ -322,8 +343,8 @@ def log_champion_traffic(settings: Settings, policy: Policy, version: str, n: in
                                     confidence=1.0, label_source="explicit", user_id=user, model_version=version,
                                     arm="champion", experiment="default", window_start=at, window_end=at,
                                     emitted_at=at + timedelta(seconds=5)))  # fmt: skip
-    EVENTS.write(EVENTS.at(settings.lake_dir), events_frame(events), "gen")
-    REWARDS.write(REWARDS.at(settings.lake_dir), rewards_frame(rewards), "rew")
+    EVENTS.write(EVENTS.at(settings.lake_root), events_frame(events), "gen")
+    REWARDS.write(REWARDS.at(settings.lake_root), rewards_frame(rewards), "rew")
 
 
 def test_ope_uses_only_signed_champion_traffic_and_passes_the_champion_itself(
@@ -340,7 +361,7 @@ def test_ope_uses_only_signed_champion_traffic_and_passes_the_champion_itself(
     mean = float(np.mean([s.reward for s in traffic.samples]))
     assert ope_result.status != "failed", ope_result
     assert "ESS 40.0 of n=40" in ope_result.detail and f"SNIPS {mean:.4g}" in ope_result.detail
-    assert ope_result.value == pytest.approx(mean, abs=0.15)
+    assert ope_result.value == pytest.approx(0.0, abs=0.15)  # DR - the champion's logged mean
 
 
 def test_ope_fails_a_candidate_that_declines_what_the_champion_was_rewarded_for(
@@ -352,6 +373,47 @@ def test_ope_fails_a_candidate_that_declines_what_the_champion_was_rewarded_for(
     harmed = eos_only(tiny_model_dir, tmp_path / "e")
     result = by_name(run_gates(harmed, champion, data.prompts, data.texts, traffic, config))["ope_satisfaction"]
     assert result.status == "failed" and "worse than the champion" in result.detail, result
+
+
+def calls_traffic(policy: Policy, n: int) -> LoggedTraffic:
+    """`n` champion generations rewarded 1 when they open a call ("(") and 0 otherwise, in memory."""
+    prompts = ["def main(", "import os\nimport ", "class Parser:\n    def ", "for i in range("]
+    samples = []
+    for i in range(n):
+        g = policy.generate(prompts[i % len(prompts)], max_tokens=8, seed=i)
+        rec = GenerationRecord(
+            prompt=prompts[i % len(prompts)], prompt_token_ids=g.prompt_token_ids, completion=g.completion,
+            completion_token_ids=g.completion_token_ids, behaviour_logprobs=g.logprobs, model_version="1",
+            finish_reason=g.finish_reason,
+        )  # fmt: skip
+        samples.append(LoggedSample(f"g{i:04d}", rec, float("(" in g.completion)))
+    return LoggedTraffic(samples, "r1", 0)
+
+
+def test_a_harmed_candidate_is_refused_by_the_offline_gate_on_its_estimate_alone(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    """Trained a small step against what the champion's users rewarded: close to the champion (KL, perplexity,
+    empty, declined and length all pass), worse in truth, and refused by `ope_satisfaction` alone."""
+    torch.manual_seed(0)
+    traffic = calls_traffic(champion, 120)
+    harmed = load_policy(tiny_model_dir)
+    now = datetime.now(UTC)
+    samples = [Sample(s.generation_id, "u", s.record.prompt_token_ids or [], s.record.completion_token_ids or [],
+                      s.record.behaviour_logprobs, -s.reward, "1", now) for s in traffic.samples]  # fmt: skip
+    config = TrainerConfig(learning_rate=1e-3, batch_size=16, baseline="batch_mean")
+    reference = score_samples(harmed.model, samples, scorer_for(False), harmed.pad_id, 16)
+    train_policy(harmed.model, samples, reference, config, scorer_for(False), harmed.pad_id, stop_ids=harmed.stop_ids)
+    harmed.save(tmp_path / "harmed")
+
+    results = by_name(run_gates(tmp_path / "harmed", champion, data.prompts, data.texts, traffic, CONFIG))
+    ope_result = results["ope_satisfaction"]
+    assert ope_result.status == "failed" and "worse than the champion" in ope_result.detail, ope_result
+    assert all(r.status == "passed" for name, r in results.items() if name != "ope_satisfaction"), results
+    # And it is worse in truth: it opens calls less often than the champion on the same prompts and seeds.
+    prompts = [s.record.prompt for s in traffic.samples]
+    rate = lambda p: np.mean(["(" in g.completion for g in sample(p, prompts, 8, seed=1).generations])  # noqa: E731
+    assert rate(load_policy(tmp_path / "harmed")) < rate(champion)
 
 
 # ---- approval, the CLI and the API -----------------------------------------------------------------

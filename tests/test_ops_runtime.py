@@ -263,15 +263,15 @@ def test_signals_worker_waits_out_kafka_and_redis_outages(
         assert thread.is_alive()
 
         start_redis()
-        wait_until(lambda: "g-outage" in read_rewards(REWARDS.at(down.lake_dir))["generation_id"].to_list()
-                   if read_rewards(REWARDS.at(down.lake_dir)).height else False, "the reward once Redis is back")
+        wait_until(lambda: "g-outage" in read_rewards(REWARDS.at(down.lake_root))["generation_id"].to_list()
+                   if read_rewards(REWARDS.at(down.lake_root)).height else False, "the reward once Redis is back")
         wait_until(lambda: readyz().status_code == 200, "ready once both are back")
         assert thread.is_alive()
     finally:
         stop.set()
         thread.join(timeout=15)
         server.stop()
-    rewards = read_rewards(REWARDS.at(down.lake_dir))
+    rewards = read_rewards(REWARDS.at(down.lake_root))
     assert rewards.filter(rewards["generation_id"] == "g-outage").height == 1, "one reward, not skipped nor doubled"
     for dep in ("kafka", "redis"):
         assert state_lines(caplog, dep, f"{dep} is down (") == 1, dep

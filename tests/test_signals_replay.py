@@ -91,10 +91,10 @@ def test_months_old_telemetry_through_the_collector_gives_one_final_reward_per_g
         drain(worker, lambda: worker.stats.records >= len(tel.surfaces))
         deadline = time.monotonic() + 60
         unique = {e.event_id for e in tel.events}
-        lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+        lake = EVENTS.read(EVENTS.at(settings.lake_root))
         while lake.height < len(unique) and time.monotonic() < deadline:
             ingest.run_once()
-            lake = EVENTS.read(EVENTS.at(settings.lake_dir))
+            lake = EVENTS.read(EVENTS.at(settings.lake_root))
     finally:
         ingest.close()
         worker.close()
@@ -104,7 +104,7 @@ def test_months_old_telemetry_through_the_collector_gives_one_final_reward_per_g
     # every generation gets exactly one reward, its final one: no default followed by revisions
     records = streamed(settings)
     assert Counter(r.generation_id for r in records) == Counter(set(tel.surfaces))
-    assert {r.revision for r in records} == {0} and read_rewards(REWARDS.at(settings.lake_dir)).height == len(records)
+    assert {r.revision for r in records} == {0} and read_rewards(REWARDS.at(settings.lake_root)).height == len(records)
     by_id = {r.generation_id: r for r in records}
     assert {r.reward_version for r in records} == {"rules-v1", "chat-rules-v1"}
     assert all(by_id[g].reward_version == builtin_definition(s).version for g, s in tel.surfaces.items())
@@ -149,7 +149,7 @@ def test_chat_thumbs_never_change_code_completion_rewards(settings: Settings) ->
     users = known_users(600, seed=4, thumbs_share=1.0, coef=MISJUDGED_COEF, surface="chat")
     chat_rules = builtin_definition("chat")
     write_rewards(
-        REWARDS.at(settings.lake_dir),
+        REWARDS.at(settings.lake_root),
         [chat_rules.record(u.gen, u.events, window_end_us=600_000_000) for u in users],
         "chat-labels",
     )
@@ -203,7 +203,7 @@ def test_backfilling_a_month_old_day_gives_one_record_per_generation_and_changes
     written, present = backfill(settings, "rules-v2")
     code = sorted(g for g, s in tel.surfaces.items() if s == "code-completion")
     assert (written, present) == (len(code), 0)
-    lake = read_rewards(REWARDS.at(settings.lake_dir))
+    lake = read_rewards(REWARDS.at(settings.lake_root))
     assert sorted(lake["generation_id"].to_list()) == code and set(lake["revision"].to_list()) == {0}
     batch = recompute_records(settings, experimental, config=CONFIG, final_only=True)
     assert {r.generation_id: (r.reward, r.signals) for r in batch} == {

@@ -62,7 +62,7 @@ def _write_labelled_history(
     users = known_users(n, seed=seed, thumbs_share=1.0, coef=coef, surface=surface)
     definition = builtin_definition(surface)
     records = [definition.record(u.gen, u.events, window_end_us=600_000_000) for u in users]
-    write_rewards(REWARDS.at(settings.lake_dir), records, f"test-{surface}-{seed}")
+    write_rewards(REWARDS.at(settings.lake_root), records, f"test-{surface}-{seed}")
 
 
 def test_refit_below_min_labels_is_stored_and_rules_stay(settings: Settings) -> None:

@@ -68,7 +68,7 @@ def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settin
     keys = Counter((r.generation_id, r.reward_version, r.revision) for r in streamed)
     assert max(keys.values()) == 1, "one record per generation, version and revision"
     assert {r.generation_id for r in streamed if r.revision == 0} == set(hist.generation_ids)
-    assert len(read_rewards(REWARDS.at(settings.lake_dir))) == len(streamed)
+    assert len(read_rewards(REWARDS.at(settings.lake_root))) == len(streamed)
 
     lake_events_from_topic(settings)
     batch = recompute_records(settings, DEFAULT_DEFINITION, config=CONFIG)
@@ -123,7 +123,7 @@ def test_worker_restarted_mid_window_loses_nothing_and_duplicates_nothing(settin
     )
     # the shown from before the restart and the accept after it both count
     assert all(r.reward == 0.75 and r.signals["shown"] == 1.0 for r in streamed)
-    lake = read_rewards(REWARDS.at(settings.lake_dir))
+    lake = read_rewards(REWARDS.at(settings.lake_root))
     assert lake.height == 7 and lake["generation_id"].n_unique() == 7
 
 
@@ -176,5 +176,5 @@ def test_history_replayed_into_an_idle_worker_gives_one_final_record_per_generat
     assert parity(settings, "rules-v1") == {"generations": n, "agree": n, "revision_differs": 0, "reward_differs": 0,
                                             "only_stream": 0, "only_recompute": 0}  # fmt: skip
     # a revision the recompute does not make is a disagreement, even with the same reward
-    write_rewards(REWARDS.at(settings.lake_dir), [streamed[0].model_copy(update={"revision": 1})], "extra")
+    write_rewards(REWARDS.at(settings.lake_root), [streamed[0].model_copy(update={"revision": 1})], "extra")
     assert parity(settings, "rules-v1")["revision_differs"] == 1

@@ -53,7 +53,7 @@ def test_trends_show_a_challenger_that_stops_suggesting(settings: Settings) -> N
         recs += _records(
             "challenger", "2", hour, 60, decline=0.1 + 0.3 * hour, thumbs_up=0.7 - 0.3 * hour, seed=10 + hour
         )
-    write_rewards(REWARDS.at(settings.lake_dir), recs, "watch-test")
+    write_rewards(REWARDS.at(settings.lake_root), recs, "watch-test")
 
     trends = signal_trends(settings, every="1h")
     assert trends.height == 6

@@ -31,6 +31,7 @@ from model_registry import ModelRegistry
 from serving import build_serving_app
 from simulator.contexts import Context, held_out_contexts
 from simulator.populations import (
+    BracketPopulation,
     ContentPopulation,
     DecliningPopulation,
     LengthPopulation,
@@ -38,6 +39,8 @@ from simulator.populations import (
     StylePopulation,
     Truth,
     default_populations,
+    reporting_populations,
+    tuning_populations,
 )
 from simulator.product import SimulatedProduct
 
@@ -63,6 +66,20 @@ def test_length_population_prefers_short_completions_that_end_the_line() -> None
     long = pop.truth(CODE, "th * height\n    x = area(1, 2)\n    y = 3", "length")
     assert short.p_accept == pop.p_good > long.p_accept == pop.p_bad
     assert short.expected_reward > 0 > long.expected_reward
+
+
+def test_bracket_population_likes_closed_calls_and_dislikes_open_ones() -> None:
+    pop = BracketPopulation()
+    closed, plain, left_open = (pop.truth(CODE, text, "stop").p_accept for text in ("(1)\n", "th\n", "(1, \n"))
+    assert closed == pop.p_closed > plain == pop.p_plain > left_open == pop.p_open
+
+
+def test_tuning_and_reporting_populations_are_apart() -> None:
+    """No population both chose the defaults and reports on them (README: which chose the defaults)."""
+    tuning, reporting = tuning_populations(), reporting_populations()
+    assert {p.name for p in tuning} == {"length", "style", "declining"}
+    assert not {p.name for p in tuning} & {p.name for p in reporting}
+    assert not set(map(repr, tuning)) & set(map(repr, reporting))
 
 
 def test_style_population_prefers_its_quote_and_naming() -> None:
@@ -146,8 +163,7 @@ def test_every_population_sends_valid_events_that_land_in_the_lake(settings: Set
         feedback = EVENTS.empty()
         while time.monotonic() < deadline:
             worker.run_once()
-            table = EVENTS.at(settings.lake_dir)
-            lake = EVENTS.read(table) if table.exists() else EVENTS.empty()
+            lake = EVENTS.read(EVENTS.at(settings.lake_root))
             feedback = lake.filter(lake["type"] != "generation")
             if feedback.height >= sent:
                 break

@@ -72,7 +72,7 @@ def lake(settings: Settings) -> Settings:
 
 
 def test_text_only_generation_is_kept_in_the_lake_and_scored(lake: Settings) -> None:
-    rows = EVENTS.read(EVENTS.at(lake.lake_dir))
+    rows = EVENTS.read(EVENTS.at(lake.lake_root))
     kept = rows.filter(rows["type"] == "generation")
     assert sorted(kept["generation_id"].to_list()) == ["text-0", "text-1", "text-2", "text-3", "unsigned-0"]
     records = {r.generation_id: r for r in recompute_records(lake, DEFAULT_DEFINITION)}

@@ -17,9 +17,12 @@ import torch
 from mlflow import MlflowClient
 
 from flywheel.contract import DataWindow, Event, GenerationRecord, ModelLineage, RewardRecord
+from flywheel.holdout import in_holdout
+from flywheel.lake.tables import REWARDS
 from flywheel.lm import Generation, Policy, load_policy
 from flywheel.settings import Settings
 from flywheel.signing import sign_generation
+from launcher.lake import pinned_versions
 from model_registry import ModelRegistry
 from simulator.lake_feedback import consent_events, simulate_feedback, write_rewards
 from simulator.telemetry import write_events
@@ -240,6 +243,22 @@ def test_learning_accumulates_from_the_parent_champions_window(tsettings: Settin
     assert third.status == "registered" and third.parent_version == second.version and third.sample_count == 6
     assert registry.lineage(third.version).data_window.start == registry.lineage(second.version).data_window.end
 
+    # Time travel: the second candidate's lineage names the lake's table versions it read. With more data in the
+    # lake since, a selection at those versions picks exactly its samples again, and the rewards table at its
+    # version holds exactly the rows it trained on.
+    window = registry.lineage(second.version).data_window
+    assert window is not None and set(window.lake_versions) == {"events", "rewards"}
+    again = load_selection(tsettings, config, watermark=None, quarantined=set(), lake_versions=window.lake_versions,
+                           encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    assert again.window is not None and again.window.generation_ids_sha256 == window.generation_ids_sha256
+    assert len(again.samples) == 24
+    rows = REWARDS.read(REWARDS.at(tsettings.lake_root), window.lake_versions["rewards"])
+    assert sorted(rows["generation_id"].to_list()) == sorted(s.generation_id for s in again.samples)
+    assert REWARDS.read(REWARDS.at(tsettings.lake_root)).height == 30  # the newest version holds the third's too
+    # The lake's vacuum keeps the versions every registered model trained on.
+    pinned = pinned_versions(tsettings)
+    assert window.lake_versions["rewards"] in pinned["rewards"] and window.lake_versions["events"] in pinned["events"]
+
 
 def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: str) -> None:
     simulate_feedback(tsettings, load_policy(ModelRegistry(tsettings).fetch(champion)), PROMPTS, _ends_early,
@@ -248,6 +267,49 @@ def test_too_little_new_data_skips_and_says_why(tsettings: Settings, champion: s
     assert result.status == "skipped" and result.version is None
     assert "too little new data: 3 eligible samples" in result.reason and "need 4" in result.reason
     assert [v.version for v in ModelRegistry(tsettings).versions()] == [champion]
+
+
+def test_a_cycle_with_more_eligible_data_than_its_budget_reports_what_it_left_out_and_why(
+    tsettings: Settings, champion: str
+) -> None:
+    """Nothing is left out silently: over `max_samples` a seeded uniform sample is kept (old data as likely as
+    new, not the newest N), and past `time_budget_s` training stops; each says how many and by what rule."""
+    registry = ModelRegistry(tsettings)
+    policy = load_policy(registry.fetch(champion))
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=40, seed=9, users=USERS)
+    capped = TrainerConfig(batch_size=4, min_samples=4, max_samples=16)
+    selection = load_selection(tsettings, capped, watermark=None, quarantined=set(),
+                               encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    everything = load_selection(tsettings, TrainerConfig(), watermark=None, quarantined=set(),
+                                encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    by_age = [s.generation_id for s in sorted(everything.samples, key=lambda s: s.emitted_at)]
+    kept = {s.generation_id for s in selection.samples}
+    assert len(kept) == 16 and kept < set(by_age)
+    assert kept & set(by_age[:20]) and kept & set(by_age[20:])  # both halves of the window keep a share
+    result = run_cycle(tsettings, capped, progress=False)
+    assert result.status == "registered"
+    assert "24 over max_samples=16, left out by seeded reservoir sampling" in result.reason, result.reason
+    assert result.metrics["samples_eligible"] == 40 and result.metrics["samples_trained"] == 16
+    assert any(k.startswith("left_out_over_max_samples") and v == 24 for k, v in result.metrics.items())
+
+    # A budget too short for more than the first step: it trains on one batch and says what it did not reach.
+    budget = TrainerConfig(batch_size=4, min_samples=4, time_budget_s=1e-6)
+    result = run_cycle(tsettings, budget, progress=False)
+    assert result.status == "registered" and result.metrics["steps"] == 1
+    assert result.metrics["samples_trained"] == 4 and result.metrics["samples_eligible"] == 40
+    assert "36 not reached within time_budget_s=1e-06 (visited in a seeded random order" in result.reason
+
+
+def test_the_off_policy_holdout_is_left_out_of_training_and_said(tsettings: Settings, champion: str) -> None:
+    """Generations in the holdout (`flywheel.holdout`) never reach the trainer, and the cycle says how many."""
+    policy = load_policy(ModelRegistry(tsettings).fetch(champion))
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=40, seed=11, users=USERS)
+    config = TrainerConfig(batch_size=8, min_samples=4, ope_holdout_share=0.5)
+    selection = load_selection(tsettings, config, watermark=None, quarantined=set(),
+                               encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
+    held = [n for why, n in selection.dropped.items() if why.startswith("held out for the offline gate")]
+    assert held and held[0] + len(selection.samples) == 40 and 0 < held[0] < 40
+    assert not any(in_holdout(s.generation_id, 0.5) for s in selection.samples)
 
 
 def _row(

@@ -53,11 +53,11 @@ def ingest_all(settings: Settings, rows: int, timeout_s: float = 60.0) -> None:
     worker = IngestWorker(settings)
     deadline = time.monotonic() + timeout_s
     try:
-        while EVENTS.read(EVENTS.at(settings.lake_dir)).height < rows and time.monotonic() < deadline:
+        while EVENTS.read(EVENTS.at(settings.lake_root)).height < rows and time.monotonic() < deadline:
             worker.run_once()
     finally:
         worker.close()
-    assert EVENTS.read(EVENTS.at(settings.lake_dir)).height == rows
+    assert EVENTS.read(EVENTS.at(settings.lake_root)).height == rows
 
 
 def test_forged_and_tampered_generations_never_become_samples(settings: Settings, tiny_model_dir: Path) -> None:

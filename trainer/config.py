@@ -59,7 +59,16 @@ class TrainerConfig:
     Data
         reward_version: train on this reward definition ("" = the active one of each surface).
         min_samples: skip the cycle below this many eligible samples (None = settings.min_train_samples).
-        max_samples: newest samples kept when more arrived (0 = all).
+        max_samples: at most this many samples a cycle (0 = all eligible since the parent's window).
+            When more are eligible, a seeded uniform sample of them is kept (reservoir sampling:
+            every eligible sample equally likely, old or new) and the cycle reports how many were
+            left out and by that rule (`left_out_*` metrics, the log, a skip's reason).
+        ope_holdout_share: share of eligible generations (by a hash of their id, `flywheel.holdout`) left
+            out of training, and reported, so the offline gate estimates the candidate on champion
+            traffic it never saw (0 = none: the gate then says its estimate is in-sample).
+        time_budget_s: wall-clock seconds training may take (0 = no budget). Samples are visited in
+            a seeded random order, so a cycle that runs out stops after the step past the budget
+            having trained on a uniform sample, and reports the samples it did not reach.
         replay_fraction: add up to this fraction of older (already trained on) samples.
         require_consent / consent_property: train only on users whose latest event carrying
             `consent_property` set it true.
@@ -100,6 +109,8 @@ class TrainerConfig:
     reward_version: str = ""
     min_samples: int | None = None
     max_samples: int = 0
+    time_budget_s: float = 0.0
+    ope_holdout_share: float = 0.0
     replay_fraction: float = 0.0
     require_consent: bool = True
     consent_property: str = "training_consent"
@@ -156,6 +167,10 @@ class TrainerConfig:
             )
         if self.max_samples < 0:
             errors.append(f"max_samples={self.max_samples}: must be >= 0 (0 = all)")
+        if not 0.0 <= self.ope_holdout_share < 1.0:
+            errors.append(f"ope_holdout_share={self.ope_holdout_share}: must be in [0, 1) (0 = hold nothing out)")
+        if self.time_budget_s < 0:
+            errors.append(f"time_budget_s={self.time_budget_s}: must be >= 0 seconds (0 = no budget)")
         if not 0.0 <= self.replay_fraction <= 1.0:
             errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
         if self.require_consent and not self.consent_property.strip():

@@ -38,7 +38,7 @@ from flywheel.lm import Policy, load_policy, round_parameters_to_bfloat16_
 from flywheel.settings import Settings
 from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
-from trainer.data import Selection, load_selection, quarantined_versions
+from trainer.data import Selection, load_selection, over_cap_reason, quarantined_versions
 from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
 from trainer.retokenize import text_encoder
 from trainer.scoring import scorer_for
@@ -58,6 +58,12 @@ class CycleResult:
     sample_count: int = 0
     run_id: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def over_budget_reason(config: TrainerConfig) -> str:
+    """The `Selection.dropped` reason of samples a cycle did not reach within its time budget: says the rule."""
+    return (f"not reached within time_budget_s={config.time_budget_s:g} (visited in a seeded random order, so "
+            "the trained ones are a uniform sample)")  # fmt: skip
 
 
 def watermark(registry: ModelRegistry, champion: str) -> datetime | None:
@@ -188,10 +194,14 @@ def _train_and_register(
             if on_step is not None:
                 on_step(stats)
 
+        deadline = started + config.time_budget_s if config.time_budget_s else None
         history = train_policy(
             model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step,
-            stop_ids=policy.stop_ids,
+            stop_ids=policy.stop_ids, deadline=deadline,
         )
+    reached = len(samples) if len(history) >= steps_per_epoch else len(history) * config.batch_size * world
+    if reached < len(samples):
+        selection.dropped[over_budget_reason(config)] += len(samples) - reached
     if config.save_dtype == "bfloat16":
         # Before the KL, so it measures the weights that will be stored and served.
         round_parameters_to_bfloat16_(policy.model, rounding_seed(config, champion, selection.window))
@@ -202,6 +212,8 @@ def _train_and_register(
         "kl_to_champion": kl,
         "final_loss": history[-1].loss,
         "steps": float(len(history)),
+        "samples_eligible": float(len(samples) + selection.dropped.get(over_cap_reason(config), 0)),
+        "samples_trained": float(min(reached, len(samples))),
         "train_seconds": time.monotonic() - started,
         "replay_samples": float(sum(s.replay for s in samples)),
         "tokens": float(tokens),
@@ -209,7 +221,9 @@ def _train_and_register(
         **selection.drop_metrics(),
     }
     if rank == 0:
-        log.info("left out of this cycle: %s", selection.describe_drops())
+        log.info("trained on %d of %d eligible samples in %.0fs; left out of this cycle: %s",
+                 min(reached, len(samples)), metrics["samples_eligible"], metrics["train_seconds"],
+                 selection.describe_drops())  # fmt: skip
     tracker.log_metrics(metrics, step=len(history))
     if rank != 0:
         _barrier(world)
@@ -239,7 +253,8 @@ def _train_and_register(
     log.info("registered candidate v%s from v%s on %d samples (%s artifact, %d bytes stored)", version, champion,
              len(samples), artifact.kind, artifact.stored_bytes)  # fmt: skip
     return CycleResult(
-        "registered", f"trained on {len(samples)} samples", version=version, parent_version=champion,
+        "registered", f"trained on {min(reached, len(samples))} samples; left out: {selection.describe_drops()}",
+        version=version, parent_version=champion,
         sample_count=len(samples), run_id=tracker.run_id, metrics=metrics,
     )  # fmt: skip
 

@@ -1,6 +1,8 @@
 """What a cycle trains on: rewards since the watermark joined with their generation records.
 
-Read with polars from the lake (`flywheel.lake.tables`): `rewards` (latest revision per generation
+Read with polars from the lake (`flywheel.lake.tables`), one version of each table, named in the
+window (`DataWindow.lake_versions`, so the candidate's lineage says which rows it learnt from and a
+cycle given those versions selects the same samples): `rewards` (latest revision per generation
 of the active reward version of each surface, `flywheel.reward_versions`, or `config.reward_version`)
 joined on generation_id with the `generation` events of `events`,
 whose `properties` JSON is the `GenerationRecord` (token ids, behaviour log-probs, model version).
@@ -32,12 +34,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import cast
 
 import polars as pl
 
 from flywheel.contract import DataWindow, GenerationRecord
+from flywheel.holdout import in_holdout
 from flywheel.lake.tables import EVENTS, REWARDS, generation_events
 from flywheel.reward_versions import describe as describe_versions
 from flywheel.reward_versions import versions_to_read
@@ -96,6 +98,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
+def over_cap_reason(config: TrainerConfig) -> str:
+    """The `Selection.dropped` reason of samples left out by the `max_samples` cap: says the rule."""
+    return f"over max_samples={config.max_samples}, left out by seeded reservoir sampling (uniform, seed {config.seed})"
+
+
 def quarantined_versions(registry: ModelRegistry) -> set[str]:
     """Versions whose served data is never trained on: quarantined by the gate when rolled back."""
     return {v.version for v in registry.versions() if v.gate_state == "quarantined"}
@@ -109,13 +116,22 @@ def load_selection(
     quarantined: set[str],
     encode_prompt: Callable[[str], list[int]],
     encode_text: TextEncoder | None = None,
+    lake_versions: dict[str, int] | None = None,
 ) -> Selection:
-    """Eligible samples whose reward was emitted after `watermark` (plus an optional replay share).
+    """Eligible samples whose reward was emitted after `watermark` (plus an optional replay share), read from
+    `lake_versions` ({"rewards": v, "events": v}; default: each table's newest version).
 
     `encode_text` tokenises text-only and unsigned generations; needed when `config.text_generations` is on."""
     if config.text_generations and encode_text is None:
         raise ValueError("config.text_generations needs encode_text (trainer.retokenize.text_encoder)")
-    rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
+    lake = settings.lake_root
+    pinned = dict(lake_versions or {})
+    for table in (REWARDS, EVENTS):
+        version = pinned.get(table.name, table.version(table.at(lake)))
+        if version is None:
+            return Selection(samples=[], window=None)
+        pinned[table.name] = version
+    rewards = REWARDS.scan(REWARDS.at(lake), pinned[REWARDS.name])
     if rewards is None:
         return Selection(samples=[], window=None)
     versions = [config.reward_version] if config.reward_version else versions_to_read(settings.lake_dir, rewards)
@@ -140,8 +156,9 @@ def load_selection(
         rows = pl.concat([rows, old[picked].with_columns(pl.lit(True).alias("replay"))])
 
     selection = Selection(samples=[], window=None, reward_rows=new.height)
-    generations = generation_events(EVENTS.at(settings.lake_dir), rows["generation_id"].to_list())
-    consenting = _consenting_users(EVENTS.at(settings.lake_dir), config) if config.require_consent else None
+    events_at, events_version = EVENTS.at(lake), pinned[EVENTS.name]
+    generations = generation_events(events_at, rows["generation_id"].to_list(), events_version)
+    consenting = _consenting_users(events_at, events_version, config) if config.require_consent else None
     key = settings.serving_key.get_secret_value()
     samples = []
     for row in rows.sort("emitted_at").iter_rows(named=True):
@@ -157,9 +174,16 @@ def load_selection(
                            selection.dropped, None if trusted else encode_text)  # fmt: skip
         if sample is not None:
             samples.append(sample)
+    if config.ope_holdout_share:
+        kept = [s for s in samples if not in_holdout(s.generation_id, config.ope_holdout_share)]
+        if len(kept) < len(samples):
+            why = f"held out for the offline gate's estimate (share {config.ope_holdout_share:g} by generation-id hash)"
+            selection.dropped[why] += len(samples) - len(kept)
+        samples = kept
     if config.max_samples and len(samples) > config.max_samples:
-        selection.dropped["over max_samples"] += len(samples) - config.max_samples
-        samples = samples[-config.max_samples :]  # the newest rewards matter most
+        # Uniform over the window, not the newest N: every user and every hour of it keeps its share.
+        selection.dropped[over_cap_reason(config)] += len(samples) - config.max_samples
+        samples = random.Random(config.seed).sample(samples, config.max_samples)
     samples.sort(key=lambda s: s.generation_id)  # same order on every process and every run
     ids = "\n".join(s.generation_id for s in samples).encode()
     selection.samples = samples
@@ -168,6 +192,7 @@ def load_selection(
         end=end,
         reward_version=reward_version,
         generation_ids_sha256=hashlib.sha256(ids).hexdigest(),
+        lake_versions=pinned,
     )
     return selection
 
@@ -210,11 +235,11 @@ def _trusted_generation(
 CONSENT_CLOCK_SKEW = timedelta(minutes=5)
 
 
-def _consenting_users(table: Path, config: TrainerConfig) -> set[str]:
+def _consenting_users(table: str, version: int, config: TrainerConfig) -> set[str]:
     """Users whose latest statement of `consent_property` (any event type) is true, ordered by arrival
     (`received_at`, the collector's clock, never a client's `ts`); at the same arrival a revocation wins; a
     grant dated more than `CONSENT_CLOCK_SKEW` after its arrival does not count, a revocation always does."""
-    events = EVENTS.scan(table)
+    events = EVENTS.scan(table, version)
     if events is None:
         return set()
     # A JSONPath key in brackets: property names may contain dots or dashes.

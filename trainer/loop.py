@@ -7,6 +7,7 @@ Kept free of MLflow, the lake and the registry so it can be benchmarked and test
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -127,8 +128,12 @@ def train_policy(
     world: int = 1,
     on_step: Callable[[StepStats], None] | None = None,
     stop_ids: Sequence[int] = (),
+    deadline: float | None = None,
 ) -> list[StepStats]:
     """Optimise `model` on `samples` against `reference` log-probs (the starting champion's).
+
+    `deadline` (a `time.monotonic()` value): no step starts after it (the first always runs), so the
+    samples trained on are the first steps' share of a seeded random order: a uniform sample.
 
     The baseline and advantage normalisation use the whole cycle's rewards, so every process
     of a distributed run computes the same advantages. The model stays in eval mode: dropout
@@ -158,6 +163,8 @@ def train_policy(
     for epoch in range(config.epochs):
         order = _order(len(samples), config, epoch, world)
         for start in range(0, len(order), global_batch):
+            if step and deadline is not None and _past(deadline, world, device):
+                return history
             idx = order[start : start + global_batch][rank::world]
             batch = [samples[i] for i in idx]
             width = max(len(s.completion_token_ids) for s in batch)
@@ -207,6 +214,14 @@ def train_policy(
             if config.max_steps and step >= config.max_steps:
                 return history
     return history
+
+
+def _past(deadline: float, world: int, device: torch.device) -> bool:
+    """Whether `deadline` has passed on any process (all stop at the same step, or DDP would hang)."""
+    late = torch.tensor([float(time.monotonic() > deadline)], device=device)
+    if world > 1:
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
 
 
 def decline_probabilities(

@@ -11,12 +11,15 @@ Gates, in order (names as recorded on the version and shown by `GET /api/version
   action (the reward prices a decline at 0 and a reject below it), but offline no user says where
   it was right: only a flood is stopped here, and the rollout's accepted-rate guardrail decides;
 - `ope_satisfaction`: the off-policy estimate of the candidate's mean reward from the champion's
-  signed, rewarded traffic (`deploy_gate.offline.ope`), judged on d = DR - the champion's logged
-  mean, with a paired bootstrap interval: passed when its lower end is >= -ope_margin, failed when
-  its upper end is < -ope_margin (confidently worse by more than the margin), otherwise
-  "insufficient evidence". Fewer than `ope_min_samples` samples or an ESS under `ope_min_ess` is
-  "insufficient evidence" too. That verdict is recorded and shown, and never blocks (a new
-  deployment has no traffic yet; a candidate far from the champion has a small ESS).
+  signed, rewarded traffic (`deploy_gate.offline.offpolicy`: clipped importance ratios and a reward
+  model fitted on that traffic), judged on d = DR - the champion's logged mean (the recorded value),
+  with a paired
+  bootstrap interval: failed when its upper end is < -ope_refuse_margin (significantly worse than
+  the champion: the candidate never reaches users, on its estimate alone), passed when its lower
+  end is >= -ope_margin, otherwise "insufficient evidence". Fewer than `ope_min_samples` samples,
+  or an ESS under `ope_min_ess` without a significant harm, is "insufficient evidence" too. That
+  verdict is recorded and shown, and never blocks (a new deployment has no traffic yet; a
+  candidate far from the champion has a small ESS): the rollout decides.
 A candidate that does not load fails `sanity` and every other gate says it was not run.
 """
 
@@ -27,14 +30,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from deploy_gate.offline import ope
+from deploy_gate.offline import offpolicy
 from deploy_gate.offline.config import OfflineGateConfig
 from deploy_gate.offline.logged import LoggedTraffic
 from deploy_gate.offline.measure import Sampled, mean_kl, perplexity, sample
-from flywheel.lm import CheckpointError, Policy, load_policy, token_logprobs
+from flywheel.lm import CheckpointError, Policy, load_policy
 from model_registry import OfflineGateResult
 
 GATES = (
@@ -72,13 +74,18 @@ def run_gates(
     texts: list[str],
     traffic: LoggedTraffic,
     config: OfflineGateConfig,
+    *,
+    in_sample: bool = False,
 ) -> list[OfflineGateResult]:
-    """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`."""
+    """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`.
+
+    `in_sample`: the candidate was trained on `traffic` (its trainer held none out), so the off-policy
+    estimate is optimistic: it may still refuse, never pass."""
     threads = config.num_threads
     if threads is None and sum(p.numel() for p in champion.model.parameters()) < config.small_model_params:
         threads = 1
     with _threads(threads):
-        return _run_gates(candidate_dir, champion, prompts, texts, traffic, config)
+        return _run_gates(candidate_dir, champion, prompts, texts, traffic, config, in_sample)
 
 
 def _run_gates(
@@ -88,6 +95,7 @@ def _run_gates(
     texts: list[str],
     traffic: LoggedTraffic,
     config: OfflineGateConfig,
+    in_sample: bool,
 ) -> list[OfflineGateResult]:
     try:
         candidate = load_policy(candidate_dir)
@@ -112,7 +120,7 @@ def _run_gates(
         results += [OfflineGateResult(n, "failed", None, "-", f"champion: {champ}") for n in VERSUS_CHAMPION]
     else:
         results += _versus_champion(cand, champ, config)
-    results.append(_ope(candidate, traffic, config))
+    results.append(_ope(candidate, traffic, config, in_sample))
     return results
 
 
@@ -201,12 +209,7 @@ def _versus_champion(cand: Sampled, champ: Sampled, config: OfflineGateConfig) -
     return [empty, declined, length]
 
 
-def _features(completions: list[str]) -> np.ndarray:
-    """The reward model's features of a completion: empty, and its length (characters / 100, capped at 2)."""
-    return np.array([[float(not text.strip()), min(len(text), 200) / 100] for text in completions])
-
-
-def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -> OfflineGateResult:
+def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, in_sample: bool) -> OfflineGateResult:
     samples = traffic.samples
     name = "ope_satisfaction"
     if len(samples) < max(1, config.ope_min_samples):
@@ -215,57 +218,44 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig) -
             f"(need {config.ope_min_samples})"
         )
         return OfflineGateResult(name, "insufficient_evidence", None, f"n >= {config.ope_min_samples}", detail)
-    log_w = np.empty(len(samples))
+    settings = offpolicy.EstimatorSettings(
+        clip=config.ope_clip, ratio=config.ope_ratio, ridge=config.ope_ridge, dm_prompts=config.ope_dm_prompts,
+        bootstrap_samples=config.bootstrap_samples, confidence=config.confidence, seed=config.seed,
+    )  # fmt: skip
     try:
-        with torch.no_grad():
-            for i, s in enumerate(samples):
-                r = s.record
-                # `logged` keeps only records with token ids and behaviour log-probs (never text-only ones).
-                assert r.prompt_token_ids is not None and r.completion_token_ids is not None
-                assert r.behaviour_logprobs is not None
-                prompt, completion = [r.prompt_token_ids], [r.completion_token_ids]
-                lp, _ = token_logprobs(candidate.model, prompt, completion, candidate.pad_id)
-                log_w[i] = float(lp.sum()) - sum(r.behaviour_logprobs)
-    except (RuntimeError, IndexError, ValueError) as exc:  # token ids outside its vocabulary, shapes
+        est = offpolicy.estimate_candidate(
+            candidate, [s.record for s in samples], [s.reward for s in samples], settings
+        )
+    except (RuntimeError, IndexError, ValueError) as exc:  # token ids outside its vocabulary, shapes, NaN
         why = f"cannot score the champion's logged completions: {type(exc).__name__}: {exc}"
         return OfflineGateResult(name, "failed", None, "scores logged traffic", why)
-    if not np.all(np.isfinite(log_w)):
-        return OfflineGateResult(name, "failed", None, "finite weights", "NaN or infinite log-probs on logged traffic")
-    rewards = np.array([s.reward for s in samples])
-    logged = _features([s.record.completion for s in samples])
-    coef = ope.fit_reward_model(logged, rewards)
-    # The direct-method term: the candidate completes logged prompts (one seeded sample each), as
-    # long as serving let the champion write (the longest logged completion).
-    dm = samples[: max(1, config.ope_dm_prompts)]
-    max_tokens = max(len(s.record.completion_token_ids or []) for s in samples)
-    gens = sample(candidate, [s.record.prompt for s in dm], max_tokens, config.seed).generations
-    est = ope.estimate(
-        rewards,
-        log_w,
-        ope.predict_reward(coef, logged),
-        ope.predict_reward(coef, _features([g.completion for g in gens])),
-        bootstrap_samples=config.bootstrap_samples,
-        confidence=config.confidence,
-        seed=config.seed,
-    )
     diff = est.dr_minus_behaviour
-    bound = f"DR - champion's logged mean >= -{config.ope_margin} (lower end of the interval)"
+    bound = (
+        f"DR - champion's logged mean: interval's upper end >= -{config.ope_refuse_margin} (else refused), "
+        f"lower end >= -{config.ope_margin} to pass"
+    )
     detail = (
         f"DR {est.dr.value:.4g} [{est.dr.ci[0]:.4g}, {est.dr.ci[1]:.4g}], SNIPS {est.snips.value:.4g} "
         f"[{est.snips.ci[0]:.4g}, {est.snips.ci[1]:.4g}] vs champion's logged mean {est.behaviour_mean:.4g}; "
         f"DR - champion {diff.value:.4g} [{diff.ci[0]:.4g}, {diff.ci[1]:.4g}] ({config.confidence:.0%} bootstrap, "
-        f"seed {config.seed}); ESS {est.ess:.1f} of n={est.n} ({traffic.reward_version}); "
-        f"{traffic.untrusted} untrusted left out"
+        f"seed {config.seed}); ESS {est.ess:.1f} of n={est.n} ({traffic.reward_version}; ratios "
+        f"{config.ope_ratio}, clipped at {config.ope_clip:g}); {traffic.untrusted} untrusted left out"
     )
+    # Significantly worse than the champion on its estimate alone: refused, whatever the ESS (clipping
+    # bounds every weight, so a small ESS widens the interval instead of hiding a harm).
+    if diff.ci[1] < -config.ope_refuse_margin:
+        return OfflineGateResult(name, "failed", diff.value, bound, f"worse than the champion: {detail}")
     if est.ess < config.ope_min_ess:
         why = f"insufficient evidence: ESS below {config.ope_min_ess}; {detail}"
-        return OfflineGateResult(name, "insufficient_evidence", est.dr.value, bound, why)
+        return OfflineGateResult(name, "insufficient_evidence", diff.value, bound, why)
+    if in_sample:
+        why = (f"insufficient evidence: in-sample (the candidate trained on this traffic; set the trainer's "
+               f"ope_holdout_share), so the estimate is optimistic; {detail}")  # fmt: skip
+        return OfflineGateResult(name, "insufficient_evidence", diff.value, bound, why)
     if diff.ci[0] >= -config.ope_margin:
-        return OfflineGateResult(name, "passed", est.dr.value, bound, detail)
-    if diff.ci[1] < -config.ope_margin:
-        return OfflineGateResult(name, "failed", est.dr.value, bound, f"worse than the champion: {detail}")
+        return OfflineGateResult(name, "passed", diff.value, bound, detail)
     why = f"insufficient evidence: the interval straddles -{config.ope_margin}; {detail}"
-    return OfflineGateResult(name, "insufficient_evidence", est.dr.value, bound, why)
+    return OfflineGateResult(name, "insufficient_evidence", diff.value, bound, why)
 
 
 def _distinct(items: list[str]) -> list[str]:

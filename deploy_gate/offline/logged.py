@@ -38,7 +38,7 @@ class LoggedTraffic:
 
 def champion_traffic(settings: Settings, champion: str, reward_version: str, limit: int) -> LoggedTraffic:
     """The newest `limit` rewarded generations the champion served, signed, at temperature 1."""
-    rewards = REWARDS.scan(REWARDS.at(settings.lake_dir))
+    rewards = REWARDS.scan(REWARDS.at(settings.lake_root))
     if rewards is None:
         return LoggedTraffic([], None, 0)
     versions = [reward_version] if reward_version else versions_to_read(settings.lake_dir, rewards)
@@ -68,7 +68,7 @@ def recent_prompts(settings: Settings, limit: int) -> list[str]:
     """Up to `limit` distinct prompts of the most recent signed generations (newest first)."""
     if limit == 0:
         return []
-    events = EVENTS.scan(EVENTS.at(settings.lake_dir))
+    events = EVENTS.scan(EVENTS.at(settings.lake_root))
     if events is None:
         return []
     recent = (
@@ -96,7 +96,7 @@ def _signed_generations(settings: Settings, generation_ids: list[str]) -> dict[s
     """generation id -> the first logged record of it whose signature verifies."""
     key = settings.serving_key.get_secret_value()
     found: dict[str, GenerationRecord] = {}
-    for gid, logged in generation_events(EVENTS.at(settings.lake_dir), generation_ids).items():
+    for gid, logged in generation_events(EVENTS.at(settings.lake_root), generation_ids).items():
         for properties, user in logged:
             record = _parse(properties)
             # Text-only records (a product's own model) carry no behaviour log-probs to weigh by.

@@ -13,7 +13,8 @@ sum over its tokens of the candidate's minus the logged behaviour log-probs).
 - Effective sample size (Kish): ESS = (sum w)^2 / sum w^2, in [1, n]; a few huge weights mean
   the logged traffic says little about pi.
 - Intervals: a seeded percentile bootstrap over logged samples (and, for DR, independently over
-  the samples behind the direct-method term). The difference DR - (the behaviour's logged mean)
+  the samples behind the direct-method term, or on the same draws when that term is paired: the
+  target's completion of each logged context). The difference DR - (the behaviour's logged mean)
   is bootstrapped on the same resamples, so the noise both share cancels: a target close to the
   behaviour gets a tight interval around 0.
 
@@ -87,8 +88,13 @@ def estimate(
     bootstrap_samples: int = 500,
     confidence: float = 0.95,
     seed: int = 0,
+    paired: bool = False,
 ) -> OffPolicyEstimate:
-    """SNIPS and DR with seeded percentile-bootstrap intervals, and the ESS."""
+    """SNIPS and DR with seeded percentile-bootstrap intervals, and the ESS.
+
+    `paired`: `q_target[i]` is qhat of the target's completion of logged context i, so each resample
+    draws the same contexts for both terms and the contexts' own spread cancels in DR - the logged mean.
+    """
     r = np.asarray(rewards, dtype=np.float64)
     lw = np.asarray(log_w, dtype=np.float64)
     q = np.asarray(q_logged, dtype=np.float64)
@@ -97,6 +103,8 @@ def estimate(
         raise ValueError("rewards, log_w and q_logged must be 1-d arrays of the same length")
     if qt.ndim != 1 or qt.size == 0:
         raise ValueError("q_target must be a non-empty 1-d array")
+    if paired and qt.shape != r.shape:
+        raise ValueError("paired: q_target needs one value per logged sample")
     rng = np.random.default_rng(seed)
     n, m = r.size, qt.size
     boot_snips = np.empty(bootstrap_samples)
@@ -104,7 +112,7 @@ def estimate(
     boot_diff = np.empty(bootstrap_samples)
     for b in range(bootstrap_samples):
         idx = rng.integers(0, n, n)
-        jdx = rng.integers(0, m, m)
+        jdx = idx if paired else rng.integers(0, m, m)
         boot_snips[b] = snips(r[idx], lw[idx])
         boot_dr[b] = doubly_robust(r[idx], lw[idx], q[idx], qt[jdx])
         boot_diff[b] = boot_dr[b] - r[idx].mean()

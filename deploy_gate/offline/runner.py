@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 from deploy_gate.offline.config import OfflineGateConfig
 from deploy_gate.offline.gates import GATES, run_gates
 from deploy_gate.offline.heldout import held_out
-from deploy_gate.offline.logged import champion_traffic, recent_prompts
+from deploy_gate.offline.logged import LoggedTraffic, champion_traffic, recent_prompts
 from flywheel.contract import utcnow
+from flywheel.holdout import in_holdout
 from flywheel.lm import CheckpointError, load_policy
 from flywheel.settings import Settings
 from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
@@ -53,6 +55,16 @@ class OfflineGates:
         """The current report of `version`, running the gates first when there is none."""
         return self.current(version, champion) or self.check(version, champion)
 
+    def _unseen(self, version: str, traffic: LoggedTraffic) -> tuple[LoggedTraffic, bool]:
+        """The champion's traffic `version` was not trained on (its trainer's holdout, `flywheel.holdout`),
+        and whether the estimate is in-sample: a trained candidate whose trainer held nothing out."""
+        lineage = self.registry.lineage(version)
+        share = float(lineage.trainer_config.get("ope_holdout_share", 0.0) or 0.0)
+        if share > 0:
+            held = [s for s in traffic.samples if in_holdout(s.generation_id, share)]
+            return replace(traffic, samples=held), False
+        return traffic, lineage.data_window is not None
+
     def check(self, version: str, champion: str) -> OfflineGateReport:
         """Run every gate on `version` against `champion` and record the report on `version`."""
         cfg = self.config
@@ -63,13 +75,14 @@ class OfflineGates:
         )
         prompts = data.prompts + recent_prompts(self.settings, cfg.logged_prompts)
         traffic = champion_traffic(self.settings, champion, cfg.reward_version, cfg.ope_max_samples)
+        traffic, in_sample = self._unseen(version, traffic)
         try:
             champion_policy = load_policy(champion_dir)
         except (CheckpointError, ValueError, OSError) as exc:  # nothing to compare with: no verdict can pass
             why = f"not run: the champion (version {champion}) does not load: {exc}"
             results = [OfflineGateResult(name, "failed", None, "-", why) for name in GATES]
         else:
-            results = run_gates(candidate_dir, champion_policy, prompts, data.texts, traffic, cfg)
+            results = run_gates(candidate_dir, champion_policy, prompts, data.texts, traffic, cfg, in_sample=in_sample)
         report = OfflineGateReport(
             checked_at=utcnow(), champion=champion, results=results, config=self.recorded_config()
         )

@@ -90,7 +90,7 @@ def get_series(gate: Gate, config: Config, bucket: str = "1h") -> SeriesView:
         arms["challenger"] = challenger
     if not challenger_live(split) and rec.champion:
         arms["champion"] = rec.champion
-    rewards, _ = data.reward_rows(gate.settings.lake_dir, arms, since=rec.started_at, reward_version=None)
+    rewards, _ = data.reward_rows(gate.settings.lake_root, arms, since=rec.started_at, reward_version=None)
     return SeriesView(
         buckets=[
             SeriesBucket(start=s, arm=a, users=n, mean=m, ci=ci) for s, a, n, m, ci in series(rewards, bucket, config)

@@ -140,7 +140,7 @@ class RolloutController:
 
         settings = self.gate.settings
         health = ProcessHealth(
-            "rollout", [redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_dir)]
+            "rollout", [redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_root)]
         )
 
         def step() -> None:
@@ -196,7 +196,7 @@ class RolloutController:
         self._track_share(rec, split, now)
         assert split.challenger_version is not None
         arms = {"champion": split.champion_version, "challenger": split.challenger_version}
-        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.started_at, cache=self._cache,
+        agg = data.load(self.gate.settings.lake_root, arms, since=rec.started_at, cache=self._cache,
                         pre_period_s=self.config.pre_period_s)  # fmt: skip
         step = self._step(rec)
         assert rec.started_at is not None
@@ -338,7 +338,7 @@ class RolloutController:
             rec.holdout = None
             return
         arms = {"champion": split.champion_version, "holdout": split.holdout_version}
-        agg = data.load(self.gate.settings.lake_dir, arms, since=rec.holdout_since, cache=self._cache)
+        agg = data.load(self.gate.settings.lake_root, arms, since=rec.holdout_since, cache=self._cache)
         users, mean, effect = cumulative_effect(agg.users, self.config)
         rec.holdout = HoldoutView(
             share=split.holdout_share, version=split.holdout_version, users=users, mean=mean, cumulative_effect=effect

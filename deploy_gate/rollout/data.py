@@ -21,7 +21,6 @@ from pathlib import Path
 
 import polars as pl
 
-from flywheel.lake import parquet_files
 from flywheel.lake.tables import EVENTS, REWARDS, Table
 
 USER_COLUMNS = {
@@ -108,47 +107,40 @@ def _slim_rewards(lf: pl.LazyFrame) -> pl.LazyFrame:
 
 
 class FileCache:
-    """Slim frames of a lake table's files, each file read and parsed once.
+    """Slim frames of a lake table's data files, each file read and parsed once.
 
-    Lake files are immutable once visible (compaction writes new files and retires old ones), so a
-    long-running controller parses only the files that appeared since its last look; a retired file
-    drops out of the cache with the listing.
+    A Delta table's data files are immutable (a commit adds files, compaction adds merged ones and
+    removes the small ones from the newest version), so a long-running controller parses only the files
+    that appeared since its last look; a file compacted away drops out of the cache with the listing.
     """
 
     def __init__(self) -> None:
-        self._frames: dict[tuple[str, Path], tuple[float, pl.DataFrame]] = {}
+        self._frames: dict[tuple[str, str], pl.DataFrame] = {}
 
-    def frame(self, table: Table, location: Path, slim: Callable[[pl.LazyFrame], pl.LazyFrame]) -> pl.DataFrame | None:
-        files = list(parquet_files(location))
+    def frame(self, table: Table, location: str, slim: Callable[[pl.LazyFrame], pl.LazyFrame]) -> pl.DataFrame | None:
+        files = table.files(location)
         if not files:
             return None
-        keep: dict[tuple[str, Path], tuple[float, pl.DataFrame]] = {}
-        fresh = []
+        keep: dict[tuple[str, str], pl.DataFrame] = {}
         for f in files:
             key = (table.name, f)
-            mtime = f.stat().st_mtime
             hit = self._frames.get(key)
-            if hit is not None and hit[0] == mtime:
-                keep[key] = hit
-            else:
-                fresh.append((key, mtime, f))
-        for key, mtime, f in fresh:
-            keep[key] = (mtime, slim(table.scan_files([f])).collect())
+            keep[key] = hit if hit is not None else slim(table.scan_files([f])).collect()
         self._frames = {k: v for k, v in self._frames.items() if k[0] != table.name} | keep
-        return pl.concat([v[1] for k, v in keep.items()], how="vertical")
+        return pl.concat(list(keep.values()), how="vertical")
 
 
 def _frame(
-    table: Table, lake_dir: Path, slim: Callable[[pl.LazyFrame], pl.LazyFrame], cache: FileCache | None
+    table: Table, lake: str | Path, slim: Callable[[pl.LazyFrame], pl.LazyFrame], cache: FileCache | None
 ) -> pl.DataFrame | None:
     if cache is not None:
-        return cache.frame(table, table.at(lake_dir), slim)
-    lf = table.scan(table.at(lake_dir))
+        return cache.frame(table, table.at(lake), slim)
+    lf = table.scan(table.at(lake))
     return None if lf is None else slim(lf).collect()
 
 
 def reward_rows(
-    lake_dir: Path,
+    lake: str | Path,
     arms: dict[str, str],
     *,
     since: datetime | None,
@@ -156,7 +148,7 @@ def reward_rows(
     cache: FileCache | None = None,
 ) -> tuple[pl.DataFrame | None, str | None]:
     """The current reward of each generation served by `arms` ({arm: version}) since `since`."""
-    df = _frame(REWARDS, lake_dir, _slim_rewards, cache)
+    df = _frame(REWARDS, lake, _slim_rewards, cache)
     if df is None or not arms:
         return None, reward_version
     df = df.filter(_arm_filter(pl.col("arm"), pl.col("model_version"), arms))
@@ -175,7 +167,7 @@ def reward_rows(
 
 
 def load(
-    lake_dir: Path,
+    lake: str | Path,
     arms: dict[str, str],
     *,
     since: datetime | None = None,
@@ -183,7 +175,7 @@ def load(
     cache: FileCache | None = None,
     pre_period_s: float = 0.0,
 ) -> Aggregates:
-    rewards, version = reward_rows(lake_dir, arms, since=since, reward_version=reward_version, cache=cache)
+    rewards, version = reward_rows(lake, arms, since=since, reward_version=reward_version, cache=cache)
     per_user: list[pl.DataFrame] = []
     if rewards is not None and not rewards.is_empty():
         per_user.append(
@@ -199,7 +191,7 @@ def load(
                 (pl.col("undone") > 0).sum().cast(pl.Int64).alias("undone"),
             )
         )
-    gens = generation_rows(lake_dir, arms, since=since, cache=cache)
+    gens = generation_rows(lake, arms, since=since, cache=cache)
     latency_p95: dict[str, float | None] = dict.fromkeys(arms)
     latency_n: dict[str, int] = dict.fromkeys(arms, 0)
     if gens is not None and not gens.is_empty():
@@ -224,7 +216,7 @@ def load(
     users = _merge(per_user)
     pre_rate = None
     if since is not None and pre_period_s > 0:
-        pre = pre_period(lake_dir, since, pre_period_s, version, cache)
+        pre = pre_period(lake, since, pre_period_s, version, cache)
         if pre is not None and not pre.is_empty():
             n, total = int(pre["pre_reward_n"].sum()), float(pre["pre_reward_sum"].sum())
             pre_rate = total / n if n else None
@@ -235,7 +227,7 @@ def load(
 
 
 def pre_period(
-    lake_dir: Path, before: datetime, seconds: float, reward_version: str | None, cache: FileCache | None = None
+    lake: str | Path, before: datetime, seconds: float, reward_version: str | None, cache: FileCache | None = None
 ) -> pl.DataFrame | None:
     """Each user's rewards (count, sum) in the `seconds` before `before`, whatever version served them.
 
@@ -244,7 +236,7 @@ def pre_period(
     """
     from datetime import timedelta
 
-    df = _frame(REWARDS, lake_dir, _slim_rewards, cache)
+    df = _frame(REWARDS, lake, _slim_rewards, cache)
     if df is None or reward_version is None:
         return None
     df = df.filter(
@@ -262,10 +254,10 @@ def pre_period(
 
 
 def generation_rows(
-    lake_dir: Path, arms: dict[str, str], *, since: datetime | None, cache: FileCache | None = None
+    lake: str | Path, arms: dict[str, str], *, since: datetime | None, cache: FileCache | None = None
 ) -> pl.DataFrame | None:
     """One row per generation event served by `arms`: arm, user, ts, latency, declined, empty, truncated, length."""
-    df = _frame(EVENTS, lake_dir, _slim_generations, cache)
+    df = _frame(EVENTS, lake, _slim_generations, cache)
     if df is None or not arms:
         return None
     df = df.filter(_arm_filter(pl.col("arm"), pl.col("model_version"), arms))

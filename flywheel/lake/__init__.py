@@ -1,172 +1,71 @@
-"""The Parquet lake: files become visible only when complete.
+"""The lake: Delta Lake tables (delta-rs, no JVM) on a local disk or on S3-compatible object storage.
 
-Which tables there are, with their columns, places and rules, is `flywheel.lake.tables`:
-components write and read a table through its `Table` there; this module is the file handling
-beneath it.
+Which tables there are, with their columns, places and rules, is `flywheel.lake.tables`: every
+component writes and reads a table through its `Table` there. This module is the storage beneath it.
 
-Layout: `<lake>/<table>/date=YYYY-MM-DD/hour=HH/<name>.parquet`. A file is written
-under a hidden temporary name and renamed into place (atomic on one filesystem),
-so readers never see a half-written file. A writer killed before its rename leaves the
-temporary file behind: `sweep_temp_files` removes those once they are old.
+A table lives at a URI: a local path (the embedded default, `<data_dir>/lake/<table>`) or
+`s3://bucket/prefix/<table>` (`FLYWHEEL_LAKE_URI`; credentials and endpoint from the usual
+`AWS_*` variables, read by delta-rs itself: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+`AWS_REGION`, `AWS_ENDPOINT_URL` and `AWS_ALLOW_HTTP` for an S3-compatible server). What must hold:
 
-Compaction (`flywheel.lake.compaction`) merges the small files of a closed hour into one
-`compacted-*.parquet` and then, in one atomic rename, a manifest `_compaction-*.json` naming the
-files it replaces. `parquet_files` is the rule every reader goes through: a file named by a manifest
-is no longer part of the table, and a compacted file is part of it only once its manifest exists.
+- a commit is atomic: readers see all of a batch or none of it, on a disk (rename) and on S3
+  (conditional put, delta-rs's default since 1.x: no lock table);
+- a reader reads one table version (`DeltaTable` pins it), so a compaction that lands during a
+  read never shows it a row twice or hides one; the files it replaced stay until `vacuum`, whose
+  retention (`flywheel.lake.maintenance`) outlasts any reader and keeps every version a
+  registered candidate names;
+- application transactions (`(app_id, version)` pairs committed with the data) are how a writer
+  makes its commits idempotent: `flywheel.lake.tables.Table.commit` checks and commits them on one
+  snapshot, and refuses a version that does not move forward (Delta itself accepts any).
+
+delta-rs panics in a child `fork()`ed after the parent used it: processes that touch the lake are
+started with `spawn` (or as their own programs), never forked. `guard_fork` turns the panic into
+an error that says so.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import time
-import uuid
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
+from urllib.parse import urlparse
 
-import polars as pl
-
-log = logging.getLogger(__name__)
-
-
-def write_atomic(df: pl.DataFrame, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    # zstd level 1: on event rows, as small as the default level here and about a fifth faster to write.
-    df.write_parquet(tmp, compression="zstd", compression_level=1)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
+# Schemes delta-rs opens: a path without one is a local directory.
+REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "abfs", "abfss"})
 
 
-def write_partitioned(df: pl.DataFrame, table_dir: Path, name: str, ts_column: str = "ts") -> list[Path]:
-    """Write `df` split by the date and hour of `ts_column`, one file per partition named `name`."""
-    if df.is_empty():
-        return []
-    hour = pl.col(ts_column).dt.truncate("1h")
-    hours: list[datetime] = df.select(hour.unique(maintain_order=True)).to_series().to_list()
-    if len(hours) == 1:  # the usual batch: no split needed
-        parts = [(hours[0], df)]
-    else:
-        keyed = df.with_columns(hour.alias("_hour"))
-        parts = [(h, part.drop("_hour")) for (h,), part in keyed.group_by("_hour", maintain_order=True)]
-    return [write_atomic(part, partition_dir(table_dir, start) / f"{name}.parquet") for start, part in parts]
+def is_remote(uri: str) -> bool:
+    return urlparse(uri).scheme in REMOTE_SCHEMES
 
 
-def partition_dir(table_dir: Path, hour_start: datetime) -> Path:
-    """The folder of `table_dir` that holds the rows of the hour starting at `hour_start`."""
-    return table_dir / f"date={hour_start:%Y-%m-%d}" / f"hour={hour_start:%H}"
+def join(root: str | Path, *parts: str) -> str:
+    """`root` (a local path or a URI) with `parts` appended, as the URI delta-rs opens."""
+    if isinstance(root, Path) or not is_remote(root):
+        return str(Path(root).joinpath(*parts).resolve())
+    return "/".join([root.rstrip("/"), *parts])
 
 
-# A temporary file older than this cannot belong to a writer still at work (a batch takes well under a second).
-STALE_TEMP_S = 3600.0
+class ForkedLakeError(RuntimeError):
+    """The lake used in a process forked after its parent used it (delta-rs would panic)."""
 
 
-def sweep_temp_files(table_dir: Path, older_than_s: float = STALE_TEMP_S) -> int:
-    """Delete temporary files left by writers killed before their rename; returns how many.
-
-    Only files older than `older_than_s` go: another process may be writing a fresh one right now.
-    """
-    if not table_dir.exists():
-        return 0
-    cutoff = time.time() - older_than_s
-    removed = 0
-    for tmp in table_dir.rglob(".*.tmp"):
-        try:
-            if tmp.stat().st_mtime < cutoff:
-                tmp.unlink()
-                removed += 1
-        except FileNotFoundError:  # renamed or swept by someone else meanwhile
-            continue
-    return removed
+_used = False
+_forked_after_use = False
 
 
-class TempFileSweeper:
-    """For a worker's loop: `maybe()` sweeps `table_dir` (`sweep_temp_files`) on the first call and then at most
-    every `every_s` seconds, and logs what it removed."""
-
-    def __init__(self, table_dir: Path, every_s: float = STALE_TEMP_S) -> None:
-        self.table_dir = table_dir
-        self.every_s = every_s
-        self._swept_at = float("-inf")
-
-    def maybe(self) -> None:
-        if time.monotonic() - self._swept_at < self.every_s:
-            return
-        self._swept_at = time.monotonic()
-        removed = sweep_temp_files(self.table_dir)
-        if removed:
-            log.info("removed %d temporary file(s) left in %s by killed writers", removed, self.table_dir)
+def _after_fork_in_child() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or _used
 
 
-COMPACTED_PREFIX = "compacted-"
-MANIFEST_GLOB = "_compaction-*.json"
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@dataclass(frozen=True, slots=True)
-class Manifest:
-    """One compaction of one directory: `output` took the place of `replaces` (file names) at `at`."""
-
-    path: Path
-    output: str
-    replaces: tuple[str, ...]
-    at: float
-
-    @classmethod
-    def read(cls, path: Path) -> Manifest | None:
-        """The manifest at `path`, or None when it was removed meanwhile (its files are then gone too)."""
-        try:
-            doc = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            return None
-        return cls(path, str(doc["output"]), tuple(doc["replaces"]), float(doc["at"]))
-
-
-def manifests(directory: Path) -> list[Manifest]:
-    return [m for p in sorted(directory.glob(MANIFEST_GLOB)) if (m := Manifest.read(p)) is not None]
-
-
-def visible_files(directory: Path, names: Iterable[str], found: Iterable[Manifest]) -> list[Path]:
-    """Of the Parquet file `names` in `directory`, those that are part of the table (see the module's doc)."""
-    replaced: set[str] = set()
-    outputs: set[str] = set()
-    for m in found:
-        replaced.update(m.replaces)
-        outputs.add(m.output)
-    return [
-        directory / n
-        for n in sorted(names)
-        if not n.startswith(".") and n not in replaced and (not n.startswith(COMPACTED_PREFIX) or n in outputs)
-    ]
-
-
-def parquet_files(table_dir: Path) -> Iterator[Path]:
-    """Complete files of a table: temporary files (names starting with a dot), files a compaction replaced
-    and compacted files whose manifest is not written yet are skipped."""
-    if not table_dir.exists():
-        return
-    # Manifests before data files: a compaction renames its output before its manifest, so a manifest read
-    # here names an output the listing below will find. (The other order could miss both the output and
-    # the files it replaced, had the switch fallen between the two.)
-    found: dict[Path, list[Manifest]] = defaultdict(list)
-    for p in table_dir.rglob(MANIFEST_GLOB):
-        if (m := Manifest.read(p)) is not None:
-            found[p.parent].append(m)
-    by_dir: dict[Path, list[str]] = defaultdict(list)
-    for p in table_dir.rglob("*.parquet"):
-        by_dir[p.parent].append(p.name)
-    for directory in sorted(by_dir):
-        yield from visible_files(directory, by_dir[directory], found.get(directory, ()))
-
-
-def scan(table_dir: Path) -> pl.LazyFrame | None:
-    """A lazy scan of a table, or None when it holds no file yet."""
-    files = list(parquet_files(table_dir))
-    if not files:
-        return None
-    return pl.scan_parquet(files, hive_partitioning=False, missing_columns="insert", extra_columns="ignore")
+def guard_fork() -> None:
+    """Called before every use of delta-rs: refuses in a child forked after its parent used the lake."""
+    global _used
+    if _forked_after_use:
+        raise ForkedLakeError(
+            "this process was fork()ed after its parent used the lake, and delta-rs panics then: start it with "
+            "multiprocessing.get_context('spawn') or as its own program"
+        )
+    _used = True

@@ -242,13 +242,25 @@ def mlflow_dependency(settings: Settings) -> Dependency:
     return Dependency("mlflow", probe, is_mlflow_error)
 
 
-def lake_dependency(lake_dir: Path) -> Dependency:
-    """The lake's file system: a full or unmounted disk is an outage like Kafka's, waited out the same way."""
+def lake_dependency(lake: str | Path) -> Dependency:
+    """The lake's storage: a full or unmounted disk, or object storage that does not answer, is an outage like
+    Kafka's, waited out the same way. (A lost commit race is not: the writer handles it.)"""
+    from deltalake.exceptions import CommitFailedError, DeltaError, SchemaMismatchError
+
+    from flywheel.lake import is_remote
 
     def probe() -> str:
+        if isinstance(lake, str) and is_remote(lake):
+            return f"object storage at {lake} (probed by each commit)"
+        lake_dir = Path(lake)
         lake_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(lake_dir, os.W_OK):
             raise PermissionError(f"the lake {lake_dir} is not writable")
         return f"{lake_dir} is writable"
 
-    return Dependency("lake", probe, lambda exc: isinstance(exc, OSError))
+    def is_outage(exc: BaseException) -> bool:
+        if isinstance(exc, CommitFailedError | SchemaMismatchError):
+            return False
+        return isinstance(exc, OSError | DeltaError)
+
+    return Dependency("lake", probe, is_outage)
