@@ -33,6 +33,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--generations", type=int, default=20_000)
     args = ap.parse_args()
+    if args.generations < 10_000:
+        ap.error("--generations must be at least 10000: each worker's first batch (10,000 events) is not timed")
     tag = uuid.uuid4().hex[:6]
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
