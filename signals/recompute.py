@@ -228,17 +228,24 @@ def recompute_scores(
         records = gens.with_columns(pl.lit(0, pl.Int64).alias("revision"), pl.lit(0, pl.Int64).alias("late_events"))
         rows = feedback.with_columns(pl.lit(0, pl.Int64).alias("revision"))
     else:  # revision k holds the on-time events and the first k late ones
-        late = feedback.group_by("generation_id").agg(pl.col("late_rank").max().cast(pl.Int64).alias("late"))
-        records = (
-            gens.join(late, on="generation_id", how="left")
-            .with_columns(pl.int_ranges(0, pl.col("late").fill_null(0) + 1).alias("revision"))
+        late = (
+            feedback.filter(pl.col("late_rank") > 0)
+            .group_by("generation_id")
+            .agg(pl.col("late_rank").max().cast(pl.Int64).alias("late"))
+        )
+        revised = (  # revisions 1.. of the (few) generations with late events
+            gens.join(late, on="generation_id")
+            .with_columns(pl.int_ranges(1, pl.col("late") + 1, dtype=pl.Int64).alias("revision"))
             .explode("revision")
-            .with_columns(pl.col("revision").cast(pl.Int64), pl.col("revision").cast(pl.Int64).alias("late_events"))
             .drop("late")
         )
-        rows = feedback.join(records.select("generation_id", "revision"), on="generation_id").filter(
-            pl.col("late_rank") <= pl.col("revision")
-        )
+        first = gens.with_columns(pl.lit(0, pl.Int64).alias("revision"))
+        records = pl.concat([first, revised]).with_columns(pl.col("revision").alias("late_events"))
+        rows = pl.concat([
+            feedback.filter(pl.col("late_rank") == 0).with_columns(pl.lit(0, pl.Int64).alias("revision")),
+            feedback.join(revised.select("generation_id", "revision"), on="generation_id")
+            .filter(pl.col("late_rank") <= pl.col("revision")),
+        ])  # fmt: skip
     return score_frame(definition, records, rows.drop("late_rank"))
 
 
