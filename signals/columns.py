@@ -125,7 +125,8 @@ def typed_feedback(feedback: pl.LazyFrame) -> pl.LazyFrame:
 class Signal:
     """One named signal: what it means and where it comes from (`doc`), the expressions that aggregate a
     record's feedback events into its raw columns (`aggregate`), and those that turn the raw columns into
-    its values once joined to its generation (`finish`). A value left null is "not observed"."""
+    its values once joined to its generation (`finish`). A value left null is "not observed". (Retention's
+    checks are aggregated from a frame of their own, `retention_checks`, sorted once by time after accept.)"""
 
     name: str
     doc: str
