@@ -70,12 +70,12 @@ def latest_rewards(
     lake_uri: str | None = None,
 ) -> tuple[pl.DataFrame | None, str | None]:
     """The rewards that count (latest revision each) in the lake at `lake_uri` (default `lake_dir`), for one
-    reward definition, or else the versions signals made active in `lake_dir`
+    reward definition, or else the versions signals made active in that lake
     (`flywheel.reward_versions.versions_to_read`); (frame, version(s) read)."""
     lf = REWARDS.scan(REWARDS.at(lake_uri or lake_dir))
     if lf is None:
         return None, reward_version
-    versions = [reward_version] if reward_version else versions_to_read(lake_dir, lf)
+    versions = [reward_version] if reward_version else versions_to_read(lake_uri or lake_dir, lf)
     if not versions:
         return None, None
     lf = lf.filter(pl.col("reward_version").is_in(versions))

@@ -1,9 +1,9 @@
 """Which reward definition version is active, per product surface: the one pointer every reader shares.
 
 Signals owns the definitions (`signals/definitions.py`); the trainer and the deploy gate only need to
-know which versions count. The pointer is a small JSON file beside the lake
-(`<lake>/reward_definitions/active.json`, `{surface: version}`), replaced atomically, so every
-reader sees one whole mapping and a backfill of another version changes nothing until someone
+know which versions count. The pointer is a small JSON file beside the lake's tables, on the same store
+(`<lake root>/reward_definitions/active.json`, `{surface: version}`; `flywheel.lake.files`), replaced
+whole, so every reader sees one whole mapping and a backfill of another version changes nothing until someone
 activates it. A lake without the file has never been touched by signals (a simulator wrote its
 rewards); readers then fall back to the version written last, as before surfaces existed.
 
@@ -14,14 +14,13 @@ is empty): lower-case letters, digits, `.`, `_` and `-`.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import polars as pl
 
+from flywheel.lake import files
 from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
 
 DEFAULT_SURFACE = "code-completion"
@@ -44,28 +43,19 @@ def surface_of(value: object) -> str:
     return text
 
 
-def active_path(lake_dir: Path) -> Path:
-    return lake_dir / REWARD_DEFINITIONS_PATH / ACTIVE_FILE
-
-
-def read_active(lake_dir: Path) -> dict[str, str] | None:
-    """`{surface: active version}`, or None when signals never wrote the pointer for this lake."""
-    path = active_path(lake_dir)
-    try:
-        raw = path.read_text()
-    except FileNotFoundError:
+def read_active(lake: str | Path) -> dict[str, str] | None:
+    """`{surface: active version}` in the lake rooted at `lake` (a folder or a URI, `Settings.lake_root`), or
+    None when signals never wrote the pointer for this lake."""
+    raw = files.read_bytes(lake, REWARD_DEFINITIONS_PATH, ACTIVE_FILE)
+    if raw is None:
         return None
     return {str(k): str(v) for k, v in json.loads(raw).items()}
 
 
-def write_active(lake_dir: Path, active: dict[str, str]) -> None:
-    """Replace the pointer atomically (a reader never sees half a file)."""
-    path = active_path(lake_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".active-", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(dict(sorted(active.items())), f)
-    os.replace(tmp, path)
+def write_active(lake: str | Path, active: dict[str, str]) -> None:
+    """Replace the pointer whole (a reader never sees half a file)."""
+    data = json.dumps(dict(sorted(active.items()))).encode()
+    files.write_bytes(lake, REWARD_DEFINITIONS_PATH, ACTIVE_FILE, data=data)
 
 
 def describe(versions: Iterable[str]) -> str:
@@ -77,11 +67,11 @@ def describe(versions: Iterable[str]) -> str:
     return ",".join(sorted(versions))
 
 
-def versions_to_read(lake_dir: Path, rewards: pl.LazyFrame) -> list[str]:
+def versions_to_read(lake: str | Path, rewards: pl.LazyFrame) -> list[str]:
     """The reward versions a consumer of `rewards` (the lake's rewards table) follows: the active one of each
     surface, so a backfill of another version changes nothing until it is activated; on a lake whose signals
     never wrote the pointer, the version written last."""
-    active = read_active(lake_dir)
+    active = read_active(lake)
     if active:
         return sorted(set(active.values()))
     newest = rewards.select(pl.col("reward_version").get(pl.col("emitted_at").arg_max())).collect()

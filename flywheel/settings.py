@@ -280,7 +280,7 @@ class Settings(BaseSettings):
 
     @property
     def lake_dir(self) -> Path:
-        """The embedded lake's folder (also where the reward definitions live, whatever `lake_uri` says)."""
+        """The embedded lake's folder (its tables and reward definitions live under `lake_root`)."""
         return self.data_dir / "lake"
 
     @property

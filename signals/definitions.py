@@ -1,14 +1,14 @@
 """Where reward definitions live: every version ever used, and which one is active per surface.
 
-Redis holds the definitions for the workers (hash `<prefix>signals:definitions`); each is also
-written as JSON beside the lake (`<lake>/reward_definitions/<version>.json`) so a recompute can
-find a version after Redis is gone. Which version is active for each product surface is the
-lake's pointer file (`flywheel.reward_versions`), the one place the trainer and the deploy gate
-read too: activating a version is the only thing that changes what they read. The built-in rules
-of every surface (`rules-v1` for code completion, `chat-rules-v1`, and `<surface>-rules-v1` for any
-surface a product names itself) always exist, stored or not; a surface with no pointer yet uses its
-built-in rules, and the worker adds it to the pointer (`adopt`) the first time one of its generations
-comes, so every reader counts its rewards from the first record on.
+Redis holds the definitions for the workers (hash `<prefix>signals:definitions`); each is also written as
+JSON beside the lake's tables, on the same store (`<lake root>/reward_definitions/<version>.json`, a folder
+or object storage: `flywheel.lake.files`) so a recompute can find a version after Redis is gone. Which
+version is active for each product surface is the lake's pointer file (`flywheel.reward_versions`), the one
+place the trainer and the deploy gate read too: activating a version is the only thing that changes what
+they read. The built-in rules of every surface (`rules-v1` for code completion, `chat-rules-v1`, and
+`<surface>-rules-v1` for any surface a product names itself) always exist, stored or not; a surface with no
+pointer yet uses its built-in rules, and the worker adds it to the pointer (`adopt`) the first time one of
+its generations comes, so every reader counts its rewards from the first record on.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import cast
 
 import redis
 
+from flywheel.lake import files
 from flywheel.lake.tables import REWARD_DEFINITIONS_PATH
 from flywheel.reward_versions import read_active, surface_of, write_active
 from flywheel.settings import Settings
@@ -38,9 +39,8 @@ class UnknownRewardVersion(KeyError):
 class DefinitionStore:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self._r = client
-        self._lake = settings.lake_dir
+        self._lake = settings.lake_root
         self._hash = f"{settings.redis_prefix}signals:definitions"
-        self._dir = settings.lake_dir / REWARD_DEFINITIONS_PATH
         builtins = [builtin_definition(s) for s in BUILTIN_SURFACES]
         self._cache: dict[str, RewardDefinition] = {d.version: d for d in builtins}
 
@@ -58,8 +58,7 @@ class DefinitionStore:
             raise ValueError(
                 f"reward version {definition.version} already exists with another spec; pick a new version"
             )
-        self._dir.mkdir(parents=True, exist_ok=True)
-        (self._dir / f"{definition.version}.json").write_text(spec)
+        files.write_bytes(self._lake, REWARD_DEFINITIONS_PATH, f"{definition.version}.json", data=spec.encode())
         self._r.hset(self._hash, definition.version, spec)
         self._cache[definition.version] = definition
 
@@ -71,9 +70,8 @@ class DefinitionStore:
             self._cache[version] = builtin
             return builtin
         raw = self._r.hget(self._hash, version)
-        path = self._dir / f"{version}.json"
-        if raw is None and path.exists():
-            raw = path.read_bytes()
+        if raw is None:
+            raw = files.read_bytes(self._lake, REWARD_DEFINITIONS_PATH, f"{version}.json")
         if raw is None:
             raise UnknownRewardVersion(version)
         definition = RewardDefinition.from_spec(json.loads(raw))
@@ -82,8 +80,8 @@ class DefinitionStore:
 
     def versions(self) -> list[str]:
         stored = {k.decode() for k in cast(list[bytes], self._r.hkeys(self._hash))}
-        if self._dir.exists():
-            stored |= {p.stem for p in self._dir.glob("*.json") if p.stem != "active"}
+        stored |= {n.removesuffix(".json") for n in files.names(self._lake, REWARD_DEFINITIONS_PATH, suffix=".json")}
+        stored.discard("active")
         active = self.active_map()  # the built-in surfaces and every surface in the pointer
         return sorted(stored | set(active.values()) | {builtin_definition(s).version for s in active})
 

@@ -77,7 +77,7 @@ def signal_trends(settings: Settings, *, every: str = "1h", version: str | None 
     rewards = read_rewards(REWARDS.at(settings.lake_root), latest_only=True)
     if rewards.is_empty():
         return pl.DataFrame(schema=TREND_SCHEMA)
-    active = read_active(settings.lake_dir)
+    active = read_active(settings.lake_root)
     if version is not None:
         versions = [version]
     elif active is not None:

@@ -20,11 +20,17 @@ import pytest
 import yaml
 
 from tests import k8s_checks as kc
+from tests.k8s_checks.objects import containers
 
 pytestmark = pytest.mark.skipif(kc.tool("kubectl") is None, reason="kubectl missing: pip install -e '.[k8s]'")
 
 BROKEN = Path(__file__).parent / "k8s_broken"
 CASES = sorted(p.name for p in BROKEN.iterdir() if (p / "kustomization.yaml").exists())
+
+
+# The commands that read or write the lake.
+LAKE_COMMANDS = {("ingest", "worker"), ("signals", "worker"), ("gate", "serve"), ("gate", "rollout"),
+                 ("trainer", "schedule"), ("trainer", "run-once"), ("lake", "compact")}
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +56,17 @@ def test_overlays_hold_the_whole_loop(dev: kc.Manifests, prod: kc.Manifests) -> 
                 "lake-compaction", "init", "valkey", "postgres", "mlflow"} <= apps
         assert {t["spec"]["topicName"] for t in m.of("KafkaTopic")} == {
             "flywheel.events", "flywheel.rewards", "flywheel.dead-letter"}
-        assert m.get("PersistentVolumeClaim", "flywheel-lake") is not None
+        # The lake is on object storage: no volume for it, and every process on it is told where it is.
+        assert m.get("PersistentVolumeClaim", "flywheel-lake") is None
+        assert not [v for _, tpl in m.workloads() for v in tpl["spec"].get("volumes", [])
+                    if "persistentVolumeClaim" in v and "lake" in v["persistentVolumeClaim"]["claimName"]]
+        for owner, c in containers(m):
+            if tuple((kc.flywheel_args(c) or [])[:2]) in LAKE_COMMANDS:
+                env = kc.environment(m, c)
+                assert env.get("FLYWHEEL_LAKE_URI", "").startswith("s3://"), owner["metadata"]["name"]
+                assert env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY") and env.get("AWS_REGION")
     assert dev.pods_by_app("minio") and not prod.pods_by_app("minio")
     assert prod.of("PodDisruptionBudget") and prod.of("PyTorchJob")
-    assert prod.get("PersistentVolumeClaim", "flywheel-lake")["spec"]["accessModes"] == ["ReadWriteMany"]
     gpu = [c for _, tpl in prod.workloads() for c in tpl["spec"]["containers"]
            if "nvidia.com/gpu" in c["resources"].get("limits", {})]
     assert {c["name"] for c in gpu} == {"serving", "trainer", "pytorch"}

@@ -5,14 +5,19 @@ port and path. This is what catches a wrong variable, port, probe or Redis ACL b
 What is mapped, since no cluster runs here (and nothing else is):
 - service host names to the embedded services on loopback: the broker (`flywheel-kafka-bootstrap:9092`),
   a Valkey of this test's own that holds the overlay's ACL users (`flywheel-valkey:6379`, so each process
-  logs in as its own user, and serving's read-only user must do), and MLflow on SQLite
-  (`flywheel-mlflow:5000`: an MLflow server would cost this test a minute to start);
-- the pod's volume (`FLYWHEEL_DATA_DIR`, the lake under it) to a temporary folder, and its address
+  logs in as its own user, and serving's read-only user must do), MLflow on SQLite
+  (`flywheel-mlflow:5000`: an MLflow server would cost this test a minute to start), and MinIO to moto's
+  S3 server (`flywheel-minio:9000`; the lake lives there, in the bucket the overlay's bucket Job makes);
+- the pod's volume (`FLYWHEEL_DATA_DIR`) to a temporary folder, and its address
   (`FLYWHEEL_BIND_HOST=0.0.0.0`) to loopback, and each process's port to a free one, after checking that
   the port its settings give it is the one its probe declares;
 - Kafka's SASL login to PLAINTEXT (the embedded broker has no SCRAM) and the token store's PostgreSQL to
   SQLite (no PostgreSQL runs here);
-- the init Job, run first as the overlay gives it, registers a tiny model instead of bootstrapping one.
+- the init Job, run first as the overlay gives it, registers a tiny model instead of bootstrapping one;
+  MinIO's bucket Job runs as the overlay gives it too (its `python` is this interpreter).
+
+Once all are ready, the lake's reward-definition pointer (which the signals worker writes at its start) is
+in the bucket, and nothing of the lake is on the local disk.
 
 Before that, each process's Redis URL tries to write beside the traffic split: only the gate's user may.
 """
@@ -22,15 +27,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
+import boto3
 import httpx
 import pytest
 import redis
 
 from launcher.embedded import free_port
 from tests import k8s_checks as kc
+from tests.test_lake_concurrency import moto_endpoint  # noqa: F401  (moto's S3 server, standing in for MinIO)
 
 pytestmark = [
     pytest.mark.slow,
@@ -87,7 +96,8 @@ def _mapped(value: str, hosts: dict[str, str]) -> str:
 
 
 def test_each_deployment_answers_its_readiness_probe(
-    broker: str, mlflow_template: Path, tiny_model_dir: Path, valkey_with_acl: object, tmp_path: Path
+    broker: str, mlflow_template: Path, tiny_model_dir: Path, valkey_with_acl: object, tmp_path: Path,
+    moto_endpoint: str,  # noqa: F811
 ) -> None:
     m = kc.build(kc.K8S / "overlays" / "dev")
     valkey_users = m.data("Secret", next(s["metadata"]["name"] for s in m.of("Secret")
@@ -101,6 +111,7 @@ def test_each_deployment_answers_its_readiness_probe(
         "flywheel-kafka-bootstrap:9092": broker,
         "flywheel-valkey:6379": f"127.0.0.1:{port}",
         "http://flywheel-mlflow:5000": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "http://flywheel-minio:9000": moto_endpoint,
     }
     overrides = {
         "FLYWHEEL_DATA_DIR": str(data),
@@ -134,6 +145,19 @@ def test_each_deployment_answers_its_readiness_probe(
             finally:
                 client.close()
     assert writers == {"gate-url"}
+
+    # The buckets first, made by the overlay's own Job; nothing of Flywheel's waits for them but the lake.
+    bucket_job = m.get("Job", "flywheel-minio-bucket")["spec"]["template"]["spec"]["containers"][0]
+    assert bucket_job["command"][0] == "python"
+    made = subprocess.run([sys.executable, *bucket_job["command"][1:], *bucket_job["args"]], env=local_env(bucket_job),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
+    lake = urlparse(m.data("ConfigMap", next(c["metadata"]["name"] for c in m.of("ConfigMap")
+                                             if c["metadata"]["name"].startswith("flywheel-lake-location")))
+                    ["FLYWHEEL_LAKE_URI"])
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                      aws_access_key_id="k8s-run", aws_secret_access_key="k8s-run")
+    assert lake.netloc in {b["Name"] for b in s3.list_buckets()["Buckets"]}
 
     # The init Job first: serving is ready only once a champion and its split exist.
     job = m.get("Job", "flywheel-init")["spec"]["template"]["spec"]["containers"][0]
@@ -179,6 +203,10 @@ def test_each_deployment_answers_its_readiness_probe(
             time.sleep(1.0)
         assert not waiting, "not ready: " + "; ".join(
             f"{name} ({last.get(name)}):\n{log.read_text()[-2000:]}" for name, (_, _, log) in waiting.items())
+        # The lake is the bucket's: the signals worker's pointer is there, and no process wrote a lake locally.
+        pointer = f"{lake.path.strip('/')}/reward_definitions/active.json"
+        assert s3.get_object(Bucket=lake.netloc, Key=pointer)["Body"].read()
+        assert not list(data.rglob("reward_definitions")) and not list(data.rglob("_delta_log"))
     finally:
         for _, proc, _, _ in started:
             proc.terminate()

@@ -134,7 +134,7 @@ def load_selection(
     rewards = REWARDS.scan(REWARDS.at(lake), pinned[REWARDS.name])
     if rewards is None:
         return Selection(samples=[], window=None)
-    versions = [config.reward_version] if config.reward_version else versions_to_read(settings.lake_dir, rewards)
+    versions = [config.reward_version] if config.reward_version else versions_to_read(settings.lake_root, rewards)
     if not versions:
         return Selection(samples=[], window=None)
     reward_version = describe_versions(versions)  # said in the data window, so in the lineage

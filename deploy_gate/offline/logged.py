@@ -41,7 +41,7 @@ def champion_traffic(settings: Settings, champion: str, reward_version: str, lim
     rewards = REWARDS.scan(REWARDS.at(settings.lake_root))
     if rewards is None:
         return LoggedTraffic([], None, 0)
-    versions = [reward_version] if reward_version else versions_to_read(settings.lake_dir, rewards)
+    versions = [reward_version] if reward_version else versions_to_read(settings.lake_root, rewards)
     if not versions:
         return LoggedTraffic([], None, 0)
     version = describe(versions)

@@ -29,6 +29,13 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
+# The environment variables the lake's storage reads itself (delta-rs for the tables, pyarrow for the files
+# beside them, `flywheel.lake.files`), not Flywheel's settings: a deployment sets them beside FLYWHEEL_LAKE_URI.
+STORAGE_VARIABLES = frozenset(
+    {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_ENDPOINT_URL",
+     "AWS_ALLOW_HTTP"}
+)  # fmt: skip
+
 # Schemes delta-rs opens: a path without one is a local directory.
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "abfs", "abfss"})
 

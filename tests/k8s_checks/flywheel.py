@@ -84,8 +84,17 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+def library_variables() -> frozenset[str]:
+    """Variables a Flywheel container may get that a library reads rather than its settings: the lake's storage
+    credentials and endpoint (`flywheel.lake.STORAGE_VARIABLES`, read by delta-rs and pyarrow)."""
+    from flywheel.lake import STORAGE_VARIABLES
+
+    return STORAGE_VARIABLES
+
+
 def check_settings(m: Manifests) -> list[Problem]:
-    """Every variable a Flywheel container gets is a setting; the settings it gets validate; none is missing."""
+    """Every variable a Flywheel container gets is a setting (or one the lake's storage library reads); the
+    settings it gets validate; none is missing."""
     problems = []
     known = known_variables()
     for owner, c in containers(m):
@@ -93,7 +102,7 @@ def check_settings(m: Manifests) -> list[Problem]:
             continue
         env = environment(m, c)
         for key in sorted(env):
-            if key not in known:
+            if key not in known and key not in library_variables():
                 problems.append(Problem("settings", where(owner),
                                         f"{c['name']}: {key} is no setting of any component"))
         with _environ({k: v for k, v in env.items() if k in known}):

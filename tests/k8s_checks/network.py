@@ -118,6 +118,11 @@ NEEDED_FLOWS = [
 ]
 
 
+# What reads or writes object storage: MLflow (its artifacts) and every process on the lake.
+S3_CLIENTS = ("mlflow", "ingest-worker", "signals-worker", "gate", "rollout", "trainer", "lake-compaction",
+              "trainer-multinode")
+
+
 def _app_pods(m: Manifests, app: str) -> list[Pod]:
     if app == "kafka":
         return [p for p in m.pods if p.labels.get("strimzi.io/broker-role") == "true"]
@@ -137,12 +142,13 @@ def check_network_flows(m: Manifests) -> list[Problem]:
                 need(Peer(src.labels, pod=src), Peer(dst.labels, pod=dst), port, f"{src_app} -> {dst_app}:{port}")
         if not _app_pods(m, src_app) or not _app_pods(m, dst_app):
             problems.append(Problem("network-flows", f"{src_app} -> {dst_app}", "a side has no pod"))
-    for mlflow in m.pods_by_app("mlflow"):
-        minio = m.pods_by_app("minio")
-        s3 = [Peer(p.labels, pod=p) for p in minio] or [OBJECT_STORAGE]
-        for dst in s3:
-            port = 9000 if dst.pod else 443
-            need(Peer(mlflow.labels, pod=mlflow), dst, port, f"mlflow -> object storage:{port}")
+    minio = m.pods_by_app("minio")
+    s3 = [Peer(p.labels, pod=p) for p in minio] or [OBJECT_STORAGE]
+    for app in S3_CLIENTS:
+        for src in _app_pods(m, app):
+            for dst in s3:
+                port = 9000 if dst.pod else 443
+                need(Peer(src.labels, pod=src), dst, port, f"{app} -> object storage:{port}")
     for app, port, reachable in (("collector", 8001, True), ("serving", 8000, True), ("gate", 8002, False),
                                  ("valkey", 6379, False), ("mlflow", 5000, False), ("postgres", 5432, False),
                                  ("kafka", 9092, False)):
