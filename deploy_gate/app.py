@@ -105,8 +105,9 @@ def create_app(
     app.state.authenticator = authenticator or Authenticator(settings)
     # One audit log for the app's actions and its gate's (an injected gate brings its own).
     app.state.audit = gate.audit if gate is not None else AuditLog.from_settings(settings)
-    add_security_headers(app)
+    # The last middleware added runs first: the rate limit's 429 passes through the security headers too.
     add_rate_limit(app, settings.gate_rate_limit, service="gate")
+    add_security_headers(app)
     redact_access_log()  # a token sent in a query string is refused, and never written by the access log
     app.state.health = health
 

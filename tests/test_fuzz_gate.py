@@ -36,7 +36,9 @@ ADMIN = "fuzz-bootstrap-admin-token-0123456789"
 @pytest.fixture
 def world(settings: Settings, tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], list[str]]]:
     """(client, tokens by role, registered versions): a champion and three pending candidates."""
-    s = settings.model_copy(update={"approval_token": SecretStr(ADMIN)})
+    # Far above what the fuzzer sends: this test is about answers, not about the per-client rate
+    # (tests/test_gate_audit.py proves the 429 and its security headers).
+    s = settings.model_copy(update={"approval_token": SecretStr(ADMIN), "gate_rate_limit": "100000/second"})
     registry = ModelRegistry(s)
     versions = []
     for i in range(4):

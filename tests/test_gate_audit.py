@@ -207,6 +207,7 @@ def test_unauthenticated_release_requests_never_grow_the_audit_table(
         headers = {} if i % 2 else bearer(f"fwt_guess-{i}")
         r = client.post(f"/api/versions/{versions[1]}/approve", json={"reason": long_reason}, headers=headers)
         assert r.status_code in (401, 429), r.text
+        assert r.headers.get("Content-Security-Policy"), "a 429 carries the security headers too"
     assert gate.audit.entries(1000) == []
     assert counted() - before >= 20  # every one that reached the route (the rest were rate-limited)
     lines = [r for r in caplog.records if r.getMessage() == "unauthenticated release attempt refused"]
