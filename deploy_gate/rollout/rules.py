@@ -60,7 +60,9 @@ PRIMARY = Metric("satisfaction", "reward_sum", "reward_n", None, "primary")
 GUARDRAILS = (
     Metric("latency_ms", "latency_sum", "generations", "ratio", "guardrail", "latency_p95_ratio"),
     Metric("error_rate", "errors", "generations", "rise", "guardrail", "error_rate_rise"),
-    Metric("undo_rate", "undone", "generations", "rise", "guardrail", "undo_rate_rise"),
+    # Per accept, not per generation: a better model is accepted more often, so per generation it would be
+    # undone more often too, and a deterioration test would roll it back for being better.
+    Metric("undo_rate", "undone", "accepted", "rise", "guardrail", "undo_rate_rise"),
     Metric("thumbs_down_rate", "thumbs_down", "generations", "rise", "guardrail", "thumbs_down_rate_rise"),
     Metric("accepted_rate", "accepted", "reward_n", "fall", "reward_hacking", "accepted_rate_fall"),
     Metric("empty_rate", "empty", "generations", "rise", "reward_hacking", "empty_rate_rise"),
