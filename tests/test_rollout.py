@@ -189,7 +189,11 @@ def test_a_challenger_that_declines_and_loses_accepts_is_rolled_back_though_its_
     _, candidate = versions
     rec, _ = run(gate, settings, Behaviour(p_good=0.85, shown=0.45))
     assert rec.state == "rolled_back" and rec.analysis is not None
-    assert rec.analysis.decision.reason == "guardrail tripped: accepted_rate"
+    # Fewer shown suggestions also get fewer explicit thumbs up per generation: that guardrail may trip too,
+    # depending on how the salt splits the users.
+    tripped = rec.analysis.decision.reason.removeprefix("guardrail tripped: ").split(", ")
+    assert rec.analysis.decision.reason.startswith("guardrail tripped: ") and "accepted_rate" in tripped
+    assert set(tripped) <= {"accepted_rate", "explicit_up_rate"}, tripped
     assert rec.analysis.difference is not None and rec.analysis.difference.estimate > 0
     accepted = next(g for g in rec.analysis.guardrails if g.name == "accepted_rate")
     assert accepted.champion is not None and accepted.challenger is not None
@@ -214,8 +218,11 @@ def test_reward_hacking_trips_a_guardrail(
     assert rec.state == "rolled_back"
     assert rec.analysis is not None
     broken = {g.name for g in rec.analysis.guardrails if not g.ok}
-    assert broken == {tripped}, rec.analysis.decision.reason
-    assert rec.analysis.decision.reason == f"guardrail tripped: {tripped}"
+    # A challenger that shows less also gets fewer explicit thumbs up per generation, which may trip as well.
+    assert tripped in broken and broken <= {tripped, "explicit_up_rate"}, rec.analysis.decision.reason
+    reason = rec.analysis.decision.reason
+    assert reason.startswith("guardrail tripped: ")
+    assert set(reason.removeprefix("guardrail tripped: ").split(", ")) == broken
 
 
 def test_a_person_can_end_the_experiment_and_the_controller_records_it(
