@@ -52,7 +52,7 @@ from flywheel.settings import Settings, get_settings
 from ingest import metrics
 from ingest.arrival import bound_by_arrival
 from ingest.dead_letters import dead_letter
-from ingest.doors import Door
+from ingest.doors import Door, read_limited
 from ingest.group_send import GroupSender
 from ingest.intake import (
     Body,
@@ -183,19 +183,6 @@ def create_app(
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
-    async def read_body(request: Request) -> bytes:
-        """The body as sent (compressed or not), at most `max_body_bytes`."""
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > max_body_bytes:
-            raise BodyError(413, f"body is {declared} bytes; the limit is {max_body_bytes}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise BodyError(413, f"body is over the {max_body_bytes}-byte limit")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     def digest(
         sent: bytes, encoding: str | None, header_key: str | None, build: Any, received_at: datetime, source: str
     ) -> tuple[Intake, list[Outgoing]]:
@@ -256,7 +243,7 @@ def create_app(
         if header_key is not None and header_key not in write_keys:
             raise BodyError(401, "unknown write key")  # before reading the body: an unknown key costs nothing
         received_at = datetime.now(UTC)
-        sent = await read_body(request)
+        sent = await read_limited(request, max_body_bytes)
         intake, messages = await run_in_threadpool(
             digest, sent, request.headers.get("content-encoding"), header_key, build, received_at, f"http:{endpoint}"
         )

@@ -23,6 +23,20 @@ from ingest.dead_letters import DeadLetter, dead_letter
 from ingest.intake import BodyError, Intake, decode_body
 
 
+async def read_limited(request: Request, limit: int) -> bytes:
+    """`request`'s body as sent (compressed or not), at most `limit` bytes: a larger one is a 413."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, f"body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyError(413, f"body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @dataclass(frozen=True)
 class Door:
     """Everything a door needs from the collector (ingest/collector.py builds one per app)."""
@@ -40,17 +54,7 @@ class Door:
 
     async def read_body(self, request: Request) -> bytes:
         """The body as sent, at most `max_body_bytes`."""
-        limit = self.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise BodyError(413, f"body is {declared} bytes; the limit is {limit}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyError(413, f"body is over the {limit}-byte limit")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_limited(request, self.max_body_bytes)
 
     def inflate(self, request: Request, sent: bytes) -> bytes:
         """`sent` un-gzipped as its Content-Encoding says, to at most `max_body_bytes` (a gzip bomb is a 413)."""
