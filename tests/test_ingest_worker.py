@@ -158,11 +158,8 @@ def test_two_workers_writing_the_same_partitions_commit_each_offset_once(setting
     each checks the table's offsets on the snapshot it commits with, so every record lands once, and the
     loser of each race reloads the table and goes on from its offsets."""
     ensure_topics(settings)
-    producer = make_producer(settings)
-    sent = [event(i) for i in range(400)]
-    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in sent])
-    producer.close()
-    workers = [IngestWorker(settings, group_id=f"g-twin-{n}", batch_size=20, poll_timeout_s=0.2, linger_s=0.05)
+    workers = [IngestWorker(settings, group_id=f"g-twin-{n}", batch_size=20, poll_timeout_s=0.2, linger_s=0.05,
+                            pause_before_commit_s=0.05)
                for n in range(2)]  # fmt: skip
     done = threading.Event()
 
@@ -174,6 +171,16 @@ def test_two_workers_writing_the_same_partitions_commit_each_offset_once(setting
     threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for t in threads:
         t.start()
+    # The records are sent once both own the partitions, so both read them from the same table version (a worker
+    # joining after everything is written would seek past it and never race).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(w._consumer is not None and w._consumer.assignment()
+                                                  for w in workers):  # fmt: skip
+        time.sleep(0.1)
+    producer = make_producer(settings)
+    sent = [event(i) for i in range(400)]
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in sent])
+    producer.close()
     deadline = time.monotonic() + 60
     while EVENTS.read(EVENTS.at(settings.lake_root)).height < len(sent) and time.monotonic() < deadline:
         time.sleep(0.2)
