@@ -56,14 +56,15 @@ def harm_kind(seed: int) -> str:
 
 def rollout_config(max_duration_s: float, margin: float) -> RolloutConfig:
     """One 50% step, decided on the sequential interval or, at the maximum duration, on non-inferiority
-    within `margin`, a share of the champion's mean reward (0: only a significant win is promoted).
+    within `margin`, a share of the champion's accept rate priced at the reward per accept (0: only a
+    significant win is promoted).
 
     Latency is not a guardrail here: both arms run in one process on a shared machine, so their
     latency differs by whatever else the machine is doing.
     """
     return RolloutConfig(
         ramp=[RampStep(share=0.5, min_users=10, min_seconds=0)], max_duration_s=max_duration_s, tuning_n=400,
-        non_inferiority_share=margin, latency_p95_ratio=100.0, srm_min_users=10_000, metrics_port=0,
+        non_inferiority_accept_share=margin, latency_p95_ratio=100.0, srm_min_users=10_000, metrics_port=0,
     )  # fmt: skip
 
 
@@ -195,7 +196,7 @@ def main() -> None:
     ap.add_argument("--eval-contexts", type=int, default=100)
     ap.add_argument("--control-runs", type=int, default=0)
     ap.add_argument("--margin", type=float, default=0.0,
-                    help="non-inferiority margin at the maximum duration, a share of the champion's reward "
+                    help="non-inferiority margin at the maximum duration, a share of the champion's accept rate "
                          "(0: promote only a significant win)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))

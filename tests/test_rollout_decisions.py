@@ -234,3 +234,93 @@ def test_the_srm_bayes_factor_is_the_dirichlet_multinomial_over_the_multinomial(
     # A 45/55 split of 4,000 users at 50/50 alarms; 50.5/49.5 does not.
     assert srm_log_bayes_factor(np.array([1800, 2200]), theta) > np.log(1000)
     assert srm_log_bayes_factor(np.array([2020, 1980]), theta) < 0
+
+
+# ---- the non-inferiority margin where the reward averages near 0 ----------------------------------
+
+# Users accept 31% of shown suggestions: the reward averages about +0.002 a generation, the accept rate is 0.26.
+# Light users of 40 generations (no heavy ones) keep the users the margin needs near 7,000, so the test is fast.
+NEAR_ZERO = Population(accept=0.31, heavy_share=0.0, light_generations=40.0)
+
+
+def test_the_margin_is_a_share_of_the_accept_rate_and_does_not_collapse_where_the_reward_averages_near_0() -> None:
+    cfg = ONE_STEP
+    out = simulate(Scenario(cfg, 2000, 12 * 3600.0, population=NEAR_ZERO), 50, seed=30)
+    assert abs(float(np.nanmedian(out.estimate))) < 0.05
+    margin = float(np.nanmedian(out.margin))
+    # 5% of an accept rate of about 0.26, at 1.0 reward per accept; a share of the level (+0.002) gave 0.0002.
+    assert 0.011 < margin < 0.015
+    wider = simulate(Scenario(cfg.model_copy(update={"reward_per_accept": 2.0}), 2000, 12 * 3600.0,
+                              population=NEAR_ZERO), 50, seed=30)  # fmt: skip
+    assert float(np.nanmedian(wider.margin)) == pytest.approx(2 * margin, rel=0.05)
+
+
+def test_at_a_reward_level_near_0_an_equal_challenger_is_shown_non_inferior_and_a_harmed_one_is_not_promoted() -> None:
+    cfg = ONE_STEP
+    aa = simulate(Scenario(cfg, 20_000, 12 * 3600.0, population=NEAR_ZERO), 100, seed=31)
+    # About 3x the users the margin needs: an equal challenger is released. With a share of the mean reward
+    # as the margin (0.0002 here) none was: every one rolled back as inconclusive.
+    assert aa.share(rules.PROMOTE_NON_INFERIOR, rules.PROMOTE_WIN) >= 0.8
+    assert aa.share(*rules.WRONG_ON_AA) <= cfg.alpha
+    harmed = simulate(Scenario(cfg, 20_000, 12 * 3600.0, accept_factor=0.9, population=NEAR_ZERO), 200, seed=32)
+    assert harmed.share(rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR) <= 0.01
+
+
+def test_a_champion_without_accepts_has_no_margin() -> None:
+    level = np.array([0.0, np.nan, 0.3])
+    m = rules.margin(level, RolloutConfig())
+    assert np.isnan(m[0]) and np.isnan(m[1]) and m[2] == pytest.approx(0.05 * 0.3)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"non_inferiority_accept_share": -0.1},
+        {"non_inferiority_accept_share": 0.6},  # half the accepts lost is no guard
+        {"non_inferiority_accept_share": float("nan")},
+        {"reward_per_accept": 0.0},
+        {"reward_per_accept": 3.0},  # the reward lies in [-1, 1]: no accept is worth more than 2
+        {"reward_per_accept": float("inf")},
+    ],
+)
+def test_a_nonsense_margin_is_refused_at_start(settings: dict[str, float]) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        RolloutConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_the_retired_share_of_the_mean_reward_is_refused_with_what_replaced_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("FLYWHEEL_ROLLOUT_NON_INFERIORITY_SHARE", "0.1")
+    with pytest.raises(ValidationError, match="NON_INFERIORITY_ACCEPT_SHARE"):
+        RolloutConfig()
+    monkeypatch.delenv("FLYWHEEL_ROLLOUT_NON_INFERIORITY_SHARE")
+    with pytest.raises(ValidationError, match="NON_INFERIORITY_ACCEPT_SHARE"):
+        RolloutConfig(non_inferiority_share=0.1)  # type: ignore[call-arg]
+
+
+def test_the_demo_states_its_margin_the_users_it_needs_and_that_its_traffic_cannot_decide() -> None:
+    from deploy_gate.rollout.analysis import StepContext, analyse
+    from deploy_gate.rollout.data import Aggregates
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    pop = Population(accept=0.31)  # the demo's reward level is near 0 too
+    rng = np.random.default_rng(33)
+    n = 40  # the demo's 10 minutes of traffic
+    cols = users(rng, n, pop, np.ones(n), np.ones(n))
+    arm = np.where(np.arange(n) % 2 == 0, "challenger", "champion")
+    agg = Aggregates(_frame(cols, arm, t0), {}, {}, "r", pre_rate(pop))
+    step = StepContext(index=1, share=0.5, min_users=2, min_seconds=120, entered_at=t0, last=True)
+    view = analyse(agg, step, DEMO, started_at=t0, now=t0 + timedelta(seconds=300))
+    assert view is not None and view.power is not None
+    p = view.power
+    assert p.margin is not None and p.champion_accept_rate is not None
+    assert p.margin == pytest.approx(0.05 * p.champion_accept_rate * 1.0)
+    assert p.margin > 0.005  # a share of the mean reward gave a tenth of that or less
+    assert p.users_for_margin is not None and p.users_projected is not None
+    assert p.users_for_margin > p.users_projected and p.margin_reachable is False
+    assert view.decision.reason.startswith("not enough evidence yet")
+    assert f"needs {p.users_for_margin} users" in view.decision.reason
+    assert "cannot show non-inferiority" in view.decision.reason

@@ -297,8 +297,17 @@ def power_view(j: rules.Judgement, config: RolloutConfig, *, running_s: float) -
         v = float(users_to_resolve(np.array(s2), effect, alpha, config.tuning_n))
         return int(v) if math.isfinite(v) else None
 
-    changes = {f"{c:+.0%}": need(c * level if level else None) for c in (-0.1, 0.05, 0.1, 0.2)}
+    accept = _num(j.accept_level[0])
+    # A change in accept rate priced in reward, as the margin is: a share of the reward level means nothing near 0.
+    def priced(change: float) -> float | None:
+        m = _num(rules.margin(j.accept_level, config, abs(change))[0])
+        return None if m is None else math.copysign(m, change)
+
+    changes = {f"{c:+.0%}": need(priced(c)) for c in (-0.1, 0.05, 0.1, 0.2)}
     for_margin = need(margin)
+    reachable = (
+        for_margin is not None and projected is not None and for_margin <= projected if margin is not None else None
+    )
     if not ok or now is None:
         note = (f"not enough evidence yet: no variance to judge from ({int(n)} users compared; each arm needs "
                 f"{rules.MIN_ARM_USERS})")  # fmt: skip
@@ -308,18 +317,32 @@ def power_view(j: rules.Judgement, config: RolloutConfig, *, running_s: float) -
             parts[0] += f", {now / abs(level):.0%} of the champion's {level:.3g}"
         if later is not None and projected is not None:
             parts.append(f"at the maximum duration (about {projected} users) {later:.3g}")
-        if margin is not None:
-            parts.append(
-                f"the margin {margin:.3g} needs {for_margin} users" if for_margin else f"the margin {margin:.3g} "
-                "cannot be resolved at any realistic size"
-            )
+        parts.append(margin_text(margin, accept, for_margin, projected, config))
         note = "; ".join(parts)
     return PowerView(
         users=int(n), min_arm_users=rules.MIN_ARM_USERS, per_user_sd=math.sqrt(s2) if ok else None,
         detectable_now=now, users_projected=projected, detectable_projected=later, champion_level=level,
-        margin=margin, margin_share=config.non_inferiority_share, users_for_margin=for_margin,
+        margin=margin, margin_share=config.non_inferiority_accept_share, champion_accept_rate=accept,
+        reward_per_accept=config.reward_per_accept, users_for_margin=for_margin, margin_reachable=reachable,
         users_for_changes=changes, note=note,
     )  # fmt: skip
+
+
+def margin_text(
+    margin: float | None, accept: float | None, users: int | None, projected: int | None, config: RolloutConfig
+) -> str:
+    """The non-inferiority margin, how it is made, the users it needs and whether this traffic gets there."""
+    if margin is None:
+        return "no non-inferiority margin: the champion's users accepted nothing yet, so only a significant win promotes"
+    made = (f"the margin {margin:.3g} ({config.non_inferiority_accept_share:.0%} of the champion's accept rate "
+            f"{accept:.3g} x {config.reward_per_accept:g} reward per accept)")  # fmt: skip
+    if users is None:
+        return f"{made} cannot be resolved at any realistic size"
+    if projected is not None and users > projected:
+        return (f"{made} needs {users} users, more than the about {projected} this traffic brings by the maximum "
+                "duration: it cannot show non-inferiority and will end inconclusive unless it runs longer "
+                "(MAX_DURATION_S) or the margin is wider (NON_INFERIORITY_ACCEPT_SHARE)")  # fmt: skip
+    return f"{made} needs {users} users"
 
 
 def explain(
@@ -352,8 +375,9 @@ def explain(
         why = (f"users per arm {arm_users}, each arm needs {rules.MIN_ARM_USERS} before any test decides"
                if min(arm_users) < rules.MIN_ARM_USERS else "the difference has no variance to judge from")  # fmt: skip
         if code == rules.CONTINUE_EVIDENCE:
-            return f"not enough evidence yet: {why}"
-        return f"inconclusive at the maximum duration: not enough evidence ({why}); the challenger is not kept"
+            return f"not enough evidence yet: {why}; {power.note}"
+        return (f"inconclusive at the maximum duration: not enough evidence ({why}); the challenger is not kept; "
+                f"{power.note}")  # fmt: skip
     if code == rules.ROLLBACK_GUARDRAIL:
         return f"guardrail tripped: {', '.join(g.name for g in rails if not g.ok)}"
     if code == rules.ROLLBACK_WORSE:
@@ -368,10 +392,12 @@ def explain(
     margin = float(j.margin[0])
     if code == rules.PROMOTE_NON_INFERIOR:
         return (f"non-inferior at the maximum duration: sequential lower bound {lo:.3f} > -{margin:.3g} "
-                f"({config.non_inferiority_share:.0%} of the champion's level)")  # fmt: skip
+                f"({config.non_inferiority_accept_share:.0%} of the champion's accept rate "
+                f"{float(j.accept_level[0]):.3g} x {config.reward_per_accept:g} reward per accept)")  # fmt: skip
     if code == rules.ROLLBACK_INCONCLUSIVE:
         if not math.isfinite(margin):
-            return "inconclusive at the maximum duration: the champion's level is not positive, so no margin applies"
+            return ("inconclusive at the maximum duration: the champion's users accepted nothing, so no margin "
+                    "applies and only a significant win promotes")  # fmt: skip
         return (f"inconclusive at the maximum duration: not shown within {margin:.3g} of the champion "
                 f"(sequential lower bound {lo:.3f}); {power.note}")  # fmt: skip
     return f"last step: waiting for a significant result or the maximum duration; {power.note}"

@@ -2,7 +2,9 @@
 
 Strict: unknown keys are refused, `FLYWHEEL_ROLLOUT_*` environment variables included (a
 misspelt or renamed one would otherwise leave its default in force without a word), and the ramp
-must grow. Defaults follow common practice (a 5% -> 25% -> 50% ramp, alpha 0.05, SRM alarm at
+must grow. The non-inferiority margin is a share of the champion's accept rate priced through the
+reward definition (a share in [0, 0.5], a finite reward per accept in (0, 2]; the retired margin
+settings are refused with what replaced them). Defaults follow common practice (a 5% -> 25% -> 50% ramp, alpha 0.05, SRM alarm at
 p < 0.001 as GrowthBook and Statsig use, confidence-sequence tuning N* = 5000 as GrowthBook's
 default).
 """
@@ -24,6 +26,15 @@ class RampStep(BaseModel):
     min_seconds: float = Field(ge=0, description="Time in this step before it may ramp or promote.")
 
 
+# Settings that meant something else once: refused with what replaced them, never reread in a new sense.
+RETIRED = {
+    "non_inferiority_share": "retired: it was a share of the champion's mean reward, meaningless where that is near "
+    "0; set NON_INFERIORITY_ACCEPT_SHARE (a share of the champion's accept rate, default 0.05) and REWARD_PER_ACCEPT",
+    "non_inferiority_margin": "retired: an absolute reward margin tied to no scale; set NON_INFERIORITY_ACCEPT_SHARE "
+    "(a share of the champion's accept rate, default 0.05) and REWARD_PER_ACCEPT",
+}
+
+
 def _default_ramp() -> list[RampStep]:
     return [RampStep(share=s, min_users=200, min_seconds=600) for s in (0.05, 0.25, 0.5)]
 
@@ -38,10 +49,18 @@ class RolloutConfig(BaseSettings):
     srm_alpha: float = Field(default=0.001, gt=0, lt=0.1)
     srm_min_users: int = Field(default=100, ge=2, description="Users in a step before SRM is checked.")
     max_duration_s: float = Field(default=14 * 86400, gt=0, description="Then decide on non-inferiority.")
-    non_inferiority_share: float = Field(
-        default=0.1, ge=0, lt=1,
-        description="Allowed loss at the maximum duration, as a share of the champion's mean reward (0.1: 10%; "
-        "0: only a significant win is promoted).",
+    # The non-inferiority margin in reward units is accept share x the champion's accept rate x reward per
+    # accept (`rules.margin`): a share of a ratio-scale rate, priced through the reward definition. A share
+    # of the mean reward, as before, shrank to nothing where the reward averages near 0 (its zero is arbitrary).
+    non_inferiority_accept_share: float = Field(
+        default=0.05, ge=0, le=0.5, allow_inf_nan=False,
+        description="Allowed loss at the maximum duration, as a share of the champion's accept rate (0.05: the "
+        "challenger's users may accept up to 5% less often; 0: only a significant win is promoted).",
+    )
+    reward_per_accept: float = Field(
+        default=1.0, gt=0, le=2, allow_inf_nan=False,
+        description="What the reward definition pays for an accept over its alternative, a reject (rules-v1: "
+        "+0.75 - (-0.25) = 1.0); at most 2, the width of the reward's [-1, 1] range.",
     )
     pre_period_s: float = Field(
         default=14 * 86400, ge=0,
@@ -79,6 +98,10 @@ class RolloutConfig(BaseSettings):
         prefix = str(cls.model_config["env_prefix"])
         known = {prefix + name.upper() for name in cls.model_fields}
         unknown = sorted(k for k in os.environ if k.upper().startswith(prefix) and k.upper() not in known)
+        retired = [k for k in unknown if k.upper().removeprefix(prefix).lower() in RETIRED]
+        retired += [k for k in (data if isinstance(data, dict) else {}) if k in RETIRED]
+        if retired:
+            raise ValueError("; ".join(f"{k}: {RETIRED[k.upper().removeprefix(prefix).lower()]}" for k in retired))
         if unknown:
             raise ValueError(f"unknown settings {unknown}; known: {sorted(known)}")
         return data

@@ -114,11 +114,15 @@ class PowerView(_Model):
     users_projected: int | None  # at the maximum duration, at the arrival rate so far
     detectable_projected: float | None
     champion_level: float | None
-    margin: float | None  # absolute: share x champion level
-    margin_share: float
+    margin: float | None  # reward units: margin_share x champion_accept_rate x reward_per_accept
+    margin_share: float  # of the champion's accept rate
     users_for_margin: int | None  # users needed to resolve a difference of the margin
-    users_for_changes: dict[str, int | None]  # "-10%": users needed for a 10% change of the champion's level
+    # "-10%": users needed for a 10% change in the champion's accept rate, priced in reward as the margin is
+    users_for_changes: dict[str, int | None]
     note: str
+    champion_accept_rate: float | None = None  # accepted suggestions per rewarded generation
+    reward_per_accept: float | None = None
+    margin_reachable: bool | None = None  # users_for_margin within the users projected at the maximum duration
 
 
 class AnalysisView(_Model):

@@ -19,9 +19,13 @@ whatever the configuration (the bench measures each):
   length may drift both ways within its ratio bounds, and latency (each user's mean) may rise up to
   `latency_p95_ratio` x the champion's, since two versions served by one machine differ by whatever
   else it does; each trips when its interval leaves the tolerance.
-- **A relative non-inferiority margin.** At the maximum duration the challenger is promoted if the
-  interval's lower end is above −(margin share × the champion's level); without a positive champion
-  level there is no margin and nothing is promoted as non-inferior.
+- **A margin on a ratio scale.** At the maximum duration the challenger is promoted if the
+  interval's lower end is above −margin, margin = accept share × the champion's accept rate ×
+  reward per accept (`margin`): the reward a challenger loses when its users accept that share less
+  often and reject instead. The accept rate has a natural zero; the reward's zero is arbitrary (it
+  can be negative), so a share of the champion's mean reward collapsed where it averages near 0
+  (the demo's 0.03 gave 0.003, resolved by no traffic at all). Without accepts there is no margin
+  and nothing is promoted as non-inferior.
 - **Honest about the sample.** At the maximum duration, an experiment that has not resolved its
   margin rolls back as inconclusive and says how many users the margin would have needed.
 """
@@ -147,8 +151,21 @@ class Judgement:
     guardrails: dict[str, Interval]
     harmed: dict[str, np.ndarray]  # guardrail name -> (E,) bool: harm shown
     enough: np.ndarray  # (E,) bool: past the evidence floor with a defined variance
-    margin: np.ndarray  # (E,) absolute margin: share × champion level (NaN: none)
+    margin: np.ndarray  # (E,) in reward units: accept share × champion accept rate × reward per accept (NaN: none)
+    accept_level: np.ndarray  # (E,) the champion's accepted suggestions per rewarded generation
     info: dict[str, np.ndarray]  # information-only metric -> (E, 2) each arm's ratio
+
+
+def margin(accept_level: np.ndarray, config: RolloutConfig, share: float | None = None) -> np.ndarray:
+    """The reward lost when users accept `share` (default: the configured one) less often, NaN without accepts.
+
+    An accept lost to a reject costs `reward_per_accept` (the reward definition's accept minus reject weight),
+    so a share s of the champion's accept rate a is s·a·reward_per_accept in reward per generation. This is
+    also how `users_for_changes` prices a -10%/+5%/... change (`analysis.power_view`).
+    """
+    s = config.non_inferiority_accept_share if share is None else share
+    with np.errstate(invalid="ignore"):
+        return np.where(accept_level > 0, s * accept_level * config.reward_per_accept, np.nan)
 
 
 def guardrail_harm(metric: Metric, iv: Interval, config: RolloutConfig) -> np.ndarray:
@@ -180,11 +197,11 @@ def judge(
     for h in harmed.values():
         any_harm |= h
     with np.errstate(invalid="ignore"):
-        level = primary.comparison.level
-        margin = np.where(level > 0, config.non_inferiority_share * level, np.nan)
+        accept_level = rails["accepted_rate"].comparison.level
+        allowed = margin(accept_level, config)
         worse = primary.hi < 0
         win = primary.lo > 0
-        non_inferior = primary.lo > -margin
+        non_inferior = primary.lo > -allowed
     over = clock.running_s >= config.max_duration_s
     few = clock.step_users < clock.step_min_users
     # np.select takes the first condition that holds: the precedence of the rules.
@@ -211,4 +228,4 @@ def judge(
         CONTINUE_LAST,
     )
     info = {m.name: compare(cells[m.name]).arm_ratio for m in INFO}
-    return Judgement(code, primary, rails, harmed, enough, margin, info)
+    return Judgement(code, primary, rails, harmed, enough, allowed, accept_level, info)

@@ -298,8 +298,14 @@
       facts.push(el('dt', null, 'what this traffic can resolve'),
         el('dd', { 'data-field': 'power-note' }, power.note),
         el('dt', null, 'users needed (80% power)'), el('dd', { 'data-field': 'power-users', class: 'small' },
-          Object.entries(power.users_for_changes).map(([k, n]) => `${k} of the champion: ${n === null ? '–' : n}`)
-            .join('; ')));
+          Object.entries(power.users_for_changes)
+            .map(([k, n]) => `${k} in the champion's accept rate: ${n === null ? '–' : n}`).join('; ')),
+        el('dt', null, 'non-inferiority margin'), el('dd', { 'data-field': 'power-margin', class: 'small' },
+          power.margin === null ? 'none (no accepts yet): only a significant win promotes'
+            : `${num(power.margin)} = ${pct(power.margin_share)} of the accept rate ${num(power.champion_accept_rate)}`
+              + ` x ${power.reward_per_accept} reward per accept; needs ${power.users_for_margin === null ? '–'
+                : power.users_for_margin} users`
+              + (power.margin_reachable === false ? ' (more than this traffic brings: it cannot decide)' : '')));
     }
     fill('difference', el('dl', { class: 'facts' }, ...facts));
   }
