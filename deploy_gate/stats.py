@@ -84,10 +84,12 @@ def welch_difference(a: RewardStats, b: RewardStats, alpha: float = 0.05) -> Dif
     va, vb, ma, mb = a.variance, b.variance, a.mean, b.mean
     if va is None or vb is None or ma is None or mb is None:
         return None
-    return _t_difference(mb - ma, va / a.n, vb / b.n, a.n, b.n, alpha)
+    return t_difference(mb - ma, va / a.n, vb / b.n, a.n, b.n, alpha)
 
 
-def _t_difference(d: float, wa: float, wb: float, na: int, nb: int, alpha: float) -> Difference:
+def t_difference(d: float, wa: float, wb: float, na: int, nb: int, alpha: float) -> Difference:
+    """d ± t_{1-α/2, ν}·sqrt(wa + wb), `wa`, `wb` each arm's variance of its estimate, ν Welch–Satterthwaite's
+    degrees of freedom over `na`, `nb` units, as gbstats' `TwoSidedTTest` computes them."""
     from scipy import stats
 
     se2 = wa + wb
@@ -196,18 +198,14 @@ class RatioStats:
 def ratio_difference(a: RatioStats, b: RatioStats, alpha: float = 0.05) -> Difference | None:
     """B's ratio minus A's, with the delta-method variance of each arm (arms are independent).
 
-    With one generation per user it is Welch's difference of means (normal rather than t quantiles).
+    Welch's t with Welch–Satterthwaite degrees of freedom over users, as gbstats' `TwoSidedTTest` on two
+    `RatioStatistic`s (checked against its outputs in tests/test_rollout_gbstats.py); with one generation
+    per user it is Welch's difference of means.
     """
-    from scipy import stats
-
     va, vb, ra, rb = a.ratio_variance(), b.ratio_variance(), a.ratio, b.ratio
-    if va is None or vb is None or ra is None or rb is None:
-        return None
-    d, se = rb - ra, math.sqrt(va + vb)
-    if se == 0:
-        return Difference(d, (d, d), 1.0 if d == 0 else 0.0, 0.0)
-    q = float(stats.norm.ppf(1 - alpha / 2))
-    return Difference(d, (d - q * se, d + q * se), float(2 * stats.norm.sf(abs(d) / se)), se)
+    if va is None or vb is None or ra is None or rb is None or va + vb <= 0:
+        return None  # zero variance is no evidence, not certainty (gbstats: "no decision", p = 1)
+    return t_difference(rb - ra, va, vb, a.n, b.n, alpha)
 
 
 def sequential_interval(

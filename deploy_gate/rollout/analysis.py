@@ -34,7 +34,7 @@ import polars as pl
 from deploy_gate.rollout import rules
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.data import Aggregates
-from deploy_gate.rollout.evidence import MOMENTS, detectable, srm_log_bayes_factor, users_to_resolve
+from deploy_gate.rollout.evidence import MOMENTS, Comparison, detectable, srm_log_bayes_factor, users_to_resolve
 from deploy_gate.rollout.models import (
     AnalysisView,
     ArmView,
@@ -48,7 +48,7 @@ from deploy_gate.rollout.models import (
     SrmView,
     StratumView,
 )
-from deploy_gate.stats import RatioStats, ratio_difference
+from deploy_gate.stats import RatioStats, ratio_difference, t_difference
 
 METHOD = (
     "per-user ratio, delta method (Deng et al. 2018), stratified by ramp step, regression-adjusted on each "
@@ -220,12 +220,26 @@ def _normal_ci(mean: float, var: float, level: float) -> tuple[float, float] | N
     return float(mean - half), float(mean + half)
 
 
+def _fixed_ci(cmp: Comparison, alpha: float) -> tuple[float, float] | None:
+    """The fixed-sample (reference) interval of the unadjusted difference: Welch's t, as gbstats' `TwoSidedTTest`,
+    its degrees of freedom from each arm's delta-method variance over its users."""
+    var, (va, vb), (na, nb) = float(cmp.raw_variance[0]), cmp.arm_variance[0], cmp.arm_users[0]
+    if not (np.isfinite(var) and var > 0 and np.isfinite(va) and np.isfinite(vb)) or min(na, nb) < 2:
+        return None
+    # The stratified variance is not the sum of the pooled arms' variances once steps differ; its degrees of
+    # freedom are taken from the pooled arms (thousands of users: t and z agree to the third digit).
+    d = t_difference(float(cmp.estimate[0]), float(va), float(vb), int(na), int(nb), alpha)
+    q = (d.ci[1] - d.estimate) / d.std_error if d.std_error > 0 else 0.0
+    half = q * math.sqrt(var)
+    return float(cmp.estimate[0] - half), float(cmp.estimate[0] + half)
+
+
 def difference_view(j: rules.Judgement, c: dict[str, np.ndarray], config: RolloutConfig) -> DifferenceView | None:
     p = j.primary
     cmp = p.comparison
     if not np.isfinite(p.lo[0]):
         return None
-    fixed = _normal_ci(float(cmp.estimate[0]), float(cmp.raw_variance[0]), 1 - config.alpha)
+    fixed = _fixed_ci(cmp, config.alpha)
     strata = []
     for k in range(c[rules.PRIMARY.name].shape[1]):
         cell = c[rules.PRIMARY.name][0, k]
