@@ -91,11 +91,13 @@ def vectorised(experiments: int) -> None:
               f"{aa.ever_excluded_zero.mean():.1%}; ended: {ends}")  # fmt: skip
         mde = np.nanmedian(harm.mde) if np.isfinite(harm.mde).any() else float("nan")
         margin = np.nanmedian(aa.margin) if np.isfinite(aa.margin).any() else float("nan")
+        need = np.nanmedian(aa.margin_users) if np.isfinite(aa.margin_users).any() else float("nan")
         print(f"  10%-worse challenger (true difference {harm_size(cfg, pop):+.3f}): promoted "
               f"{harm.share(rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR):.1%}, rolled back as worse or on a "
               f"guardrail {harm.share(rules.ROLLBACK_WORSE, rules.ROLLBACK_GUARDRAIL):.1%}; minimum detectable "
               f"difference stated at the decision (median) {mde:.3f}; A/A promoted as non-inferior "
-              f"{aa.share(rules.PROMOTE_NON_INFERIOR):.1%}; margin (median) {margin:.4f}")  # fmt: skip
+              f"{aa.share(rules.PROMOTE_NON_INFERIOR):.1%}; margin (median) {margin:.4f}, users it needs (median, as stated) "
+              f"{need:,.0f} against {n:,} arriving")  # fmt: skip
     cfg = RolloutConfig()
     drift = simulate(Scenario(cfg, 20000, 3600.0, drift=0.3), experiments, seed=3)
     print(f"drift: both arms' accept rate +30% over 14 days, defaults, 20,000 users: A/A wrong "

@@ -312,6 +312,7 @@ def power_view(j: rules.Judgement, config: RolloutConfig, *, running_s: float) -
         return int(v) if math.isfinite(v) else None
 
     accept = _num(j.accept_level[0])
+
     # A change in accept rate priced in reward, as the margin is: a share of the reward level means nothing near 0.
     def priced(change: float) -> float | None:
         m = _num(rules.margin(j.accept_level, config, abs(change))[0])
@@ -347,7 +348,7 @@ def margin_text(
 ) -> str:
     """The non-inferiority margin, how it is made, the users it needs and whether this traffic gets there."""
     if margin is None:
-        return "no non-inferiority margin: the champion's users accepted nothing yet, so only a significant win promotes"
+        return "no non-inferiority margin: the champion's users accepted nothing yet; only a significant win promotes"
     made = (f"the margin {margin:.3g} ({config.non_inferiority_accept_share:.0%} of the champion's accept rate "
             f"{accept:.3g} x {config.reward_per_accept:g} reward per accept)")  # fmt: skip
     if users is None:

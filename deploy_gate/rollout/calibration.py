@@ -20,7 +20,7 @@ import numpy as np
 
 from deploy_gate.rollout import rules
 from deploy_gate.rollout.config import RolloutConfig
-from deploy_gate.rollout.evidence import MOMENTS, compare, detectable, srm_log_bayes_factor
+from deploy_gate.rollout.evidence import MOMENTS, compare, detectable, srm_log_bayes_factor, users_to_resolve
 from deploy_gate.rollout.population import Population, covariate, pre_rate, users
 
 
@@ -43,6 +43,7 @@ class Outcomes:
     ever_excluded_zero: np.ndarray  # the primary interval excluded 0 at some look (before a decision)
     mde: np.ndarray  # the minimum detectable harm the gate stated at its decision (absolute reward)
     margin: np.ndarray
+    margin_users: np.ndarray  # users (both arms) the margin needed at 80% power, as the gate stated it
     estimate: np.ndarray  # final adjusted estimate
     raw_estimate: np.ndarray
     pooled_estimate: np.ndarray  # the same users with the steps pooled (what the controller did before strata)
@@ -69,6 +70,7 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
     ever = np.zeros(e_, dtype=bool)
     mde = np.full(e_, np.nan)
     margin = np.full(e_, np.nan)
+    margin_users = np.full(e_, np.nan)
     est = np.full(e_, np.nan)
     raw = np.full(e_, np.nan)
     pooled = np.full(e_, np.nan)
@@ -127,9 +129,12 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
             s2 = j.primary.comparison.variance * j.primary.comparison.users
             mde[end] = detectable(s2, j.primary.comparison.users, j.primary.alpha, cfg.tuning_n)[end]
             margin[end] = j.margin[end]
+            with np.errstate(invalid="ignore"):
+                need = users_to_resolve(s2[end], np.nan_to_num(j.margin[end]), j.primary.alpha, cfg.tuning_n)
+            margin_users[end] = np.where(np.isfinite(j.margin[end]), need, np.nan)
             est[end], raw[end] = j.primary.comparison.adjusted[end], j.primary.comparison.estimate[end]
             pooled[end] = compare(cells[rules.PRIMARY.name].sum(axis=1, keepdims=True)).estimate[end]
             done |= end
         if done.all():
             break
-    return Outcomes(code, at, seen, ever, mde, margin, est, raw, pooled)
+    return Outcomes(code, at, seen, ever, mde, margin, margin_users, est, raw, pooled)

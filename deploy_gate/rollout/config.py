@@ -4,9 +4,9 @@ Strict: unknown keys are refused, `FLYWHEEL_ROLLOUT_*` environment variables inc
 misspelt or renamed one would otherwise leave its default in force without a word), and the ramp
 must grow. The non-inferiority margin is a share of the champion's accept rate priced through the
 reward definition (a share in [0, 0.5], a finite reward per accept in (0, 2]; the retired margin
-settings are refused with what replaced them). Defaults follow common practice (a 5% -> 25% -> 50% ramp, alpha 0.05, SRM alarm at
-p < 0.001 as GrowthBook and Statsig use, confidence-sequence tuning N* = 5000 as GrowthBook's
-default).
+settings are refused with what replaced them). Defaults follow common practice (a 5% -> 25% ->
+50% ramp, alpha 0.05, SRM alarm at p < 0.001 as GrowthBook and Statsig use, confidence-sequence
+tuning N* = 5000 as GrowthBook's default).
 """
 
 from __future__ import annotations

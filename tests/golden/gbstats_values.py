@@ -84,8 +84,12 @@ def _tests(make_a, make_b, theta: float | None = None) -> dict[str, object]:  # 
         cfg = SequentialConfig(difference_type="absolute", alpha=alpha, sequential_tuning_parameter=tuning)
         seq = built(SequentialTwoSidedTTest(make_a(), make_b(), cfg))
         out["sequential"].append(  # type: ignore[attr-defined]
-            {"alpha": alpha, "tuning": tuning, "ci": [float(v) for v in seq.confidence_interval],
-             "p": float(seq.p_value)}  # fmt: skip
+            {
+                "alpha": alpha,
+                "tuning": tuning,
+                "ci": [float(v) for v in seq.confidence_interval],
+                "p": float(seq.p_value),
+            }  # fmt: skip
         )
     return out
 
@@ -147,8 +151,8 @@ def degenerate() -> dict[str, object]:
 
 
 def main() -> None:
-    srm = [{"users": u, "weights": w, "p": float(check_srm(u, w))}
-           for u, w in (([480, 520], [0.5, 0.5]), ([1800, 2200], [0.5, 0.5]), ([7400, 2600], [0.75, 0.25]))]  # fmt: skip
+    splits = (([480, 520], [0.5, 0.5]), ([1800, 2200], [0.5, 0.5]), ([7400, 2600], [0.75, 0.25]))
+    srm = [{"users": u, "weights": w, "p": float(check_srm(u, w))} for u, w in splits]
     welch = []
     for seed, n in ((7, 500), (8, 5000)):
         rng = np.random.default_rng(seed)
