@@ -10,6 +10,8 @@ sequential SRM and all, looked at every tick (the demo) or every hour (14-day ex
 - a challenger whose users accept 10% less often: the share promoted (target at most 1%).
 - a trend shared by both arms (drift): the mean estimate, which stratifying by step keeps near 0.
 - SRM power: 5% of the challenger's users lost before the lake.
+- the sequential rule against an expected-loss rule (GrowthBook's Bayesian "risk") on the same
+  scenarios: A/A wrong decisions, 10%-worse and 10%-better challengers promoted.
 - power curves: users needed at 80% power for -10%, +5%, +10%, +20% changes in accept rate, without
   and with regression adjustment, on users whose behaviour persists and on users whose does not.
 
@@ -19,6 +21,7 @@ sequential SRM and all, looked at every tick (the demo) or every hour (14-day ex
 reproduced: see the README).
 
     python bench/rollout_decisions.py [--experiments 1000]
+    python bench/rollout_decisions.py --experiments 200 --rules-only
     python bench/rollout_decisions.py --through-analyse 200
 """
 
@@ -96,7 +99,8 @@ def vectorised(experiments: int) -> None:
               f"{harm.share(rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR):.1%}, rolled back as worse or on a "
               f"guardrail {harm.share(rules.ROLLBACK_WORSE, rules.ROLLBACK_GUARDRAIL):.1%}; minimum detectable "
               f"difference stated at the decision (median) {mde:.3f}; A/A promoted as non-inferior "
-              f"{aa.share(rules.PROMOTE_NON_INFERIOR):.1%}; margin (median) {margin:.4f}, users it needs (median, as stated) "
+              f"{aa.share(rules.PROMOTE_NON_INFERIOR):.1%}; margin (median) {margin:.4f}, users it needs "
+              f"(median, as stated) "
               f"{need:,.0f} against {n:,} arriving")  # fmt: skip
     cfg = RolloutConfig()
     drift = simulate(Scenario(cfg, 20000, 3600.0, drift=0.3), experiments, seed=3)
@@ -114,6 +118,31 @@ def vectorised(experiments: int) -> None:
     lost = simulate(Scenario(cfg, 20000, 3600.0, srm_loss=0.05), experiments, seed=4)
     print(f"SRM power: 5% of the challenger's users lost, defaults, 20,000 users: frozen "
           f"{lost.share(rules.FREEZE_SRM):.1%}")
+
+
+def rules_compared(experiments: int) -> None:
+    """The sequential rule against the expected-loss rule (GrowthBook's Bayesian "risk"), same scenarios and seeds.
+
+    Everything but the primary metric's rule is shared (guardrails, SRM, evidence floor, ramp). Reported per
+    configuration: A/A wrong decisions, a 10%-worse challenger promoted, a 10%-better one promoted (power).
+    """
+    from deploy_gate.rollout import rules
+    from deploy_gate.rollout.calibration import Scenario, simulate
+
+    promoted = (rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR)
+    print(f"decision rules compared ({experiments} experiments a cell; expected loss: ship when it is under "
+          f"{rules.LOSS_SHARE:g} x the margin):")  # fmt: skip
+    for name, cfg, n, look, pop in configurations():
+        cells = []
+        for rule in ("sequential", "expected_loss"):
+            aa = simulate(Scenario(cfg, n, look, population=pop, rule=rule), experiments, seed=1)  # type: ignore[arg-type]
+            worse = simulate(Scenario(cfg, n, look, 0.9, population=pop, rule=rule), experiments, seed=2)  # type: ignore[arg-type]
+            better = simulate(Scenario(cfg, n, look, 1.1, population=pop, rule=rule), experiments, seed=7)  # type: ignore[arg-type]
+            cells.append(f"{rule}: A/A wrong {aa.share(*rules.WRONG_ON_AA):.1%} (as a win "
+                         f"{aa.share(rules.PROMOTE_WIN):.1%}, as worse {aa.share(rules.ROLLBACK_WORSE):.1%}), "
+                         f"10%-worse promoted {worse.share(*promoted):.1%}, 10%-better promoted "
+                         f"{better.share(*promoted):.1%}")  # fmt: skip
+        print(f"  {name}: " + "; ".join(cells))
 
 
 def srm_calibration(experiments: int = 100_000) -> None:
@@ -272,12 +301,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experiments", type=int, default=1000)
     ap.add_argument("--through-analyse", type=int, default=0, metavar="N")
+    ap.add_argument("--rules-only", action="store_true", help="only the sequential against the expected-loss rule")
     args = ap.parse_args()
     if args.through_analyse:
         through_analyse(args.through_analyse)
         return
     check_demo_matches_launcher()
+    if args.rules_only:
+        rules_compared(args.experiments)
+        return
     vectorised(args.experiments)
+    rules_compared(args.experiments)
     srm_calibration()
     power_curves()
 

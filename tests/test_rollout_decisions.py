@@ -324,3 +324,36 @@ def test_the_demo_states_its_margin_the_users_it_needs_and_that_its_traffic_cann
     assert view.decision.reason.startswith("not enough evidence yet")
     assert f"needs {p.users_for_margin} users" in view.decision.reason
     assert "cannot show non-inferiority" in view.decision.reason
+
+
+# ---- the expected-loss rule, compared ----------------------------------------------------------------
+
+
+def test_the_expected_loss_rule_looked_at_every_tick_claims_wins_on_a_a_where_the_sequential_rule_does_not() -> None:
+    """Why the controller keeps the sequential rule: the bench's comparison at a smaller scale."""
+    cfg, n, look = CASES["demo, 4,000 users in 10 min"]
+    sequential = simulate(Scenario(cfg, n, look), 100, seed=34)
+    loss = simulate(Scenario(cfg, n, look, rule="expected_loss"), 100, seed=34)
+    assert sequential.share(*rules.WRONG_ON_AA) <= cfg.alpha
+    assert loss.share(*rules.WRONG_ON_AA) > 0.2
+
+
+def test_the_analysis_shows_the_expected_loss_of_shipping_and_of_keeping() -> None:
+    from deploy_gate.rollout.analysis import StepContext, analyse
+    from deploy_gate.rollout.data import Aggregates
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    pop = Population()
+    rng = np.random.default_rng(35)
+    n = 1000
+    cols = users(rng, n, pop, np.ones(n), np.ones(n))
+    arm = np.where(np.arange(n) % 2 == 0, "challenger", "champion")
+    agg = Aggregates(_frame(cols, arm, t0), {}, {}, "r", pre_rate(pop))
+    step = StepContext(index=0, share=0.5, min_users=1, min_seconds=0, entered_at=t0, last=True)
+    view = analyse(agg, step, RolloutConfig(), started_at=t0, now=t0 + timedelta(hours=1))
+    assert view is not None and view.difference is not None
+    d = view.difference
+    assert d.expected_loss_ship is not None and d.expected_loss_keep is not None
+    assert d.expected_loss_ship > 0 and d.expected_loss_keep > 0
+    # E[max(0, d)] − E[max(0, −d)] = E[d]: the two losses differ by the adjusted estimate.
+    assert d.expected_loss_keep - d.expected_loss_ship == pytest.approx(d.adjusted_estimate, rel=1e-9, abs=1e-12)

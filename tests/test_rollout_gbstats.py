@@ -9,7 +9,8 @@ depend on, and is not run in CI). Each statistic the dashboard shows is checked 
   `ratio_difference`;
 - the always-valid interval (confidence sequence) and the sequential p-value, at the primary metric's and
   a guardrail's α, at the defaults' and the demo's N*;
-- the regression-adjusted (CUPED) estimate, its variance and its sequential interval and p-value.
+- the regression-adjusted (CUPED) estimate, its variance and its sequential interval and p-value;
+- the expected loss of shipping and of keeping (gbstats' Bayesian `risk`, flat prior), shown beside them.
 
 Where the method is gbstats' the tolerance is 1e-9 relative (rounding only). Where it differs on purpose
 the test states the difference and bounds the gap:
@@ -154,6 +155,24 @@ def test_the_mean_metric_difference_equals_gbstats_welch_t(i: int) -> None:
     assert d.p_value == pytest.approx(case["fixed_p"], rel=1e-7)
     c = compare(_mean_cells(case["arms"], covariate=False))
     _check_sequential(float(c.estimate[0]), float(c.raw_variance[0]), float(c.users[0]), case)
+
+
+def _cases_with_risk() -> list[tuple[float, float, list[float]]]:
+    """(estimate, variance, gbstats' risk [keep the control, ship the treatment]) of every stored case."""
+    out = [(c["estimate"], c["variance"], c["risk"]) for c in GOLDEN["ratio"] + GOLDEN["welch"]]
+    for c in GOLDEN["cuped"]:
+        out += [(c[k]["estimate"], c[k]["variance"], c[k]["risk"]) for k in ("within_arm_theta", "unadjusted")]
+    return out
+
+
+def test_the_expected_loss_shown_equals_gbstats_bayesian_risk() -> None:
+    """gbstats integrates the truncated normal numerically (scipy's truncnorm); the rollout uses the closed form."""
+    from deploy_gate.rollout.rules import expected_loss
+
+    for estimate, variance, (keep, ship) in _cases_with_risk():
+        ours_ship, ours_keep = expected_loss(np.array([estimate]), np.array([variance]))
+        assert float(ours_ship[0]) == pytest.approx(ship, rel=1e-6, abs=1e-12)
+        assert float(ours_keep[0]) == pytest.approx(keep, rel=1e-6, abs=1e-12)
 
 
 def test_the_chi_square_srm_equals_gbstats() -> None:

@@ -252,6 +252,7 @@ def difference_view(j: rules.Judgement, c: dict[str, np.ndarray], config: Rollou
         float(p.hi[0])), alpha=p.alpha, method=METHOD.format(n=config.tuning_n), p_value=_num(p.p_value[0]),
         adjusted_estimate=float(cmp.adjusted[0]), unadjusted_sequential_ci=(float(p.raw_lo[0]), float(p.raw_hi[0])),
         variance_reduction=reduction, strata=strata, decisive=bool(j.enough[0]),
+        expected_loss_ship=_num(j.loss_ship[0]), expected_loss_keep=_num(j.loss_keep[0]),
     )  # fmt: skip
 
 

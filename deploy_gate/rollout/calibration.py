@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -33,6 +34,7 @@ class Scenario:
     drift: float = 0.0  # both arms' accept propensity grows by this share over the maximum duration
     population: Population = field(default_factory=Population)
     srm_loss: float = 0.0  # share of challenger users lost before the lake (a broken logging path)
+    rule: Literal["sequential", "expected_loss"] = "sequential"  # the primary metric's rule (`rules.judge`)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
             step_users=srm_counts[idx, step, 1], step_min_users=min_users[step], in_step_s=t - entered,
             step_min_seconds=min_seconds[step], last=step == steps - 1, running_s=np.full(e_, t),
         )  # fmt: skip
-        j = rules.judge(cells, alarm, clock, cfg)
+        j = rules.judge(cells, alarm, clock, cfg, scenario.rule)
         live = ~done
         with np.errstate(invalid="ignore"):
             ever |= live & j.enough & ((j.primary.lo > 0) | (j.primary.hi < 0))

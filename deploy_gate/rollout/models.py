@@ -59,6 +59,10 @@ class DifferenceView(_Model):
     variance_reduction: float | None = None  # 1 - Var(adjusted) / Var(unadjusted)
     decisive: bool = True  # False below the evidence floor: the interval is shown, not yet trusted or acted on
     strata: list[StratumView] = []
+    # Reward per generation lost by shipping the challenger / keeping the champion, E[max(0, ∓d)] under the
+    # normal posterior of the adjusted difference (GrowthBook's "risk"); shown, not decided on (`rules`).
+    expected_loss_ship: float | None = None
+    expected_loss_keep: float | None = None
 
 
 class SrmPeriod(_Model):

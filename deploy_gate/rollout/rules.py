@@ -26,6 +26,13 @@ whatever the configuration (the bench measures each):
   can be negative), so a share of the champion's mean reward collapsed where it averages near 0
   (the demo's 0.03 gave 0.003, resolved by no traffic at all). Without accepts there is no margin
   and nothing is promoted as non-inferior.
+- **Expected loss is shown, not decided on.** Beside the interval, the reward per generation lost
+  by shipping the challenger, E[max(0, −d)], and by keeping the champion, E[max(0, d)], under the
+  normal posterior of the adjusted difference with a flat prior (GrowthBook's Bayesian "risk").
+  `judge(..., rule="expected_loss")` decides on it instead (ship when the loss of shipping is below
+  `LOSS_SHARE` x the margin); the bench runs both on the same scenarios. Looked at after every tick
+  it has no error guarantee, and it promoted harmed challengers where the frequentist rule did not
+  (bench/rollout_decisions.py), so the controller keeps the sequential rule.
 - **Honest about the sample.** At the maximum duration, an experiment that has not resolved its
   margin rolls back as inconclusive and says how many users the margin would have needed.
 """
@@ -42,6 +49,9 @@ from deploy_gate.rollout.evidence import Comparison, compare, half_width, sequen
 
 # Users per arm (in comparable steps) before any test may decide; see the module's doc and the bench.
 MIN_ARM_USERS = 200
+# The expected-loss rule's threshold, a share of the margin: 1/20 is GrowthBook's default risk threshold
+# (0.25%) against our 5% accept-rate margin. Only `rule="expected_loss"` (the bench) decides on it.
+LOSS_SHARE = 0.05
 
 Harm = Literal["rise", "fall", "drift", "ratio"]
 
@@ -153,7 +163,27 @@ class Judgement:
     enough: np.ndarray  # (E,) bool: past the evidence floor with a defined variance
     margin: np.ndarray  # (E,) in reward units: accept share × champion accept rate × reward per accept (NaN: none)
     accept_level: np.ndarray  # (E,) the champion's accepted suggestions per rewarded generation
+    loss_ship: np.ndarray  # (E,) expected reward per generation lost by shipping the challenger (NaN: none)
+    loss_keep: np.ndarray  # (E,) ... by keeping the champion
     info: dict[str, np.ndarray]  # information-only metric -> (E, 2) each arm's ratio
+
+
+def expected_loss(mean: np.ndarray, variance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(E[max(0, −d)], E[max(0, d)]) for d ~ N(mean, variance): the loss of shipping and of keeping the champion.
+
+    For X ~ N(μ, σ²), E[max(0, X)] = μ·Φ(μ/σ) + σ·φ(μ/σ) (the normal partial expectation); GrowthBook's
+    Bayesian engine reports it as "risk" with a flat prior on the difference. NaN where the variance is not
+    positive: no spread is no evidence, and no loss can be read from it.
+    """
+    from scipy.special import ndtr
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sd = np.sqrt(np.where(variance > 0, variance, np.nan))
+        z = mean / sd
+        density = np.exp(-0.5 * z * z) / np.sqrt(2 * np.pi)
+        keep = mean * ndtr(z) + sd * density
+        ship = -mean * ndtr(-z) + sd * density
+    return ship, keep
 
 
 def margin(accept_level: np.ndarray, config: RolloutConfig, share: float | None = None) -> np.ndarray:
@@ -181,9 +211,19 @@ def guardrail_harm(metric: Metric, iv: Interval, config: RolloutConfig) -> np.nd
 
 
 def judge(
-    cells: dict[str, np.ndarray], srm_alarm: np.ndarray, clock: Clock, config: RolloutConfig
+    cells: dict[str, np.ndarray],
+    srm_alarm: np.ndarray,
+    clock: Clock,
+    config: RolloutConfig,
+    rule: Literal["sequential", "expected_loss"] = "sequential",
 ) -> Judgement:
-    """One action code per experiment; `cells[metric.name]` is (E, steps, 2, MOMENTS)."""
+    """One action code per experiment; `cells[metric.name]` is (E, steps, 2, MOMENTS).
+
+    `rule="expected_loss"` swaps the primary metric's tests for the expected-loss rule (the bench compares
+    the two): a win when shipping loses less than `LOSS_SHARE` x the margin, worse when keeping the champion
+    does, and non-inferior at the maximum duration on the win's condition. Guardrails, SRM, the evidence
+    floor and the ramp are the same.
+    """
     a_primary, a_guard = alphas(config)
     primary = Interval.of(cells[PRIMARY.name], a_primary, config.tuning_n)
     rails = {m.name: Interval.of(cells[m.name], a_guard, config.tuning_n) for m in GUARDRAILS}
@@ -202,6 +242,12 @@ def judge(
         worse = primary.hi < 0
         win = primary.lo > 0
         non_inferior = primary.lo > -allowed
+        loss_ship, loss_keep = expected_loss(primary.comparison.adjusted, primary.comparison.variance)
+        if rule == "expected_loss":
+            threshold = LOSS_SHARE * allowed
+            win = loss_ship < threshold
+            worse = loss_keep < threshold
+            non_inferior = win
     over = clock.running_s >= config.max_duration_s
     few = clock.step_users < clock.step_min_users
     # np.select takes the first condition that holds: the precedence of the rules.
@@ -228,4 +274,4 @@ def judge(
         CONTINUE_LAST,
     )
     info = {m.name: compare(cells[m.name]).arm_ratio for m in INFO}
-    return Judgement(code, primary, rails, harmed, enough, allowed, accept_level, info)
+    return Judgement(code, primary, rails, harmed, enough, allowed, accept_level, loss_ship, loss_keep, info)

@@ -286,6 +286,9 @@
       el('dt', null, 'sequential p'), el('dd', { 'data-field': 'diff-p' }, num(d.p_value)),
       el('dt', null, 'estimate (unadjusted)'), el('dd', { 'data-field': 'diff-estimate' }, fmt(d.estimate)),
       el('dt', null, 'unadjusted always-valid interval'), el('dd', null, ci(d.unadjusted_sequential_ci)),
+      el('dt', null, 'expected loss (reward per generation)'), el('dd', { 'data-field': 'diff-loss' },
+        `shipping the challenger ${num(d.expected_loss_ship)}, keeping the champion ${num(d.expected_loss_keep)} `,
+        el('span', { class: 'muted small' }, '(shown for reference: the always-valid interval decides)')),
       el('dt', null, 'variance removed by adjustment'),
       el('dd', { 'data-field': 'diff-reduction' }, d.variance_reduction === null ? '–' : pct(d.variance_reduction)),
       el('dt', null, 'by ramp step'), el('dd', { class: 'small' }, (d.strata || []).map((s) =>

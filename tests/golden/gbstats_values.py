@@ -18,6 +18,9 @@ the rollout's statistics with the stored outputs. Cases:
   the rollout's (the within-arm pooled slope), put in place of gbstats' after the test is built.
 - `welch`: a mean metric without a covariate (`SampleMeanStatistic`), and `srm`: gbstats' chi-square SRM.
 - `degenerate`: users with identical values: gbstats answers "no decision" (p = 1).
+
+Every case also holds the Bayesian engine's `risk` (`EffectBayesianABTest`, absolute difference, its
+default flat prior): the expected loss of keeping the control and of shipping the treatment.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+from gbstats.bayesian.tests import EffectBayesianABTest, EffectBayesianConfig
 from gbstats.frequentist.tests import (
     FrequentistConfig,
     SequentialConfig,
@@ -91,6 +95,11 @@ def _tests(make_a, make_b, theta: float | None = None) -> dict[str, object]:  # 
                 "p": float(seq.p_value),
             }  # fmt: skip
         )
+    # The Bayesian engine's risk with its default flat (improper) prior: [keep the control, ship the treatment].
+    bayes = built(EffectBayesianABTest(make_a(), make_b(), EffectBayesianConfig(difference_type="absolute")))
+    res = bayes.compute_result()
+    out["risk"] = [float(v) for v in res.risk]
+    out["bayes_mean"], out["bayes_sd"] = float(bayes.mean_diff), float(bayes.std_diff)
     return out
 
 
