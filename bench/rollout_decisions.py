@@ -103,6 +103,7 @@ def vectorised(experiments: int) -> None:
               f"(median, as stated) "
               f"{need:,.0f} against {n:,} arriving")  # fmt: skip
     cfg = RolloutConfig()
+    retired_margin(experiments)
     drift = simulate(Scenario(cfg, 20000, 3600.0, drift=0.3), experiments, seed=3)
     print(f"drift: both arms' accept rate +30% over 14 days, defaults, 20,000 users: A/A wrong "
           f"{drift.share(*rules.WRONG_ON_AA):.1%}; mean estimate stratified by step "
@@ -118,6 +119,35 @@ def vectorised(experiments: int) -> None:
     lost = simulate(Scenario(cfg, 20000, 3600.0, srm_loss=0.05), experiments, seed=4)
     print(f"SRM power: 5% of the challenger's users lost, defaults, 20,000 users: frozen "
           f"{lost.share(rules.FREEZE_SRM):.1%}")
+
+
+def levels(pop: Population) -> tuple[float, float]:
+    """(mean reward, accepted per rewarded generation) of the champion's users, from 200,000 of them."""
+    rng = np.random.default_rng(0)
+    a = users(rng, 200_000, pop, np.ones(200_000), np.ones(200_000))
+    return float(a["reward_sum"].sum() / a["reward_n"].sum()), float(a["accepted"].sum() / a["reward_n"].sum())
+
+
+def retired_margin(experiments: int) -> None:
+    """The baseline in the same run: the near-0 rows' A/A under the retired margin, 10% of the mean reward.
+
+    Emulated through `reward_per_accept`, so the same rules run: share x accept x r = 0.1 x level.
+    """
+    from deploy_gate.rollout import rules
+    from deploy_gate.rollout.calibration import Scenario, simulate
+
+    for name, cfg, n, look, pop in configurations():
+        if pop is not NEAR_ZERO:
+            continue
+        level, accept = levels(pop)
+        old = cfg.model_copy(update={"reward_per_accept": 0.1 * level / (cfg.non_inferiority_accept_share * accept)})
+        new = simulate(Scenario(cfg, n, look, population=pop), experiments, seed=1)
+        was = simulate(Scenario(old, n, look, population=pop), experiments, seed=1)
+        shares = [o.share(rules.PROMOTE_NON_INFERIOR, rules.PROMOTE_WIN) for o in (new, was)]
+        ratio = f"{shares[0] / shares[1]:.1f}x" if shares[1] > 0 else "from none"
+        print(f"{name}: A/A promoted (an equal challenger released) with the margin {np.nanmedian(new.margin):.4f} "
+              f"(5% of the accept rate {accept:.3f}) {shares[0]:.1%}; with the retired margin {0.1 * level:.4f} "
+              f"(10% of the mean reward {level:+.4f}) {shares[1]:.1%} ({ratio})")  # fmt: skip
 
 
 def rules_compared(experiments: int) -> None:

@@ -321,9 +321,9 @@ def power_view(j: rules.Judgement, config: RolloutConfig, *, running_s: float) -
 
     changes = {f"{c:+.0%}": need(priced(c)) for c in (-0.1, 0.05, 0.1, 0.2)}
     for_margin = need(margin)
-    reachable = (
-        for_margin is not None and projected is not None and for_margin <= projected if margin is not None else None
-    )
+    reachable: bool | None = None  # unknown without a margin or a projection
+    if margin is not None and ok and projected is not None:
+        reachable = for_margin is not None and for_margin <= projected
     if not ok or now is None:
         note = (f"not enough evidence yet: no variance to judge from ({int(n)} users compared; each arm needs "
                 f"{rules.MIN_ARM_USERS})")  # fmt: skip
@@ -390,10 +390,12 @@ def explain(
     if code in (rules.CONTINUE_EVIDENCE, rules.ROLLBACK_NO_EVIDENCE):
         why = (f"users per arm {arm_users}, each arm needs {rules.MIN_ARM_USERS} before any test decides"
                if min(arm_users) < rules.MIN_ARM_USERS else "the difference has no variance to judge from")  # fmt: skip
+        # What the traffic could resolve, once there is a variance to judge from (the demo's margin, say).
+        scale = f"; {power.note}" if power.per_user_sd is not None else ""
         if code == rules.CONTINUE_EVIDENCE:
-            return f"not enough evidence yet: {why}; {power.note}"
-        return (f"inconclusive at the maximum duration: not enough evidence ({why}); the challenger is not kept; "
-                f"{power.note}")  # fmt: skip
+            return f"not enough evidence yet: {why}{scale}"
+        return (f"inconclusive at the maximum duration: not enough evidence ({why}); the challenger is not kept"
+                f"{scale}")  # fmt: skip
     if code == rules.ROLLBACK_GUARDRAIL:
         return f"guardrail tripped: {', '.join(g.name for g in rails if not g.ok)}"
     if code == rules.ROLLBACK_WORSE:
