@@ -329,8 +329,8 @@ def power_view(j: rules.Judgement, config: RolloutConfig, *, running_s: float) -
                 f"{rules.MIN_ARM_USERS})")  # fmt: skip
     else:
         parts = [f"at {int(n)} users this experiment resolves a difference of {now:.3g} (80% power)"]
-        if level:
-            parts[0] += f", {now / abs(level):.0%} of the champion's {level:.3g}"
+        if accept:  # in accept-rate terms, as the margin: a share of the reward level means nothing near 0
+            parts[0] += f", a {now / (accept * config.reward_per_accept):.0%} change in the champion's accept rate"
         if later is not None and projected is not None:
             parts.append(f"at the maximum duration (about {projected} users) {later:.3g}")
         parts.append(margin_text(margin, accept, for_margin, projected, config))
@@ -357,7 +357,8 @@ def margin_text(
     if projected is not None and users > projected:
         return (f"{made} needs {users} users, more than the about {projected} this traffic brings by the maximum "
                 "duration: it cannot show non-inferiority and will end inconclusive unless it runs longer "
-                "(MAX_DURATION_S) or the margin is wider (NON_INFERIORITY_ACCEPT_SHARE)")  # fmt: skip
+                "(FLYWHEEL_ROLLOUT_MAX_DURATION_S) or the margin is wider "
+                "(FLYWHEEL_ROLLOUT_NON_INFERIORITY_ACCEPT_SHARE)")  # fmt: skip
     return f"{made} needs {users} users"
 
 
