@@ -4,7 +4,8 @@
 from them (`tests/golden/gbstats_values.py` wrote it; it needs gbstats, which the project does not
 depend on, and is not run in CI). Each statistic the dashboard shows is checked here:
 
-- each arm's ratio and its delta-method variance (the per-arm mean and interval, the time chart's points);
+- each arm's ratio and its delta-method variance (the per-arm mean and interval, the time chart's points;
+  gbstats 0.8.0 gives no per-arm interval: the rollout's is ratio ± z·sd over the variance checked here);
 - the difference, its variance, the fixed-sample (reference) interval with Welch's t, and the holdout's
   `ratio_difference`;
 - the always-valid interval (confidence sequence) and the sequential p-value, at the primary metric's and
