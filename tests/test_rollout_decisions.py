@@ -357,3 +357,11 @@ def test_the_analysis_shows_the_expected_loss_of_shipping_and_of_keeping() -> No
     assert d.expected_loss_ship > 0 and d.expected_loss_keep > 0
     # E[max(0, d)] − E[max(0, −d)] = E[d]: the two losses differ by the adjusted estimate.
     assert d.expected_loss_keep - d.expected_loss_ship == pytest.approx(d.adjusted_estimate, rel=1e-9, abs=1e-12)
+
+
+def test_the_default_reward_per_accept_is_the_default_definitions_accept_minus_reject() -> None:
+    """The gate cannot read the reward definition (components do not import each other): this keeps them in step."""
+    from signals.reward import RewardDefinition
+
+    w = RewardDefinition().weights
+    assert RolloutConfig().reward_per_accept == pytest.approx(w.accept - w.reject)
