@@ -28,6 +28,7 @@ import polars as pl
 import pyarrow as pa
 
 from flywheel.bus import Record, RecordBatch
+from flywheel.compact_json import compact_json_encoder
 from flywheel.contract import (
     MAX_EVENT_BYTES,
     MAX_PROPERTIES_DEPTH,
@@ -38,9 +39,7 @@ from flywheel.contract import (
     check_properties,
 )
 from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, normalised, properties_of, property_problems
-from flywheel.lake.tables import EVENTS
-from ingest.compact_json import compact_json_encoder
-from ingest.lake_sink import rows_frame
+from flywheel.lake.tables import EVENTS, rows_frame
 
 # (event_id, type, schema_version, generation_id, user_id, session_id, ts, received_at (both as
 #  microseconds since the epoch, UTC), source,
