@@ -87,8 +87,10 @@ def main() -> None:
             broker.wait(timeout=10)
     print(f"{n:,} events ({args.generations:,} generations), one topic")
     print(f"ingest worker:  {ingest_rate:,.0f} events/s")
-    print(f"signals worker: {signals_rate:,.0f} events/s ({timed_records:,} records in the timed part, "
-          f"{worker.stats.records:,} in all)")
+    print(
+        f"signals worker: {signals_rate:,.0f} events/s ({timed_records:,} records in the timed part, "
+        f"{worker.stats.records:,} in all)"
+    )
     print(f"ratio signals/ingest: {signals_rate / ingest_rate:.2f}")
 
 

@@ -154,9 +154,7 @@ class GenerationInfo:
         return cls.from_properties(e.generation_id, to_us(e.ts), e.user_id, e.properties)
 
     @classmethod
-    def from_properties(
-        cls, generation_id: str, ts_us: int, user_id: str, props: Mapping[str, Any]
-    ) -> GenerationInfo:
+    def from_properties(cls, generation_id: str, ts_us: int, user_id: str, props: Mapping[str, Any]) -> GenerationInfo:
         return cls(
             generation_id=generation_id,
             ts_us=ts_us,

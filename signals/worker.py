@@ -280,8 +280,9 @@ class _Batch:
                     st.orphaned = True
                     self.dirty.add(gid)
                     self.count("orphan", len(st.events))
-                    log.warning("orphan feedback: no generation event", extra={
-                        "generation_id": gid, "events": len(st.events)})
+                    log.warning(
+                        "orphan feedback: no generation event", extra={"generation_id": gid, "events": len(st.events)}
+                    )
             elif st is None:  # state expired: nothing left to score
                 self.plan.zrem.append((self.w.keys.open(p, lane), gid))
             elif st.revision == NOT_EMITTED and st.window_end_us == end:
@@ -353,16 +354,20 @@ class _Batch:
         properties. Beyond either it is dead-lettered and counted `capped`."""
         cfg = self.w.config
         if st.feedback >= cfg.max_feedback_per_generation:
-            reason = (f"generation {e.generation_id} already has {cfg.max_feedback_per_generation} feedback events "
-                      "(FLYWHEEL_SIGNALS_MAX_FEEDBACK_PER_GENERATION)")
+            reason = (
+                f"generation {e.generation_id} already has {cfg.max_feedback_per_generation} feedback events "
+                "(FLYWHEEL_SIGNALS_MAX_FEEDBACK_PER_GENERATION)"
+            )
         elif (
             # `properties_bytes` is at most 4 bytes a character of the lake's text (an exponent's sign, one of its
             # few differences, is ASCII): counted exactly only where the limit could be reached.
             e.properties_chars * 4 + 64 > cfg.max_feedback_bytes
             and (size := properties_bytes(e.properties)) > cfg.max_feedback_bytes
         ):
-            reason = (f"feedback properties are {size} bytes; a generation's state keeps at most "
-                      f"{cfg.max_feedback_bytes} (FLYWHEEL_SIGNALS_MAX_FEEDBACK_BYTES)")
+            reason = (
+                f"feedback properties are {size} bytes; a generation's state keeps at most "
+                f"{cfg.max_feedback_bytes} (FLYWHEEL_SIGNALS_MAX_FEEDBACK_BYTES)"
+            )
         else:
             st.feedback += 1
             return True
@@ -522,8 +527,11 @@ class SignalsWorker:
                 except UnknownRewardVersion:  # left out: `definition_for` raises, and its generations are dead-lettered
                     if s not in self._warned:
                         self._warned.add(s)
-                        log.error("the active reward version of a surface cannot be found; its generations are "
-                                  "dead-lettered until it is activated again", extra={"surface": s})
+                        log.error(
+                            "the active reward version of a surface cannot be found; its generations are "
+                            "dead-lettered until it is activated again",
+                            extra={"surface": s},
+                        )
             self._active = (time.monotonic(), found)
             for surface, d in found.items():
                 window = d.window(self.settings.window_for(d.surface))
@@ -532,8 +540,12 @@ class SignalsWorker:
                     log.warning(
                         "the feedback window is shorter than the latest checkpoint its definition reads: "
                         "later checks are counted out-of-window",
-                        extra={"surface": surface, "version": d.version, "window_s": window,
-                               "latest_checkpoint_s": d.latest_checkpoint_s},
+                        extra={
+                            "surface": surface,
+                            "version": d.version,
+                            "window_s": window,
+                            "latest_checkpoint_s": d.latest_checkpoint_s,
+                        },
                     )
         return self._active[1]
 
@@ -551,8 +563,10 @@ class SignalsWorker:
 
     def max_window_us(self) -> int:
         """The longest window of any active definition: feedback whose generation has not come by then is orphan."""
-        return max((self.window_us(d) for d in self.active_definitions().values()),
-                   default=self.window_us(builtin_definition(DEFAULT_SURFACE)))
+        return max(
+            (self.window_us(d) for d in self.active_definitions().values()),
+            default=self.window_us(builtin_definition(DEFAULT_SURFACE)),
+        )
 
     # ------------------------------------------------------------------ loop
 
@@ -562,8 +576,10 @@ class SignalsWorker:
         waited out like any other)."""
         lowered = self.store.lower_watermarks(self.keys, to_us(_now()) - self.lateness_us)
         if lowered:
-            log.warning("watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
-                        extra={"lanes": lowered})
+            log.warning(
+                "watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
+                extra={"lanes": lowered},
+            )
         self._repaired = True
 
     def run_once(self) -> int:
@@ -599,8 +615,8 @@ class SignalsWorker:
 
     def run(self, stop_event: threading.Event) -> None:
         """Poll and emit until `stop_event` is set, waiting out Kafka, Redis and MLflow outages."""
-        log.info("signals worker starting",
-                 extra={"topic": self.settings.events_topic, "group": self.group_id})
+        log.info("signals worker starting", extra={"topic": self.settings.events_topic, "group": self.group_id})
+
         def step() -> None:
             self.run_once()
             self._maybe_refit()
@@ -665,9 +681,7 @@ class SignalsWorker:
         queued = self.store.commit(plan)
         n = sum(len(v) for v in batch.emitted.values())
         if queued != n:
-            log.warning(
-                "%d of %d records were already emitted (markers set); not sending them again", n - queued, n
-            )
+            log.warning("%d of %d records were already emitted (markers set); not sending them again", n - queued, n)
 
     def flush_outbox(self) -> int:
         """Send committed records to Kafka and the lake; pop each entry only after both succeeded."""
