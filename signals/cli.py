@@ -14,10 +14,7 @@ app = typer.Typer(help="Satisfaction signals: one reward record per generation."
 @app.command()
 def worker(
     metrics_port: int | None = typer.Option(
-        None,
-        "--metrics-port",
-        min=0,
-        help="Serve /metrics, /healthz, /readyz on settings.bind_host:PORT; "
+        None, "--metrics-port", min=0, help="Serve /metrics, /healthz, /readyz on settings.bind_host:PORT; "
         "default settings.signals_metrics_port (9102); 0 turns it off.",
     ),
 ) -> None:
@@ -35,7 +32,9 @@ def worker(
 @app.command()
 def recompute(
     version: str = typer.Option(..., "--version", help="Reward definition version to compute."),
-    write: bool = typer.Option(True, help="Write records missing from the lake's rewards table (a backfill)."),
+    write: bool = typer.Option(
+        True, help="Write records missing from the lake's rewards table (a backfill)."
+    ),
     check: bool = typer.Option(
         False, help="Write nothing; compare each generation's final record (revision and reward) with the lake's."
     ),

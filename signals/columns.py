@@ -104,23 +104,18 @@ def _flag(cond: pl.Expr) -> pl.Expr:
 
 def typed_feedback(feedback: pl.LazyFrame) -> pl.LazyFrame:
     """The feedback rows with every property a signal reads parsed once, in (time, id) order per record."""
-    return (
-        feedback.sort(*KEY, "ts_us", "event_id", maintain_order=True)
-        .with_columns(
-            pl.col("properties").fill_null("{}"),
-        )
-        .with_columns(
-            _prop("value", "thumbs").str.to_lowercase().alias("_value"),
-            _prop("comment", "thumbs").alias("_comment"),
-            _prop("total_chars", "accepted").alias("_total_chars"),
-            _prop("accepted_chars", "accepted").alias("_accepted_chars"),
-            _prop("seconds_after_accept", "undone", "retained").alias("_seconds_raw"),
-            _prop("fraction_present", "retained").alias("_fraction"),
-            _prop("edit_distance", "edited").alias("_edit"),
-            _prop("text", "followup").alias("_text"),
-        )
-        .with_columns(_num(pl.col(c)).alias(c) for c in ("_total_chars", "_accepted_chars", "_fraction", "_edit"))
-    )
+    return feedback.sort(*KEY, "ts_us", "event_id", maintain_order=True).with_columns(
+        pl.col("properties").fill_null("{}"),
+    ).with_columns(
+        _prop("value", "thumbs").str.to_lowercase().alias("_value"),
+        _prop("comment", "thumbs").alias("_comment"),
+        _prop("total_chars", "accepted").alias("_total_chars"),
+        _prop("accepted_chars", "accepted").alias("_accepted_chars"),
+        _prop("seconds_after_accept", "undone", "retained").alias("_seconds_raw"),
+        _prop("fraction_present", "retained").alias("_fraction"),
+        _prop("edit_distance", "edited").alias("_edit"),
+        _prop("text", "followup").alias("_text"),
+    ).with_columns(_num(pl.col(c)).alias(c) for c in ("_total_chars", "_accepted_chars", "_fraction", "_edit"))
 
 
 # ---------------------------------------------------------------------- signals
@@ -276,60 +271,25 @@ def _none(d: RewardDefinition) -> list[pl.Expr]:
 
 
 SIGNALS: tuple[Signal, ...] = (
-    Signal(
-        "thumbs",
-        "Explicit vote; the latest `thumbs` {value: up|down} wins, its `comment` scored by the "
-        "definition's sentiment (`features.thumbs`).",
-        _thumbs_agg,
-        _thumbs_finish,
-        ("thumbs", "thumbs_comment_sentiment"),
-    ),
-    Signal(
-        "decision",
-        "Shown / accepted (with partial accepts) / rejected / ignored; an accept outranks a reject "
-        "(Cursor Tab's accept/reject reward, `features.decision`).",
-        _decision_agg,
-        _none,
-        ("shown", "accepted", "accepted_fraction", "accepted_chars", "rejected", "ignored"),
-    ),
-    Signal(
-        "undo",
-        "An undo after accepting, full weight within the definition's undo window (`features.undo`).",
-        _undo_agg,
-        _undo_finish,
-        ("undone", "undo_s"),
-    ),
-    Signal(
-        "edits",
-        "Edit distance after accepting, summed, and its ratio to the completion (`features.edits`).",
-        _edits_agg,
-        _edits_finish,
-        ("edit_distance", "edit_ratio"),
-    ),
-    Signal(
-        "retention",
-        "Accepted text still present at GitHub Copilot's checkpoints (`features.retention`).",
-        _none,
-        _retention_finish,
-        ("retention", "retained_chars", *(f"retained_{c}s" for c in RETENTION_CHECKPOINTS_S)),
-    ),
-    Signal(
-        "copy_regenerate",
-        "Copied or regenerated (`features.copy_regenerate`).",
-        _copy_agg,
-        _none,
-        ("copied", "regenerated"),
-    ),
-    Signal(
-        "followup",
-        "The first follow-up message and its sentiment, scored in bulk (`features.followup`).",
-        _followup_agg,
-        _followup_finish,
-        ("followup", "followup_sentiment"),
-    ),
-    Signal(
-        "dwell", "Seconds from shown to the first decision (`features.dwell`).", _dwell_agg, _dwell_finish, ("dwell_s",)
-    ),
+    Signal("thumbs", "Explicit vote; the latest `thumbs` {value: up|down} wins, its `comment` scored by the "
+           "definition's sentiment (`features.thumbs`).", _thumbs_agg, _thumbs_finish,
+           ("thumbs", "thumbs_comment_sentiment")),
+    Signal("decision", "Shown / accepted (with partial accepts) / rejected / ignored; an accept outranks a reject "
+           "(Cursor Tab's accept/reject reward, `features.decision`).", _decision_agg, _none,
+           ("shown", "accepted", "accepted_fraction", "accepted_chars", "rejected", "ignored")),
+    Signal("undo", "An undo after accepting, full weight within the definition's undo window (`features.undo`).",
+           _undo_agg, _undo_finish, ("undone", "undo_s")),
+    Signal("edits", "Edit distance after accepting, summed, and its ratio to the completion (`features.edits`).",
+           _edits_agg, _edits_finish, ("edit_distance", "edit_ratio")),
+    Signal("retention", "Accepted text still present at GitHub Copilot's checkpoints (`features.retention`).",
+           _none, _retention_finish,
+           ("retention", "retained_chars", *(f"retained_{c}s" for c in RETENTION_CHECKPOINTS_S))),
+    Signal("copy_regenerate", "Copied or regenerated (`features.copy_regenerate`).", _copy_agg, _none,
+           ("copied", "regenerated")),
+    Signal("followup", "The first follow-up message and its sentiment, scored in bulk (`features.followup`).",
+           _followup_agg, _followup_finish, ("followup", "followup_sentiment")),
+    Signal("dwell", "Seconds from shown to the first decision (`features.dwell`).", _dwell_agg, _dwell_finish,
+           ("dwell_s",)),
 )
 """Every signal a definition reads, in the order the reference extracts them."""
 
@@ -352,19 +312,14 @@ def _rules(d: RewardDefinition) -> list[pl.Expr]:
     after_undo = base + c("undone") * (w.undone - base)
     after_keep = base * (w.retention_floor + (1.0 - w.retention_floor) * c("retention"))
     kept = (
-        pl.when(c("undone").is_not_null())
-        .then(after_undo)
-        .when(c("retention").is_not_null())
-        .then(after_keep)
+        pl.when(c("undone").is_not_null()).then(after_undo)
+        .when(c("retention").is_not_null()).then(after_keep)
         .otherwise(base)
     )
     reward = (
-        pl.when(accepted)
-        .then(kept + w.edit * c("edit_ratio").fill_null(0.0))
-        .when(c("rejected").is_not_null())
-        .then(pl.lit(w.reject))
-        .when(c("shown").is_not_null())
-        .then(pl.lit(w.ignored))
+        pl.when(accepted).then(kept + w.edit * c("edit_ratio").fill_null(0.0))
+        .when(c("rejected").is_not_null()).then(pl.lit(w.reject))
+        .when(c("shown").is_not_null()).then(pl.lit(w.ignored))
         .otherwise(pl.lit(0.0))
     )
     evidence = (
@@ -398,7 +353,9 @@ def _satisfaction(d: RewardDefinition) -> list[pl.Expr]:
     ]
 
 
-def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedback: pl.DataFrame) -> pl.DataFrame:
+def score_frame(
+    definition: RewardDefinition, generations: pl.DataFrame, feedback: pl.DataFrame
+) -> pl.DataFrame:
     """`generations` (one row per record to score, `GENERATION_SCHEMA` and any other columns) with every
     signal column, `reward`, `confidence` and `label_source` added; `feedback` holds each record's
     in-window feedback events (`FEEDBACK_SCHEMA`)."""

@@ -80,7 +80,9 @@ class LogisticModel:
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float64)
         x = np.where(np.isnan(x), np.array(self.fill), x)
-        return _sigmoid(self.intercept + ((x - np.array(self.mean)) / np.array(self.scale)) @ np.array(self.coef))
+        return _sigmoid(
+            self.intercept + ((x - np.array(self.mean)) / np.array(self.scale)) @ np.array(self.coef)
+        )
 
     def predict_one(self, signals: Mapping[str, float]) -> float:
         """P(satisfied) for one record's signals. Pure Python, so stream and batch agree to the bit."""

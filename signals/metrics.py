@@ -27,9 +27,13 @@ OUTCOMES = (
     "generation", "on_time", "late", "out_of_window", "orphan", "duplicate", "invalid", "dead_lettered", "capped",
 )  # fmt: skip
 
-EVENTS = Counter("flywheel_signals_events_total", "Events read by the signals worker, by outcome", ["outcome"])
+EVENTS = Counter(
+    "flywheel_signals_events_total", "Events read by the signals worker, by outcome", ["outcome"]
+)
 RECORDS = Counter("flywheel_signals_records_total", "Reward records emitted", ["kind"])  # kind: first|revision
-LATE_EVENTS = Counter("flywheel_signals_late_events_total", "In-window events that arrived after their window closed")
+LATE_EVENTS = Counter(
+    "flywheel_signals_late_events_total", "In-window events that arrived after their window closed"
+)
 CLOSE_LAG = Histogram(
     "flywheel_signals_close_lag_seconds",
     "Wall-clock time from a window's close (end + allowed lateness) to its record",

@@ -93,7 +93,9 @@ def plan_windows(
             pl.min_horizontal(pl.col("received_at").dt.epoch("us"), pl.lit(to_us(now))).alias("clock"),
         )
         .with_columns(
-            ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us).cast(pl.Int8).alias("lane"),
+            ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us)
+            .cast(pl.Int8)
+            .alias("lane"),
         )
         .with_columns(
             (pl.col("clock").cum_max().over("kafka_partition") - lateness_us).alias("wm0"),
@@ -109,7 +111,6 @@ def plan_windows(
             pl.int_range(pl.len()).over("kafka_partition").alias("pos"),
         )
     )
-
     # per lane, the first row of each partition at which its watermark reaches a value
     # (a watermark never goes down along a partition: the first row of a value is where it changes)
     def changes(wm: pl.Expr) -> pl.Expr:
@@ -173,11 +174,14 @@ def plan_windows(
                 feedback.filter(~within),
                 feedback.filter(within).filter(pl.int_range(pl.len()).over("generation_id") < max_feedback),
             ])  # fmt: skip
-    feedback = feedback.join(
-        gens.select("generation_id", "kafka_partition", "window_end", "close_pos"),
-        on=["generation_id", "kafka_partition"],
-        how="inner",
-    ).filter(pl.col("ts_us") <= pl.col("window_end"))
+    feedback = (
+        feedback.join(
+            gens.select("generation_id", "kafka_partition", "window_end", "close_pos"),
+            on=["generation_id", "kafka_partition"],
+            how="inner",
+        )
+        .filter(pl.col("ts_us") <= pl.col("window_end"))
+    )
     columns = ("generation_id", "event_id", "type", "ts_us", "properties", "late_rank")
     late = pl.col("pos") >= pl.col("close_pos")
     # only the (few) late events need numbering, in arrival order; the rest are rank 0 in any order

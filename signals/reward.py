@@ -122,7 +122,9 @@ class RewardDefinition:
 
     # ------------------------------------------------------------------ scoring
 
-    def extract(self, gen: GenerationInfo, events: Iterable[FeedbackEvent], window_end_us: int) -> dict[str, float]:
+    def extract(
+        self, gen: GenerationInfo, events: Iterable[FeedbackEvent], window_end_us: int
+    ) -> dict[str, float]:
         """Every signal's value for this generation, from its in-window feedback events."""
         evs = sorted(
             (e for e in events if e.ts_us <= window_end_us and e.type != "generation"),
@@ -139,7 +141,9 @@ class RewardDefinition:
         out.update(features.dwell(evs))
         return out
 
-    def score(self, gen: GenerationInfo, events: Iterable[FeedbackEvent], window_end_us: int | None = None) -> Score:
+    def score(
+        self, gen: GenerationInfo, events: Iterable[FeedbackEvent], window_end_us: int | None = None
+    ) -> Score:
         s = self.extract(gen, events, window_end_us if window_end_us is not None else 2**62)
         if "thumbs" in s:
             agrees = s.get("thumbs_comment_sentiment", s["thumbs"]) * s["thumbs"] >= 0

@@ -93,7 +93,9 @@ def fit_satisfaction(
     y = np.asarray(labels, dtype=np.float64)
     test = np.array([is_held_out(g, holdout_share) for g in generation_ids], dtype=bool)
     if (~test).sum() < MIN_FIT_LABELS or len(np.unique(y[~test])) < 2:
-        raise ValueError(f"need at least {MIN_FIT_LABELS} training labels of both kinds; have {(~test).sum()}")
+        raise ValueError(
+            f"need at least {MIN_FIT_LABELS} training labels of both kinds; have {(~test).sum()}"
+        )
     model = LogisticModel.fit(x[~test], y[~test], FEATURES)
     p = model.predict_proba(x[test])
     return FitResult(
@@ -251,7 +253,9 @@ def refit(
     labels = explicit_labels(settings, store, surface)
     n = labels.height
     if n < MIN_FIT_LABELS:
-        return RefitResult(n, surface, reason=f"{n} explicit labels; fitting needs {MIN_FIT_LABELS}; rules stay in use")
+        return RefitResult(
+            n, surface, reason=f"{n} explicit labels; fitting needs {MIN_FIT_LABELS}; rules stay in use"
+        )
     try:
         fit = fit_satisfaction(
             labels["generation_id"].to_list(), labels["signals"].to_list(), labels["label"].to_list()
@@ -285,15 +289,8 @@ def refit(
         store.set_active(definition.version)
     log.info(
         "satisfaction refit",
-        extra={
-            "surface": surface,
-            "version": version,
-            "activated": activated,
-            "reason": reason,
-            "auc": cmp.auc_model.value,
-            "rules_auc": cmp.auc_rules.value,
-            "ece": cmp.ece_model.value,
-        },
+        extra={"surface": surface, "version": version, "activated": activated, "reason": reason,
+               "auc": cmp.auc_model.value, "rules_auc": cmp.auc_rules.value, "ece": cmp.ece_model.value},
     )
     return RefitResult(
         n, surface, version, activated, cmp.auc_model.value, cmp.ece_model.value,
@@ -315,7 +312,9 @@ def _log_to_mlflow(
 
     configure_mlflow(settings)
     if mlflow.get_experiment_by_name(config.mlflow_experiment) is None:
-        mlflow.create_experiment(config.mlflow_experiment, artifact_location=experiment_artifact_location(settings))
+        mlflow.create_experiment(
+            config.mlflow_experiment, artifact_location=experiment_artifact_location(settings)
+        )
     mlflow.set_experiment(config.mlflow_experiment)
     with mlflow.start_run(run_name=f"satisfaction-{spec['version']}") as run:
         mlflow.log_params(

@@ -55,7 +55,9 @@ def trends_of(rewards: pl.DataFrame, *, every: str = "1h") -> pl.DataFrame:
             pl.len().alias("generations"),
             pl.col("declined").mean().alias("share_declined"),
             pl.col("shown").mean().alias("share_shown"),
-            pl.when(shown > 0).then((pl.col("accepted") * pl.col("shown")).sum() / shown).alias("accept_rate"),
+            pl.when(shown > 0)
+            .then((pl.col("accepted") * pl.col("shown")).sum() / shown)
+            .alias("accept_rate"),
             votes.cast(pl.UInt32).alias("thumbs_votes"),
             pl.when(votes > 0).then((pl.col("thumbs") > 0).sum() / votes).alias("thumbs_up_rate"),
             pl.col("reward").mean().alias("mean_reward"),
@@ -111,6 +113,12 @@ def gaming_alerts(
         if first["share_shown"] > 0 and last["share_shown"] < first["share_shown"] * (1 - relative_drop):
             rows.append((arm, version, "suggesting_less", first["share_shown"], last["share_shown"]))
         voted = first["thumbs_votes"] >= min_votes and last["thumbs_votes"] >= min_votes
-        if voted and last["mean_reward"] > first["mean_reward"] and last["thumbs_up_rate"] < first["thumbs_up_rate"]:
-            rows.append((arm, version, "reward_up_thumbs_down", first["thumbs_up_rate"], last["thumbs_up_rate"]))
+        if (
+            voted
+            and last["mean_reward"] > first["mean_reward"]
+            and last["thumbs_up_rate"] < first["thumbs_up_rate"]
+        ):
+            rows.append(
+                (arm, version, "reward_up_thumbs_down", first["thumbs_up_rate"], last["thumbs_up_rate"])
+            )
     return pl.DataFrame(rows, schema=schema, orient="row")
