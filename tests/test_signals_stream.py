@@ -178,3 +178,25 @@ def test_history_replayed_into_an_idle_worker_gives_one_final_record_per_generat
     # a revision the recompute does not make is a disagreement, even with the same reward
     write_rewards(REWARDS.at(settings.lake_root), [streamed[0].model_copy(update={"revision": 1})], "extra")
     assert parity(settings, "rules-v1")["revision_differs"] == 1
+
+
+def test_a_record_line_is_a_reward_record_in_the_same_json_and_lake_row(tmp_path) -> None:  # noqa: ANN001
+    """The stream moves records as `RecordLine`s (msgspec): the text is `RewardRecord.model_dump_json`'s and the
+    lake row `write_rewards`'s, so a consumer or reader cannot tell them apart."""
+    from signals.events import from_us
+    from signals.sink import RecordLine, decode_lines, encode_line, write_lines
+
+    assert list(RecordLine.__struct_fields__) == list(RewardRecord.model_fields)
+    fields = dict(
+        generation_id="g-é", reward_version="v1", revision=2, reward=-0.25, confidence=1.0, label_source="implicit",
+        signals={"shown": 1.0, "dwell_s": 1e-07, "accepted_chars": 12.0}, user_id="u", model_version="3",
+        arm="champion", experiment="e", window_start=from_us(1_700_000_000_123_456),
+        window_end=from_us(1_700_000_600_000_000), late_events=2, emitted_at=from_us(1_700_000_601_000_001),
+    )  # fmt: skip
+    line = RecordLine(**fields)
+    assert encode_line(line) == RewardRecord(**fields).to_bytes()
+    (back,) = decode_lines(b"[" + encode_line(line) + b"]")
+    assert RewardRecord.model_validate_json(encode_line(back)) == RewardRecord(**fields)
+    write_lines(str(tmp_path / "a"), [back], "a")
+    write_rewards(str(tmp_path / "b"), [RewardRecord(**fields)], "b")
+    assert read_rewards(str(tmp_path / "a")).to_dicts() == read_rewards(str(tmp_path / "b")).to_dicts()
