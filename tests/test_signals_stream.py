@@ -77,6 +77,10 @@ def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settin
     assert s_ <= b, sorted(dict(x) for x in s_ - b)[:3]
     assert final_records(batch) == final_records(streamed)
     assert {r.label_source for r in batch} == {"explicit", "implicit", "default"}
+    # coalesced or not, a generation's final revision is the number of its late events on both paths
+    n = len(hist.generation_ids)
+    assert parity(settings, "rules-v1") == {"generations": n, "agree": n, "revision_differs": 0, "reward_differs": 0,
+                                            "only_stream": 0, "only_recompute": 0}  # fmt: skip
 
 
 def test_worker_restarted_mid_window_loses_nothing_and_duplicates_nothing(settings: Settings) -> None:
