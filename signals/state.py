@@ -146,7 +146,7 @@ class CommitPlan:
             "wm": self.wm,
             "outbox": self.outbox,
         }
-        return json.dumps(d, separators=(",", ":"))
+        return _encode(d)
 
 
 class StateStore:
