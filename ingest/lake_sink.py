@@ -21,6 +21,7 @@ from flywheel.lake.tables import EVENTS
 
 log = logging.getLogger(__name__)
 
+
 def write_events(location: str, df: pl.DataFrame) -> int | None:
     """Append `df` to the events table at `location` in one commit (tools and simulators: no Kafka offsets)."""
     return EVENTS.write(location, df, f"part-{int(time.time() * 1000)}-{uuid.uuid4().hex[:12]}")
