@@ -1,6 +1,7 @@
 """Validate a batch of event envelopes from Kafka fast, with pydantic as the judge of anything unusual.
 
-The worker turns each valid record into one lake row (`flywheel.lake.tables.EVENTS`). Full
+The ingest worker turns each valid record into one lake row (`flywheel.lake.tables.EVENTS`); the signals
+worker decodes its polls with it too, so both take exactly the same events, with the same properties. Full
 pydantic validation (`Event.from_bytes`) costs ~60 us an event; most events are
 ordinary, so `validate_batch` first decodes each one with a msgspec struct that accepts
 only the plain, unambiguous form of the envelope (every field present and of its exact

@@ -18,7 +18,9 @@ default on arrival and a revision per later event. When the whole stream has bee
 close in a quiet system; the live watermark moves there, the historical one stays at the replay's event
 time, so history replayed into a worker that has been idle still gives one final record per generation.
 
-Per event, in partition order: skip it if its id was seen; advance the watermarks; close every
+Each poll is decoded as one batch, column-wise, by the contract's batch validator (`signals.events.decode_batch`):
+an event is taken exactly when ingest writes it to the lake, with the lake's properties. Then per event, in
+partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
 window already closed is late: the batch then yields one corrected record for its generation,
 whose revision is the number of late events it holds (several late events of one batch make one
