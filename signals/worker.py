@@ -51,13 +51,15 @@ second read count nothing twice. `/readyz` says which dependency is down.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar, get_args
 
@@ -449,6 +451,20 @@ class _Batch:
 _NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan", "dead_lettered", "capped"})
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: a poll makes several objects an event (the client's records, the
+    decoded events, states, records), nearly all freed by reference counting, which the collector, set off every
+    few hundred allocations, would only walk (a fifth of a batch's time, measured). It runs again after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _now():  # noqa: ANN202 - a seam for reading the clock in one place
     from flywheel.contract import utcnow
 
@@ -586,6 +602,10 @@ class SignalsWorker:
 
     def run_once(self) -> int:
         """Poll once, process, commit; returns the number of records sent out."""
+        with _gc_paused():
+            return self._run_once()
+
+    def _run_once(self) -> int:
         sent = self.flush_outbox()
         records = self.consumer.poll_columns(self.config.poll_max_records, self.config.poll_timeout_s)
         assigned = self.consumer.assignment()
