@@ -204,3 +204,32 @@ def test_a_record_line_is_a_reward_record_in_the_same_json_and_lake_row(tmp_path
     write_lines(str(tmp_path / "a"), [back], "a")
     write_rewards(str(tmp_path / "b"), [RewardRecord(**fields)], "b")
     assert read_rewards(str(tmp_path / "a")).to_dicts() == read_rewards(str(tmp_path / "b")).to_dicts()
+
+
+def test_a_polled_batch_decodes_to_the_events_ingest_keeps_in_partition_order() -> None:
+    """`decode_batch` takes what the contract takes, with its properties, in (partition, offset) order, and
+    counts the rest: a tombstone, bytes that are no event, an event the contract refuses, and one whose window
+    would end past the end of time."""
+    from datetime import UTC, datetime
+
+    from flywheel.bus import RecordBatch
+    from flywheel.contract import Event
+    from signals.events import decode_batch, to_us
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    gen, accepted = generation_event("g1", t0), feedback_event("g1", "accepted", t0, accepted_chars=3, total_chars=5)
+    other = feedback_event("g2", "thumbs", t0, value="up")
+    end_of_time = generation_event("g3", datetime(9999, 12, 31, 23, 59, tzinfo=UTC))
+    refused = gen.to_bytes().replace(b'"generation"', b'"no-such-type"')
+    late_gen = end_of_time.to_bytes()
+    values = [accepted.to_bytes(), None, b"{not json", other.to_bytes(), refused, late_gen, gen.to_bytes()]
+    partitions = [1, 0, 0, 0, 1, 1, 1]
+    offsets = [7, 1, 2, 3, 8, 9, 5]
+    events, skipped = decode_batch(RecordBatch(["t"] * 7, partitions, offsets, values), window_us=3_600_000_000)  # type: ignore[arg-type]
+    assert skipped == 4
+    in_order = [(0, other.event_id), (1, gen.event_id), (1, accepted.event_id)]
+    assert [(e.partition, e.event_id) for e in events] == in_order
+    for e in events:
+        want = Event.from_bytes(values[e.index])
+        assert (e.type, e.generation_id, e.user_id, e.ts_us, e.properties) == (
+            want.type.value, want.generation_id, want.user_id, to_us(want.ts), want.properties)  # fmt: skip
