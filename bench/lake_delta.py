@@ -39,10 +39,12 @@ from ingest_pipeline import fill, stage_seconds  # noqa: E402 - a sibling script
 from flywheel.bus import ensure_topics, make_consumer  # noqa: E402
 from flywheel.lake import legacy  # noqa: E402
 from flywheel.lake.maintenance import compact  # noqa: E402
-from flywheel.lake.tables import EVENTS  # noqa: E402
+from flywheel.lake.tables import (
+    EVENTS,  # noqa: E402
+    rows_frame,  # noqa: E402
+)
 from flywheel.settings import Settings  # noqa: E402
 from ingest.dedup import PartitionLedger  # noqa: E402
-from ingest.lake_sink import rows_frame  # noqa: E402
 from ingest.worker import IngestWorker  # noqa: E402
 from launcher.embedded import free_port, start_broker  # noqa: E402
 

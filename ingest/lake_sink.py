@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 
 import polars as pl
 import pyarrow as pa
@@ -21,18 +20,6 @@ from flywheel.contract import EARLIEST_TIME, LATEST_TIME
 from flywheel.lake.tables import EVENTS
 
 log = logging.getLogger(__name__)
-
-# The rows' times arrive as microseconds since the epoch: an Int64 column cast to Datetime costs nothing.
-_ROWS_SCHEMA = pl.Schema({k: pl.Int64() if v == pl.Datetime("us", "UTC") else v for k, v in EVENTS.schema.items()})
-
-
-def rows_frame(rows: Sequence[tuple[object, ...]]) -> pl.DataFrame:
-    """Lake rows (`ingest.fast_validate.LakeRow`, in `EVENTS.schema` order) as a frame, built column-wise."""
-    if not rows:
-        return EVENTS.empty()
-    # zip(*rows) transposes in C; polars then converts each column in one go.
-    columns = dict(zip(EVENTS.schema, (list(c) for c in zip(*rows, strict=True)), strict=True))
-    return pl.DataFrame(columns, schema=_ROWS_SCHEMA).cast(EVENTS.schema)
 
 
 def write_events(location: str, df: pl.DataFrame) -> int | None:

@@ -7,7 +7,7 @@ One batch at a time (`run_once`):
    is made big enough to pay for it, and a quiet topic still commits within `linger_s`;
 2. on a new assignment, reload each partition's offset from the table and seek to it + 1 (the table,
    not the consumer group, says where reading resumes: `ingest.dedup`);
-3. validate against the contract (`ingest.fast_validate.validate_batch`);
+3. validate against the contract (`flywheel.fast_validate.validate_batch`);
 4. drop records the table already holds and duplicate event ids (`ingest.dedup.PartitionLedger`);
 5. produce every record that could not be decoded, validated or stored to the dead-letter topic, with
    its bytes, the reason and `kafka:<topic>/<partition>/<offset>`, and commit them to the dead-letter
@@ -43,6 +43,7 @@ from flywheel.bus import (
     make_consumer,
     make_producer,
 )
+from flywheel.fast_validate import validate_batch
 from flywheel.lake.tables import DEAD_LETTERS, EVENTS, CommitRefused
 from flywheel.ops import ProcessHealth, kafka_dependency, lake_dependency, run_loop
 from flywheel.ops import run_worker as run_with_ops
@@ -50,7 +51,6 @@ from flywheel.settings import Settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
 from ingest.dedup import PartitionLedger
-from ingest.fast_validate import validate_batch
 from ingest.lake_sink import storable
 
 log = logging.getLogger(__name__)

@@ -41,8 +41,30 @@ from signals.sink import read_rewards, write_rewards
 _NEVER = 2**62
 
 
-def _prop(key: str, default: str) -> pl.Expr:
-    return pl.col("properties").str.json_path_match(f"$.{key}").fill_null(default).alias(key)
+_GENERATION_FIELDS = pl.Struct(
+    {k: pl.String for k in ("model_version", "arm", "experiment", "finish_reason", "completion", "surface")}
+)
+
+
+def generation_fields(properties: pl.Series) -> pl.DataFrame:
+    """What `GenerationInfo.from_properties` reads of each generation's properties (JSON text), column-wise.
+
+    Only that is parsed (prompt and token ids are most of the JSON), in one pass for the six fields: the
+    contract holds each to a string (`flywheel.contract.GenerationRecord`). Text where one is not (rows
+    written around the contract) is read field by field, each value as its text."""
+    try:
+        fields = properties.fill_null("{}").str.json_decode(_GENERATION_FIELDS).struct.unnest()
+    except pl.exceptions.ComputeError:
+        frame = pl.DataFrame({"properties": properties})
+        fields = frame.select(
+            pl.col("properties").str.json_path_match(f"$.{k}").alias(k) for k in _GENERATION_FIELDS.to_schema()
+        )
+    return fields.select(
+        *[pl.col(k).fill_null("") for k in ("model_version", "arm", "experiment")],
+        pl.col("finish_reason").fill_null("stop"),
+        pl.col("completion").fill_null("").str.len_chars().alias("completion_chars"),
+        pl.col("surface").fill_null("").replace("", DEFAULT_SURFACE),
+    )
 
 
 def load_events(table: str, topic: str) -> pl.DataFrame | None:
@@ -80,7 +102,8 @@ def plan_windows(
     max_feedback_bytes: int | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(Generations of `surface` to emit with their window; in-window feedback with late_rank: 0 on
-    time, k: k-th late)."""
+    time, k: k-th late). Both carry `gen_idx`, a generation's row in the first: an integer key, which
+    sorts, joins and groups several times faster than the id's text."""
     window_us = int(round(window_s * 1e6))
     lateness_us = int(round(lateness_s * 1e6))
     backfill_after_us = int(round(backfill_after_s * 1e6))
@@ -93,9 +116,7 @@ def plan_windows(
             pl.min_horizontal(pl.col("received_at").dt.epoch("us"), pl.lit(to_us(now))).alias("clock"),
         )
         .with_columns(
-            ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us)
-            .cast(pl.Int8)
-            .alias("lane"),
+            ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us).cast(pl.Int8).alias("lane"),
         )
         .with_columns(
             (pl.col("clock").cum_max().over("kafka_partition") - lateness_us).alias("wm0"),
@@ -111,6 +132,7 @@ def plan_windows(
             pl.int_range(pl.len()).over("kafka_partition").alias("pos"),
         )
     )
+
     # per lane, the first row of each partition at which its watermark reaches a value
     # (a watermark never goes down along a partition: the first row of a value is where it changes)
     def changes(wm: pl.Expr) -> pl.Expr:
@@ -126,23 +148,18 @@ def plan_windows(
         ]
     ).sort("wm")
     idle_wm = to_us(now) - lateness_us - int(round(idle_grace_s * 1e6))
+    first = df.filter(pl.col("type") == "generation").unique("generation_id", keep="first", maintain_order=True)
     gens = (
-        df.filter(pl.col("type") == "generation")
-        .unique("generation_id", keep="first", maintain_order=True)
-        .select(
+        first.select(
             "generation_id",
             "user_id",
             "ts_us",
             "kafka_partition",
             pl.col("pos").alias("gen_pos"),
-            # only what GenerationInfo reads, parsed in bulk (prompt and token ids are most of the JSON)
-            *[_prop(k, "") for k in ("model_version", "arm", "experiment")],
-            _prop("finish_reason", "stop"),
-            _prop("completion", "").str.len_chars().alias("completion_chars"),
             (pl.col("ts_us") + window_us).alias("window_end"),
             "lane",
-            _prop("surface", "").replace("", DEFAULT_SURFACE).alias("surface"),
         )
+        .hstack(generation_fields(first["properties"]))
         .filter(pl.col("surface") == surface)
         .sort("window_end")
         .join_asof(
@@ -161,6 +178,7 @@ def plan_windows(
         )
         .filter(pl.col("close_pos").is_not_null())
         .drop("wm", "first_pos", "lane")
+        .with_row_index("gen_idx")
     )
     feedback = df.filter(pl.col("type") != "generation")
     if max_feedback_bytes is not None:
@@ -174,21 +192,18 @@ def plan_windows(
                 feedback.filter(~within),
                 feedback.filter(within).filter(pl.int_range(pl.len()).over("generation_id") < max_feedback),
             ])  # fmt: skip
-    feedback = (
-        feedback.join(
-            gens.select("generation_id", "kafka_partition", "window_end", "close_pos"),
-            on=["generation_id", "kafka_partition"],
-            how="inner",
-        )
-        .filter(pl.col("ts_us") <= pl.col("window_end"))
-    )
-    columns = ("generation_id", "event_id", "type", "ts_us", "properties", "late_rank")
+    feedback = feedback.join(
+        gens.select("generation_id", "kafka_partition", "window_end", "close_pos", "gen_idx"),
+        on=["generation_id", "kafka_partition"],
+        how="inner",
+    ).filter(pl.col("ts_us") <= pl.col("window_end"))
+    columns = ("gen_idx", "event_id", "type", "ts_us", "properties", "late_rank")
     late = pl.col("pos") >= pl.col("close_pos")
     # only the (few) late events need numbering, in arrival order; the rest are rank 0 in any order
     feedback = pl.concat([
         feedback.filter(~late).with_columns(pl.lit(0, pl.Int64).alias("late_rank")).select(columns),
         feedback.filter(late).sort("kafka_partition", "pos")
-        .with_columns((pl.int_range(pl.len()).over("generation_id") + 1).cast(pl.Int64).alias("late_rank"))
+        .with_columns((pl.int_range(pl.len()).over("gen_idx") + 1).cast(pl.Int64).alias("late_rank"))
         .select(columns),
     ])  # fmt: skip
     return gens, feedback
@@ -223,7 +238,10 @@ def recompute_scores(
         max_feedback=config.max_feedback_per_generation,
         max_feedback_bytes=config.max_feedback_bytes,
     )
-    gens = gens.with_columns(pl.col("completion_chars").cast(pl.Int64))
+    # scored by `gen_idx` under the key's name (an integer key: `plan_windows`), the id put back after
+    gens = gens.with_columns(pl.col("completion_chars").cast(pl.Int64)).rename({"generation_id": "id_"})
+    gens = gens.with_columns(pl.col("gen_idx").alias("generation_id"))
+    feedback = feedback.rename({"gen_idx": "generation_id"})
     if final_only:  # one record holding every in-window event, as if none had been late
         records = gens.with_columns(pl.lit(0, pl.Int64).alias("revision"), pl.lit(0, pl.Int64).alias("late_events"))
         rows = feedback.with_columns(pl.lit(0, pl.Int64).alias("revision"))
@@ -246,7 +264,8 @@ def recompute_scores(
             feedback.join(revised.select("generation_id", "revision"), on="generation_id")
             .filter(pl.col("late_rank") <= pl.col("revision")),
         ])  # fmt: skip
-    return score_frame(definition, records, rows.drop("late_rank"))
+    scored = score_frame(definition, records, rows.drop("late_rank"))
+    return scored.drop("generation_id", "gen_idx").rename({"id_": "generation_id"})
 
 
 def recompute_records(

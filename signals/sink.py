@@ -3,12 +3,20 @@
 `write_rewards` writes records in one commit named by the batch, so a batch written twice (a crash
 between the lake write and the outbox pop) is committed once (`flywheel.lake.tables.Table.write`);
 `read_rewards` reads them back.
+
+The streaming worker moves its records as `RecordLine`s, the JSON `RewardRecord.model_dump_json` writes
+(tests/test_signals_stream.py holds the two to the same text and fields), encoded and decoded by msgspec: a
+pydantic model per record, built, written, read back and dumped again, cost more than scoring the window.
+`produce_lines` and `write_lines` are `produce_rewards` and `write_rewards` for them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import datetime
 
+import msgspec
 import polars as pl
 
 from flywheel.bus import Outgoing, Producer
@@ -41,3 +49,51 @@ def read_rewards(table: str, *, latest_only: bool = False) -> pl.DataFrame:
     """The rewards table at `table`; `latest_only` keeps the current revision per generation and version."""
     df = REWARDS.read(table)
     return REWARDS.latest(df) if latest_only else df
+
+
+class RecordLine(msgspec.Struct, kw_only=True, gc=False):
+    """A `RewardRecord` as the stream carries it: the same fields, in its order, the same JSON."""
+
+    generation_id: str
+    reward_version: str
+    revision: int
+    reward: float
+    confidence: float
+    label_source: str
+    signals: dict[str, float]
+    user_id: str
+    model_version: str
+    arm: str
+    experiment: str
+    window_start: datetime
+    window_end: datetime
+    late_events: int
+    emitted_at: datetime
+
+    def record_id(self) -> str:
+        return f"{self.reward_version}:{self.generation_id}:{self.revision}"
+
+
+encode_line = msgspec.json.Encoder().encode
+decode_lines = msgspec.json.Decoder(list[RecordLine]).decode
+
+
+def produce_lines(producer: Producer, settings: Settings, raw: Sequence[bytes], lines: Sequence[RecordLine]) -> None:
+    """`produce_rewards` for records already encoded (`raw[i]` is `lines[i]`'s JSON)."""
+    producer.send_all(
+        [
+            Outgoing(
+                settings.rewards_topic, value, line.generation_id.encode(), (("record_id", line.record_id().encode()),)
+            )
+            for value, line in zip(raw, lines, strict=True)
+        ]
+    )
+
+
+def write_lines(table: str, lines: Sequence[RecordLine], name: str) -> int | None:
+    """`write_rewards` for `RecordLine`s: the frame built column-wise, `signals` as `rewards_frame` writes it."""
+    if not lines:
+        return None
+    columns = {name: [getattr(line, name) for line in lines] for name in REWARDS.schema if name != "signals"}
+    columns["signals"] = [json.dumps(line.signals, sort_keys=True) for line in lines]
+    return REWARDS.write(table, pl.DataFrame(columns, schema=REWARDS.schema), name)

@@ -18,7 +18,9 @@ default on arrival and a revision per later event. When the whole stream has bee
 close in a quiet system; the live watermark moves there, the historical one stays at the replay's event
 time, so history replayed into a worker that has been idle still gives one final record per generation.
 
-Per event, in partition order: skip it if its id was seen; advance the watermarks; close every
+Each poll is decoded as one batch, column-wise, by the contract's batch validator (`signals.events.decode_batch`):
+an event is taken exactly when ingest writes it to the lake, with the lake's properties. Then per event, in
+partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
 window already closed is late: the batch then yields one corrected record for its generation,
 whose revision is the number of late events it holds (several late events of one batch make one
@@ -49,16 +51,17 @@ second read count nothing twice. `/readyz` says which dependency is down.
 
 from __future__ import annotations
 
+import gc
 import heapq
-import json
 import logging
 import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 import polars as pl
 
@@ -66,13 +69,13 @@ from flywheel.bus import (
     BrokerUnavailable,
     Consumer,
     Producer,
-    Record,
+    RecordBatch,
     make_consumer,
     make_producer,
-    next_offsets,
 )
+from flywheel.compact_json import compact_json_encoder
 from flywheel.connections import redis_client
-from flywheel.contract import Event, EventType, RewardRecord
+from flywheel.contract import EventType, LabelSource
 from flywheel.dead_letters import DeadLetter, dead_letter
 from flywheel.lake.tables import REWARDS
 from flywheel.ops import (
@@ -90,9 +93,9 @@ from signals import metrics
 from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame, signal_names, signals_of
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore, UnknownRewardVersion
-from signals.events import FeedbackEvent, GenerationInfo, decode_event, from_us, properties_bytes, to_us
+from signals.events import FeedbackEvent, GenerationInfo, StreamEvent, decode_batch, from_us, properties_bytes, to_us
 from signals.reward import RewardDefinition, builtin_definition
-from signals.sink import produce_rewards, write_rewards
+from signals.sink import RecordLine, decode_lines, encode_line, produce_lines, write_lines
 from signals.state import NOT_EMITTED, CommitPlan, GenState, Keys, StateStore
 
 log = logging.getLogger(__name__)
@@ -137,14 +140,14 @@ _OUTCOME_ATTR = {
 }
 
 
-def event_clock_us(e: Event, now_us: int) -> int:
+def event_clock_us(e: StreamEvent, now_us: int) -> int:
     """The clock an event moves its partition's live watermark to: its arrival, bounded by `now_us`."""
-    return min(to_us(e.received_at), now_us)
+    return min(e.received_us, now_us)
 
 
-def event_lane(e: Event, backfill_after_us: int) -> int:
+def event_lane(e: StreamEvent, backfill_after_us: int) -> int:
     """1 (historical) for an event received more than `backfill_after_us` after its time, else 0 (live)."""
-    return 1 if to_us(e.received_at) - to_us(e.ts) > backfill_after_us else 0
+    return 1 if e.received_us - e.ts_us > backfill_after_us else 0
 
 
 @dataclass(frozen=True)
@@ -160,13 +163,13 @@ class _Closed:
     late: int
 
 
-def score_closed(closed: list[_Closed]) -> list[tuple[int, RewardRecord]]:
+def score_closed(closed: list[_Closed]) -> list[tuple[int, RecordLine]]:
     """(partition, record) of every closed window of a micro-batch, in order, each version's windows scored
     together by its column expressions (`signals.columns`, the batch recompute's own)."""
     if not closed:
         return []
     emitted_at = _now()
-    out: dict[int, tuple[int, RewardRecord]] = {}
+    out: dict[int, tuple[int, RecordLine]] = {}
     by_version: dict[str, list[int]] = defaultdict(list)
     for i, c in enumerate(closed):
         by_version[c.definition.version].append(i)
@@ -194,9 +197,11 @@ def score_closed(closed: list[_Closed]) -> list[tuple[int, RewardRecord]]:
             schema=FEEDBACK_SCHEMA,
         )
         names = signal_names(definition)
-        for row in score_frame(definition, gens, feedback).iter_rows(named=True):
+        scored = score_frame(definition, gens, feedback)
+        _check_scored(scored)
+        for row in scored.iter_rows(named=True):
             c = closed[row["revision"]]
-            out[row["revision"]] = (c.partition, RewardRecord(
+            out[row["revision"]] = (c.partition, RecordLine(
                 generation_id=c.gen.generation_id, reward_version=definition.version, revision=c.revision,
                 reward=row["reward"], confidence=row["confidence"], label_source=row["label_source"],
                 signals=signals_of(row, names), user_id=c.gen.user_id, model_version=c.gen.model_version,
@@ -206,9 +211,22 @@ def score_closed(closed: list[_Closed]) -> list[tuple[int, RewardRecord]]:
     return [out[i] for i in range(len(closed))]
 
 
+def _check_scored(scored: pl.DataFrame) -> None:
+    """What `RewardRecord` would refuse (its records are `RecordLine`s, unchecked): a confidence outside [0, 1],
+    a label source it does not know. A definition's expressions never make them; if one did, it is a bug."""
+    bad = scored.filter(
+        ~pl.col("confidence").is_between(0.0, 1.0) | ~pl.col("label_source").is_in(list(get_args(LabelSource)))
+    )
+    if bad.height:
+        raise ValueError(f"scored records that are no RewardRecord: {bad.head(3).to_dicts()}")
+
+
+_encode_properties = compact_json_encoder()
+
+
 def _properties_json(e: FeedbackEvent) -> str:
-    """Properties as the lake holds them (`json.dumps`), so both drivers parse the same text."""
-    return json.dumps(dict(e.properties), separators=(",", ":")) if e.properties else "{}"
+    """Properties as the lake holds them (`flywheel.compact_json`), so both drivers parse the same text."""
+    return _encode_properties(e.properties) if e.properties else "{}"
 
 
 class _Batch:
@@ -220,14 +238,16 @@ class _Batch:
         wms: dict[tuple[int, int], int],
         due: dict[tuple[int, int], list[tuple[int, int, str]]],
         states: dict[str, GenState],
+        records: RecordBatch | None = None,
     ) -> None:
         self.w = worker
+        self.records = records  # the polled batch its events came from (None: an idle tick)
         self.wms = wms
         self.states = states
         self.heaps: dict[tuple[int, int], list[tuple[int, int, str]]] = {k: sorted(v) for k, v in due.items()}
         self.dirty: set[str] = set()
         self.plan = CommitPlan()
-        self.emitted: dict[int, list[RewardRecord]] = defaultdict(list)
+        self.emitted: dict[int, list[RecordLine]] = defaultdict(list)
         self.now_us = to_us(_now())
         self.outcomes: Counter[str] = Counter()
         self.dead: list[DeadLetter] = []
@@ -241,8 +261,9 @@ class _Batch:
         self.count(outcome)
 
     def count(self, outcome: str, n: int = 1) -> None:
+        # added to the worker's stats and metrics once per batch (`finish`): a counter per event cost more
+        # than the event's own logic
         if n:
-            self.w.stats.count(outcome, n)
             self.outcomes[outcome] += n
 
     def advance(self, p: int, lane: int, wm: int, *, hold: bool = False) -> None:
@@ -263,14 +284,16 @@ class _Batch:
                     st.orphaned = True
                     self.dirty.add(gid)
                     self.count("orphan", len(st.events))
-                    log.warning("orphan feedback: no generation event", extra={
-                        "generation_id": gid, "events": len(st.events)})
+                    log.warning(
+                        "orphan feedback: no generation event", extra={"generation_id": gid, "events": len(st.events)}
+                    )
             elif st is None:  # state expired: nothing left to score
                 self.plan.zrem.append((self.w.keys.open(p, lane), gid))
             elif st.revision == NOT_EMITTED and st.window_end_us == end:
                 self.emit(gid, st, 0)
 
-    def add(self, p: int, e: Event, origin: Record | None = None) -> None:
+    def add(self, e: StreamEvent) -> None:
+        p = e.partition
         st = self.states.get(e.generation_id)
         if st is None:
             st = self.states[e.generation_id] = GenState(partition=p)
@@ -280,8 +303,8 @@ class _Batch:
         lane = event_lane(e, self.w.backfill_after_us)
         self.advance(p, 0, event_clock_us(e, self.now_us) - self.w.lateness_us)
         if lane:
-            self.advance(p, 1, to_us(e.ts) - self.w.lateness_us)
-        if e.type != EventType.GENERATION and not self._within_bounds(e, st, origin):
+            self.advance(p, 1, e.ts_us - self.w.lateness_us)
+        if e.type != EventType.GENERATION and not self._within_bounds(e, st):
             return
         st.seen.add(e.event_id)
         self.dirty.add(e.generation_id)
@@ -290,16 +313,17 @@ class _Batch:
                 self.count("duplicate")
                 return
             try:
-                definition = self.w.definition_for(GenerationInfo.from_event(e).surface)
+                gen = GenerationInfo.from_properties(e.generation_id, e.ts_us, e.user_id, e.properties)
+                definition = self.w.definition_for(gen.surface)
             except UnknownRewardVersion as exc:  # the pointer names a version no store holds: not this event's fault,
                 # but it cannot be scored; the stream goes on, and a replay of the letter scores it once fixed
                 st.seen.discard(e.event_id)
-                self.refuse(f"cannot score generation: {exc}", _source(origin), _original(e, origin))
+                self.refuse(f"cannot score generation: {exc}", *self._origin(e))
                 return
             self.count("generation")
-            self._open(p, lane, e.generation_id, st, GenerationInfo.from_event(e), definition)
+            self._open(p, lane, e.generation_id, st, gen, definition)
             return
-        fe = FeedbackEvent.from_event(e)
+        fe = FeedbackEvent(e.event_id, e.type, e.ts_us, e.properties)
         if st.gen is None:  # its generation may still come: hold it, and watch for an orphan
             st.events.append(fe)
             if st.orphaned:
@@ -322,21 +346,36 @@ class _Batch:
         else:
             self.count("on_time")
 
-    def _within_bounds(self, e: Event, st: GenState, origin: Record | None) -> bool:
+    def _origin(self, e: StreamEvent) -> tuple[str, bytes]:
+        """The dead letter's source (topic/partition/offset) and original bytes of `e`'s record."""
+        assert self.records is not None, "only a polled batch adds events"
+        r, i = self.records, e.index
+        return f"kafka:{r.topics[i]}/{r.partitions[i]}/{r.offsets[i]}", r.values[i]
+
+    def _within_bounds(self, e: StreamEvent, st: GenState) -> bool:
         """Whether feedback event `e` may join its generation's state: at most `max_feedback_per_generation`
         distinct ones (in arrival order, whatever becomes of them), each at most `max_feedback_bytes` of
         properties. Beyond either it is dead-lettered and counted `capped`."""
         cfg = self.w.config
         if st.feedback >= cfg.max_feedback_per_generation:
-            reason = (f"generation {e.generation_id} already has {cfg.max_feedback_per_generation} feedback events "
-                      "(FLYWHEEL_SIGNALS_MAX_FEEDBACK_PER_GENERATION)")
-        elif (size := properties_bytes(e.properties)) > cfg.max_feedback_bytes:
-            reason = (f"feedback properties are {size} bytes; a generation's state keeps at most "
-                      f"{cfg.max_feedback_bytes} (FLYWHEEL_SIGNALS_MAX_FEEDBACK_BYTES)")
+            reason = (
+                f"generation {e.generation_id} already has {cfg.max_feedback_per_generation} feedback events "
+                "(FLYWHEEL_SIGNALS_MAX_FEEDBACK_PER_GENERATION)"
+            )
+        elif (
+            # `properties_bytes` is at most 4 bytes a character of the lake's text (an exponent's sign, one of its
+            # few differences, is ASCII): counted exactly only where the limit could be reached.
+            e.properties_chars * 4 + 64 > cfg.max_feedback_bytes
+            and (size := properties_bytes(e.properties)) > cfg.max_feedback_bytes
+        ):
+            reason = (
+                f"feedback properties are {size} bytes; a generation's state keeps at most "
+                f"{cfg.max_feedback_bytes} (FLYWHEEL_SIGNALS_MAX_FEEDBACK_BYTES)"
+            )
         else:
             st.feedback += 1
             return True
-        self.refuse(reason, _source(origin), _original(e, origin), outcome="capped")
+        self.refuse(reason, *self._origin(e), outcome="capped")
         return False
 
     def _open(
@@ -386,6 +425,8 @@ class _Batch:
         for gid in sorted(self.revise):
             st = self.states[gid]
             self.emit(gid, st, st.late)
+        for outcome, n in self.outcomes.items():
+            self.w.stats.count(outcome, n)
         for partition, record in score_closed(self.closed):
             self.emitted[partition].append(record)
         ttl = int(self.w.config.state_ttl_s)
@@ -396,7 +437,7 @@ class _Batch:
         for p, records in self.emitted.items():
             entry_id = f"{p}-{uuid.uuid4().hex}"
             pairs = [
-                (self.w.keys.marker(r.reward_version, r.generation_id, r.revision), r.model_dump_json())
+                (self.w.keys.marker(r.reward_version, r.generation_id, r.revision), encode_line(r).decode())
                 for r in records
             ]
             self.plan.outbox.append((self.w.keys.outbox(p), entry_id, ttl, pairs))
@@ -410,12 +451,18 @@ class _Batch:
 _NOTED = frozenset({"duplicate", "out_of_window", "late", "orphan", "dead_lettered", "capped"})
 
 
-def _source(origin: Record | None) -> str:
-    return f"kafka:{origin.topic}/{origin.partition}/{origin.offset}" if origin else "signals"
-
-
-def _original(e: Event, origin: Record | None) -> bytes:
-    return origin.value if origin is not None and origin.value is not None else e.to_bytes()
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: a poll makes several objects an event (the client's records, the
+    decoded events, states, records), nearly all freed by reference counting, which the collector, set off every
+    few hundred allocations, would only walk (a fifth of a batch's time, measured). It runs again after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _now():  # noqa: ANN202 - a seam for reading the clock in one place
@@ -498,8 +545,11 @@ class SignalsWorker:
                 except UnknownRewardVersion:  # left out: `definition_for` raises, and its generations are dead-lettered
                     if s not in self._warned:
                         self._warned.add(s)
-                        log.error("the active reward version of a surface cannot be found; its generations are "
-                                  "dead-lettered until it is activated again", extra={"surface": s})
+                        log.error(
+                            "the active reward version of a surface cannot be found; its generations are "
+                            "dead-lettered until it is activated again",
+                            extra={"surface": s},
+                        )
             self._active = (time.monotonic(), found)
             for surface, d in found.items():
                 window = d.window(self.settings.window_for(d.surface))
@@ -508,8 +558,12 @@ class SignalsWorker:
                     log.warning(
                         "the feedback window is shorter than the latest checkpoint its definition reads: "
                         "later checks are counted out-of-window",
-                        extra={"surface": surface, "version": d.version, "window_s": window,
-                               "latest_checkpoint_s": d.latest_checkpoint_s},
+                        extra={
+                            "surface": surface,
+                            "version": d.version,
+                            "window_s": window,
+                            "latest_checkpoint_s": d.latest_checkpoint_s,
+                        },
                     )
         return self._active[1]
 
@@ -527,8 +581,10 @@ class SignalsWorker:
 
     def max_window_us(self) -> int:
         """The longest window of any active definition: feedback whose generation has not come by then is orphan."""
-        return max((self.window_us(d) for d in self.active_definitions().values()),
-                   default=self.window_us(builtin_definition(DEFAULT_SURFACE)))
+        return max(
+            (self.window_us(d) for d in self.active_definitions().values()),
+            default=self.window_us(builtin_definition(DEFAULT_SURFACE)),
+        )
 
     # ------------------------------------------------------------------ loop
 
@@ -538,27 +594,33 @@ class SignalsWorker:
         waited out like any other)."""
         lowered = self.store.lower_watermarks(self.keys, to_us(_now()) - self.lateness_us)
         if lowered:
-            log.warning("watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
-                        extra={"lanes": lowered})
+            log.warning(
+                "watermarks beyond the wall clock lowered to it (an event's own time had moved them)",
+                extra={"lanes": lowered},
+            )
         self._repaired = True
 
     def run_once(self) -> int:
         """Poll once, process, commit; returns the number of records sent out."""
+        with _gc_paused():
+            return self._run_once()
+
+    def _run_once(self) -> int:
         sent = self.flush_outbox()
-        records = self.consumer.poll_batch(self.config.poll_max_records, self.config.poll_timeout_s)
+        records = self.consumer.poll_columns(self.config.poll_max_records, self.config.poll_timeout_s)
         assigned = self.consumer.assignment()
         if assigned != self._assigned:
             # a fresh assignment has not fetched anything yet: an empty poll now does not mean a quiet stream
             self._assigned = assigned
             self._last_data = time.monotonic()
-        if not records:
+        if not len(records):
             if time.monotonic() - self._last_data >= self.config.idle_after_s:
                 self._tick_idle()
             return sent + self.flush_outbox()
         self._last_data = time.monotonic()
         try:
             self._process(records)
-            self.consumer.commit(next_offsets(records))
+            self.consumer.commit(records.next_offsets())
         except BaseException:
             # Not committed: read the batch again on the next poll instead of going past it (a Redis
             # outage mid-batch must not skip events; their ids make the second read count nothing twice).
@@ -566,21 +628,17 @@ class SignalsWorker:
             raise
         return sent + self.flush_outbox()
 
-    def _rewind(self, records: list[Record]) -> None:
-        first: dict[tuple[str, int], int] = {}
-        for r in records:
-            key = (r.topic, r.partition)
-            first[key] = min(first.get(key, r.offset), r.offset)
+    def _rewind(self, records: RecordBatch) -> None:
         try:
-            for (topic, partition), offset in first.items():
+            for (topic, partition), offset in records.first_offsets().items():
                 self.consumer.seek(topic, partition, offset)
         except Exception:  # noqa: BLE001 - a partition revoked meanwhile: its new owner replays from the commit
             log.warning("could not rewind after a failed batch", exc_info=True)
 
     def run(self, stop_event: threading.Event) -> None:
         """Poll and emit until `stop_event` is set, waiting out Kafka, Redis and MLflow outages."""
-        log.info("signals worker starting",
-                 extra={"topic": self.settings.events_topic, "group": self.group_id})
+        log.info("signals worker starting", extra={"topic": self.settings.events_topic, "group": self.group_id})
+
         def step() -> None:
             self.run_once()
             self._maybe_refit()
@@ -602,29 +660,24 @@ class SignalsWorker:
 
     # ------------------------------------------------------------------ steps
 
-    def _process(self, records: list[Record]) -> None:
+    def _process(self, records: RecordBatch) -> None:
         if not self._repaired:
             self._repair_watermarks()
-        by_partition: dict[int, list[tuple[Event, Record]]] = defaultdict(list)
-        longest = self.max_window_us()
-        for r in sorted(records, key=lambda r: (r.partition, r.offset)):
-            event = decode_event(r.value, longest)
-            if event is None:  # ingest dead-letters it; here it simply carries no signal
-                self.stats.count("invalid")
-                continue
-            by_partition[r.partition].append((event, r))
-        self.stats.events += sum(len(v) for v in by_partition.values())
+        events, invalid = decode_batch(records, self.max_window_us())
+        self.stats.count("invalid", invalid)  # ingest dead-letters them; here they simply carry no signal
+        self.stats.events += len(events)
+        by_partition: dict[int, list[StreamEvent]] = defaultdict(list)
+        for e in events:
+            by_partition[e.partition].append(e)
         bounds: dict[tuple[int, int], int] = {}
         now_us = to_us(_now())
         for p, evs in by_partition.items():
-            bounds[(p, 0)] = max(event_clock_us(e, now_us) for e, _ in evs) - self.lateness_us
-            historical = [to_us(e.ts) for e, _ in evs if event_lane(e, self.backfill_after_us)]
+            bounds[(p, 0)] = max(event_clock_us(e, now_us) for e in evs) - self.lateness_us
+            historical = [e.ts_us for e in evs if event_lane(e, self.backfill_after_us)]
             bounds[(p, 1)] = (max(historical) - self.lateness_us) if historical else -(2**62)
-        gids = {e.generation_id for evs in by_partition.values() for e, _ in evs}
-        batch = _Batch(self, *self.store.load(self.keys, bounds, gids))
-        for p, evs in by_partition.items():
-            for e, r in evs:
-                batch.add(p, e, r)
+        batch = _Batch(self, *self.store.load(self.keys, bounds, {e.generation_id for e in events}), records)
+        for e in events:  # (partition, offset) order
+            batch.add(e)
         self._commit(batch)
 
     def _tick_idle(self) -> None:
@@ -650,9 +703,7 @@ class SignalsWorker:
         queued = self.store.commit(plan)
         n = sum(len(v) for v in batch.emitted.values())
         if queued != n:
-            log.warning(
-                "%d of %d records were already emitted (markers set); not sending them again", n - queued, n
-            )
+            log.warning("%d of %d records were already emitted (markers set); not sending them again", n - queued, n)
 
     def flush_outbox(self) -> int:
         """Send committed records to Kafka and the lake; pop each entry only after both succeeded."""
@@ -661,10 +712,10 @@ class SignalsWorker:
             if topic != self.settings.events_topic:
                 continue
             for raw in self.store.outbox_entries(self.keys, p):
-                entry_id, *lines = raw.decode().split("\n")
-                recs = [RewardRecord.model_validate_json(line) for line in lines]
-                produce_rewards(self.producer, self.settings, recs)
-                write_rewards(REWARDS.at(self.settings.lake_root), recs, f"signals-{entry_id}")
+                entry_id, *lines = raw.split(b"\n")
+                recs = decode_lines(b"[" + b",".join(lines) + b"]")
+                produce_lines(self.producer, self.settings, lines, recs)
+                write_lines(REWARDS.at(self.settings.lake_root), recs, f"signals-{entry_id.decode()}")
                 self.store.pop_outbox(self.keys, p)
                 first = sum(1 for r in recs if r.revision == 0)
                 self.stats.records += first

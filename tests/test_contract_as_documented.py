@@ -16,10 +16,10 @@ from flywheel.bus import Outgoing, RecordBatch, ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, EventType, InvalidEvent
 from flywheel.event_properties import FEEDBACK_PROPERTIES, MAX_TEXT_CHARS
+from flywheel.fast_validate import validate_batch
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
-from ingest.fast_validate import validate_batch
 from ingest.worker import IngestWorker
 from signals.events import FeedbackEvent, GenerationInfo
 from signals.reward import builtin_definition

@@ -19,11 +19,11 @@ from flywheel.bus import Outgoing, RecordBatch, ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, InvalidEvent
 from flywheel.event_properties import FEEDBACK_PROPERTIES, property_problems
+from flywheel.fast_validate import validate_batch
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.fast_validate import validate_batch
 from ingest.worker import IngestWorker
 
 AUTH = {"Authorization": "Basic " + base64.b64encode(b"dev-write-key:").decode()}

@@ -12,8 +12,8 @@ import pytest
 
 from flywheel.bus import Record, RecordBatch
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
-from ingest.fast_validate import event_row, validate_batch
-from ingest.lake_sink import rows_frame
+from flywheel.fast_validate import event_row, validate_batch
+from flywheel.lake.tables import rows_frame
 
 BASE = {
     "event_id": "e1",
@@ -131,7 +131,7 @@ def test_ordinary_events_take_the_plain_path(monkeypatch: pytest.MonkeyPatch) ->
     "properties", [{}, {"a": "é\n\u2028\U0001f600", "b": [1, 2.5, None, True, 10**30, 1e300, -0.0], "c": {"d": 1.5e-7}}]
 )
 def test_properties_column_is_compact_json_of_the_same_values(properties: dict[str, object]) -> None:
-    from ingest.fast_validate import properties_json
+    from flywheel.fast_validate import properties_json
 
     text = properties_json(properties)
     assert json.loads(text) == properties and repr(json.loads(text)) == repr(properties)

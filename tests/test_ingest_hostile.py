@@ -17,13 +17,13 @@ from fastapi.testclient import TestClient
 from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, utcnow
-from flywheel.lake.tables import EVENTS
+from flywheel.lake.tables import EVENTS, rows_frame
 from flywheel.settings import Settings
 from ingest import collector as collector_module
 from ingest import lake_sink
 from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.lake_sink import rows_frame, storable
+from ingest.lake_sink import storable
 from ingest.worker import IngestWorker
 from signals.config import SignalsConfig
 from signals.worker import SignalsWorker

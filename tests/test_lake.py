@@ -17,9 +17,8 @@ from typer.testing import CliRunner
 from flywheel.contract import RewardRecord
 from flywheel.lake import ForkedLakeError, legacy
 from flywheel.lake.maintenance import MigrationError, compact, migrate, vacuum
-from flywheel.lake.tables import EVENTS, REWARDS, CommitRefused, rewards_frame
+from flywheel.lake.tables import EVENTS, REWARDS, CommitRefused, rewards_frame, rows_frame
 from ingest.dedup import PartitionLedger, app_id
-from ingest.lake_sink import rows_frame
 from launcher.cli import app as flywheel_cli
 from launcher.embedded import settings_env
 

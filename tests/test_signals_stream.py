@@ -77,6 +77,10 @@ def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settin
     assert s_ <= b, sorted(dict(x) for x in s_ - b)[:3]
     assert final_records(batch) == final_records(streamed)
     assert {r.label_source for r in batch} == {"explicit", "implicit", "default"}
+    # coalesced or not, a generation's final revision is the number of its late events on both paths
+    n = len(hist.generation_ids)
+    assert parity(settings, "rules-v1") == {"generations": n, "agree": n, "revision_differs": 0, "reward_differs": 0,
+                                            "only_stream": 0, "only_recompute": 0}  # fmt: skip
 
 
 def test_worker_restarted_mid_window_loses_nothing_and_duplicates_nothing(settings: Settings) -> None:
@@ -178,3 +182,54 @@ def test_history_replayed_into_an_idle_worker_gives_one_final_record_per_generat
     # a revision the recompute does not make is a disagreement, even with the same reward
     write_rewards(REWARDS.at(settings.lake_root), [streamed[0].model_copy(update={"revision": 1})], "extra")
     assert parity(settings, "rules-v1")["revision_differs"] == 1
+
+
+def test_a_record_line_is_a_reward_record_in_the_same_json_and_lake_row(tmp_path) -> None:  # noqa: ANN001
+    """The stream moves records as `RecordLine`s (msgspec): the text is `RewardRecord.model_dump_json`'s and the
+    lake row `write_rewards`'s, so a consumer or reader cannot tell them apart."""
+    from signals.events import from_us
+    from signals.sink import RecordLine, decode_lines, encode_line, write_lines
+
+    assert list(RecordLine.__struct_fields__) == list(RewardRecord.model_fields)
+    fields = dict(
+        generation_id="g-é", reward_version="v1", revision=2, reward=-0.25, confidence=1.0, label_source="implicit",
+        signals={"shown": 1.0, "dwell_s": 1e-07, "accepted_chars": 12.0}, user_id="u", model_version="3",
+        arm="champion", experiment="e", window_start=from_us(1_700_000_000_123_456),
+        window_end=from_us(1_700_000_600_000_000), late_events=2, emitted_at=from_us(1_700_000_601_000_001),
+    )  # fmt: skip
+    line = RecordLine(**fields)
+    assert encode_line(line) == RewardRecord(**fields).to_bytes()
+    (back,) = decode_lines(b"[" + encode_line(line) + b"]")
+    assert RewardRecord.model_validate_json(encode_line(back)) == RewardRecord(**fields)
+    write_lines(str(tmp_path / "a"), [back], "a")
+    write_rewards(str(tmp_path / "b"), [RewardRecord(**fields)], "b")
+    assert read_rewards(str(tmp_path / "a")).to_dicts() == read_rewards(str(tmp_path / "b")).to_dicts()
+
+
+def test_a_polled_batch_decodes_to_the_events_ingest_keeps_in_partition_order() -> None:
+    """`decode_batch` takes what the contract takes, with its properties, in (partition, offset) order, and
+    counts the rest: a tombstone, bytes that are no event, an event the contract refuses, and one whose window
+    would end past the end of time."""
+    from datetime import UTC, datetime
+
+    from flywheel.bus import RecordBatch
+    from flywheel.contract import Event
+    from signals.events import decode_batch, to_us
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    gen, accepted = generation_event("g1", t0), feedback_event("g1", "accepted", t0, accepted_chars=3, total_chars=5)
+    other = feedback_event("g2", "thumbs", t0, value="up")
+    end_of_time = generation_event("g3", datetime(9999, 12, 31, 23, 59, tzinfo=UTC))
+    refused = gen.to_bytes().replace(b'"generation"', b'"no-such-type"')
+    late_gen = end_of_time.to_bytes()
+    values = [accepted.to_bytes(), None, b"{not json", other.to_bytes(), refused, late_gen, gen.to_bytes()]
+    partitions = [1, 0, 0, 0, 1, 1, 1]
+    offsets = [7, 1, 2, 3, 8, 9, 5]
+    events, skipped = decode_batch(RecordBatch(["t"] * 7, partitions, offsets, values), window_us=3_600_000_000)  # type: ignore[arg-type]
+    assert skipped == 4
+    in_order = [(0, other.event_id), (1, gen.event_id), (1, accepted.event_id)]
+    assert [(e.partition, e.event_id) for e in events] == in_order
+    for e in events:
+        want = Event.from_bytes(values[e.index])
+        assert (e.type, e.generation_id, e.user_id, e.ts_us, e.properties) == (
+            want.type.value, want.generation_id, want.user_id, to_us(want.ts), want.properties)  # fmt: skip

@@ -351,6 +351,19 @@ def events_frame(located: Iterable[tuple[Event, str, int, int]]) -> pl.DataFrame
     return pl.DataFrame(rows, schema=EVENTS.schema, orient="row")
 
 
+# The rows' times arrive as microseconds since the epoch: an Int64 column cast to Datetime costs nothing.
+_ROWS_SCHEMA = pl.Schema({k: pl.Int64() if v == pl.Datetime("us", "UTC") else v for k, v in EVENTS.schema.items()})
+
+
+def rows_frame(rows: Sequence[tuple[object, ...]]) -> pl.DataFrame:
+    """Lake rows (`flywheel.fast_validate.LakeRow`, in `EVENTS.schema` order) as a frame, built column-wise."""
+    if not rows:
+        return EVENTS.empty()
+    # zip(*rows) transposes in C; polars then converts each column in one go.
+    columns = dict(zip(EVENTS.schema, (list(c) for c in zip(*rows, strict=True)), strict=True))
+    return pl.DataFrame(columns, schema=_ROWS_SCHEMA).cast(EVENTS.schema)
+
+
 def rewards_frame(records: Sequence[RewardRecord]) -> pl.DataFrame:
     """Rows of the rewards table, one per record (`signals` as JSON with sorted keys)."""
     rows = [{**r.model_dump(), "signals": json.dumps(r.signals, sort_keys=True)} for r in records]

@@ -1,6 +1,7 @@
 """Validate a batch of event envelopes from Kafka fast, with pydantic as the judge of anything unusual.
 
-The worker turns each valid record into one lake row (`flywheel.lake.tables.EVENTS`). Full
+The ingest worker turns each valid record into one lake row (`flywheel.lake.tables.EVENTS`); the signals
+worker decodes its polls with it too, so both take exactly the same events, with the same properties. Full
 pydantic validation (`Event.from_bytes`) costs ~60 us an event; most events are
 ordinary, so `validate_batch` first decodes each one with a msgspec struct that accepts
 only the plain, unambiguous form of the envelope (every field present and of its exact
@@ -28,6 +29,7 @@ import polars as pl
 import pyarrow as pa
 
 from flywheel.bus import Record, RecordBatch
+from flywheel.compact_json import compact_json_encoder
 from flywheel.contract import (
     MAX_EVENT_BYTES,
     MAX_PROPERTIES_DEPTH,
@@ -38,9 +40,7 @@ from flywheel.contract import (
     check_properties,
 )
 from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, normalised, properties_of, property_problems
-from flywheel.lake.tables import EVENTS
-from ingest.compact_json import compact_json_encoder
-from ingest.lake_sink import rows_frame
+from flywheel.lake.tables import EVENTS, rows_frame
 
 # (event_id, type, schema_version, generation_id, user_id, session_id, ts, received_at (both as
 #  microseconds since the epoch, UTC), source,
