@@ -25,6 +25,7 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy_gate import DeployGate, GateStatus
+from deploy_gate.rollout.config import RolloutConfig
 from flywheel.bus import ensure_topics
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage, TrafficSplit
@@ -32,6 +33,7 @@ from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from launcher.embedded import EmbeddedStack, settings_env, start_embedded
 from simulator.users import UserSimulator
+from trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -164,6 +166,21 @@ DEMO_ROLLOUT_ENV = {
     "FLYWHEEL_ROLLOUT_INTERVAL_S": "10",
     "FLYWHEEL_ROLLOUT_SRM_MIN_USERS": "50",
 }
+
+
+def demo_trainer_config(**overrides: object) -> TrainerConfig:
+    """The trainer configuration `flywheel up` runs with: `DEMO_TRAINER_CONFIG` over `TrainerConfig`'s defaults,
+    then `overrides` (TrainerConfig fields; unknown ones are refused)."""
+    return TrainerConfig.from_dict({**DEMO_TRAINER_CONFIG, **overrides})
+
+
+def demo_rollout_config(**overrides: object) -> RolloutConfig:
+    """The rollout configuration `flywheel up` gives its controller: `DEMO_ROLLOUT_ENV` where the environment
+    does not set that variable, `FLYWHEEL_ROLLOUT_*` from the environment, `RolloutConfig`'s defaults for the
+    rest, then `overrides` (RolloutConfig fields)."""
+    prefix = "FLYWHEEL_ROLLOUT_"
+    demo = {k.removeprefix(prefix).lower(): json.loads(v) for k, v in DEMO_ROLLOUT_ENV.items() if k not in os.environ}
+    return RolloutConfig(**{**demo, **overrides})
 
 
 def auto_approve(gate: DeployGate) -> list[str]:
