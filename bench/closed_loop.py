@@ -54,7 +54,7 @@ from launcher.up import DEMO_ROLLOUT_ENV, DEMO_TRAINER_CONFIG, demo_rollout_conf
 from signals.config import SignalsConfig
 from simulator.closed_loop import ClosedLoop, CycleRecord, LoopPlan, Truth, harm_weights, train_inverted
 from simulator.contexts import held_out_contexts
-from simulator.populations import Population, default_populations, reporting_populations, tuning_populations
+from simulator.populations import Population, default_populations, populations_named, tuning_populations
 from trainer.config import TrainerConfig
 
 HARM_SCALES = (0.05, 0.1, 0.2, 0.5)
@@ -273,11 +273,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    wanted = args.populations.split(",")
     # A name in both means the reporting kind (`noisy` judging like `style`); results before this change
     # ran the default kind (judging like `length`).
-    known = {p.name: p for p in default_populations()} | {p.name: p for p in reporting_populations()}
-    pops = [known[name] for name in wanted]
+    pops = populations_named(args.populations.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

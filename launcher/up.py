@@ -32,6 +32,7 @@ from flywheel.contract import ModelLineage, TrafficSplit
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from launcher.embedded import EmbeddedStack, settings_env, start_embedded
+from simulator.populations import populations_named
 from simulator.users import UserSimulator
 from trainer.config import TrainerConfig
 
@@ -249,6 +250,7 @@ def run_up(
     auto_approve_candidates: bool,
     duration_s: float | None,
     trainer_config: Path | None = None,
+    populations: list[str] | None = None,
 ) -> None:
     stack: EmbeddedStack = start_embedded(settings)
     demo: dict[str, object] = {"train_interval_s": train_interval_s}
@@ -278,7 +280,8 @@ def run_up(
                       f"serving: {base}:{s.serving_port}/v1/completions   collector: {base}:{s.collector_port}")
         console.print(f"logs: {s.data_dir / 'logs'}   approve a candidate: flywheel gate approve VERSION --by YOU")
         sim = UserSimulator(f"{base}:{s.serving_port}", f"{base}:{s.collector_port}",
-                            sorted(s.write_key_set)[0], n_users=users)
+                            sorted(s.write_key_set)[0], n_users=users,
+                            populations=populations_named(populations) if populations else None)  # fmt: skip
         user_threads = sim.start(stop)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         started = time.monotonic()
