@@ -19,10 +19,19 @@ Then per population: base -> final champion accept rate (relative change), with 
 the same data with every reward negated (even runs), or seeded weight noise of 0.05-0.5 times each
 matrix's std (odd runs). Each says the harmed challenger's ground truth against the champion's and the
 decision; no challenger worse in ground truth may become champion.
-A PNG of accept rate over cycles per population goes to `--out` with the table (closed_loop.md).
+A PNG of accept rate over cycles per population goes to `--out` with the table (`--report`.md).
 
-    python bench/closed_loop.py [--model DIR] [--populations length,style,...] [--cycles 5]
-        [--users 40] [--requests 60] [--max-rounds 6] [--control-runs 0] [--out bench/results]
+Settings: unless a flag names one, every trainer, rollout, signals and gate setting is the product's, what
+`flywheel up` runs with (`launcher.up.demo_trainer_config`, `demo_rollout_config`, `SignalsConfig()`,
+`Settings()`); the run prints them, where each came from, and which populations chose them
+(`simulator.populations.tuning_populations`). The flags that size the run (users, requests, rounds, cycles,
+`--promotions`, `--wall-budget`) are traffic and patience, not settings; the reward window is a clock
+setting (every event of a simulated request carries one timestamp, so no reward depends on it). Per
+deployment: each promotion's ground truth against the champion it replaced (worse: a lower expected reward
+per request on the held-out contexts).
+
+    python bench/closed_loop.py [--model DIR] [--populations content,noisy,...] [--cycles 5] [--promotions 5]
+        [--users 400] [--requests 400] [--max-rounds 40] [--wall-budget 0] [--control-runs 0] [--out bench/results]
 
 Without --model a default-preset model is bootstrapped for --bootstrap-seconds (240).
 """
@@ -31,19 +40,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-from deploy_gate.rollout.config import RampStep, RolloutConfig
+from deploy_gate.rollout.config import RolloutConfig
 from flywheel.lm import PRESETS, bootstrap_model, load_policy
 from flywheel.settings import Settings
 from launcher.embedded import free_port, start_embedded
+from launcher.up import DEMO_ROLLOUT_ENV, DEMO_TRAINER_CONFIG, demo_rollout_config, demo_trainer_config
 from signals.config import SignalsConfig
 from simulator.closed_loop import ClosedLoop, CycleRecord, LoopPlan, Truth, harm_weights, train_inverted
 from simulator.contexts import held_out_contexts
-from simulator.populations import Population, default_populations, reporting_populations
+from simulator.populations import Population, default_populations, populations_named, tuning_populations
 from trainer.config import TrainerConfig
 
 HARM_SCALES = (0.05, 0.1, 0.2, 0.5)
@@ -54,18 +65,49 @@ def harm_kind(seed: int) -> str:
     return "inverted rewards" if seed % 2 == 0 else f"noise {HARM_SCALES[(seed // 2) % len(HARM_SCALES)]} x std"
 
 
-def rollout_config(max_duration_s: float, margin: float) -> RolloutConfig:
-    """One 50% step, decided on the sequential interval or, at the maximum duration, on non-inferiority
-    within `margin`, a share of the champion's accept rate priced at the reward per accept (0: only a
-    significant win is promoted).
+def trainer_config(args: argparse.Namespace) -> TrainerConfig:
+    """`flywheel up`'s trainer configuration (launcher/up.py), with only the fields a flag names overridden."""
+    flags = {"learning_rate": args.lr, "epochs": args.epochs, "max_samples": args.max_samples,
+             "time_budget_s": args.time_budget, "ope_holdout_share": args.ope_holdout, "baseline": args.baseline,
+             "abstain_coef": args.abstain_coef}  # fmt: skip
+    return demo_trainer_config(seed=args.seed, **{k: v for k, v in flags.items() if v is not None})
 
-    Latency is not a guardrail here: both arms run in one process on a shared machine, so their
-    latency differs by whatever else the machine is doing.
-    """
-    return RolloutConfig(
-        ramp=[RampStep(share=0.5, min_users=10, min_seconds=0)], max_duration_s=max_duration_s, tuning_n=400,
-        non_inferiority_accept_share=margin, latency_p95_ratio=100.0, srm_min_users=10_000, metrics_port=0,
-    )  # fmt: skip
+
+def rollout_config(args: argparse.Namespace) -> RolloutConfig:
+    """`flywheel up`'s rollout configuration (its ramp, maximum duration, N*, non-inferiority margin and
+    guardrails), with only what a flag names overridden. Its metrics endpoint is off: the controller runs in
+    this process."""
+    flags = {"max_duration_s": args.max_duration, "non_inferiority_accept_share": args.margin}
+    return demo_rollout_config(metrics_port=0, **{k: v for k, v in flags.items() if v is not None})
+
+
+def settings_used(args: argparse.Namespace, pops: list[Population]) -> list[str]:
+    """What this run decides with, where each setting came from, and which populations chose the defaults."""
+    trainer, rollout = trainer_config(args), rollout_config(args)
+    base = TrainerConfig()
+    changed = {k: v for k, v in trainer.to_dict().items() if v != getattr(base, k) and k != "seed"}
+    names = ("lr", "epochs", "max_samples", "time_budget", "ope_holdout", "baseline", "abstain_coef",
+             "max_duration", "margin")  # fmt: skip
+    overridden = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
+    demo_rollout = sorted(k.removeprefix("FLYWHEEL_ROLLOUT_").lower() for k in DEMO_ROLLOUT_ENV)
+    tuning = {p.name for p in tuning_populations()}
+    kinds = [f"{p.name} ({'a tuning population' if p.name in tuning else 'not used for tuning'}:"
+             f" {type(p).__name__})" for p in pops]  # fmt: skip
+    return [
+        "settings: " + ("overridden by " + ", ".join(overridden) if overridden else "the product's (`flywheel up`)"),
+        f"- trainer: TrainerConfig defaults with {changed} (flywheel up: {DEMO_TRAINER_CONFIG})",
+        f"- rollout: RolloutConfig defaults with flywheel up's {demo_rollout}: ramp "
+        + ", ".join(f"{r.share:.0%} from {r.min_users} users and {r.min_seconds:.0f}s" for r in rollout.ramp)
+        + f"; maximum duration {rollout.max_duration_s:.0f}s, then non-inferiority within"
+        f" {rollout.non_inferiority_accept_share:.0%} of the champion's accept rate;"
+        f" N* {rollout.tuning_n:.0f}; alpha {rollout.alpha};"
+        f" latency guardrail {rollout.latency_p95_ratio}x",
+        "- signals, offline gates, approval: their defaults (SignalsConfig(), Settings())",
+        f"- reward window {args.window}s (flywheel up: 60s): a clock setting only, every event of a simulated"
+        " request carries one timestamp, so no reward changes with it",
+        f"- these defaults were chosen on the tuning populations: {', '.join(sorted(tuning))}",
+        f"- this run: {', '.join(kinds)}",
+    ]
 
 
 def fmt_truth(t: Truth | None) -> str:
@@ -104,8 +146,7 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
                    *, harm_seed: int | None = None) -> tuple[ClosedLoop, list[CycleRecord]]:  # fmt: skip
     data = root / name
     settings = Settings(data_dir=data, redis_prefix=f"bench-loop:{data.name}:{time.time_ns()}:",
-                        reward_window_s=args.window, allowed_lateness_s=0.5,
-                        min_train_samples=args.min_samples)  # fmt: skip
+                        reward_window_s=args.window, allowed_lateness_s=0.5)  # fmt: skip
     stack = start_embedded(settings, broker_port=free_port())
     try:
         preset = args.preset
@@ -113,13 +154,8 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
         evals = held_out_contexts(args.eval_contexts, args.seed + 10_000, preset=preset)
         plan = LoopPlan(cycles=args.cycles, users=args.users, requests=args.requests, warmup_rounds=args.warmup,
                         max_rounds=args.max_rounds, max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
-        trainer = TrainerConfig(learning_rate=args.lr, batch_size=16, epochs=args.epochs, baseline=args.baseline,
-                                max_samples=args.max_samples, time_budget_s=args.time_budget,
-                                ope_holdout_share=args.ope_holdout,
-                                abstain_coef=args.abstain_coef,
-                                seed=args.seed)  # fmt: skip
-        loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer,
-                          rollout_config(args.max_duration, args.margin), SignalsConfig())  # fmt: skip
+        loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer_config(args),
+                          rollout_config(args), SignalsConfig())  # fmt: skip
         with loop.running():
             loop.warm_up()
             if harm_seed is not None:
@@ -134,14 +170,40 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
                 print(f"control run {harm_seed} ({pops[0].name}): {kind}, ground-truth reward"
                       f" {worse:+.3f} against the champion -> {rec.decision}: {rec.reason[:100]}", flush=True)
                 return loop, [rec]
-            records = []
+            records: list[CycleRecord] = []
+            deadline = time.monotonic() + args.wall_budget if args.wall_budget else None
             for k in range(1, args.cycles + 1):
+                if deadline is not None and time.monotonic() > deadline:
+                    print(f"{name}: the {args.wall_budget:.0f}-s wall budget is spent after {k - 1} cycles", flush=True)
+                    break
                 rec = loop.cycle(k)
                 records.append(rec)
                 print("\n".join(report_cycle(name, rec)), flush=True)
+                if args.promotions and sum(r.decision == "promoted" for r in records) >= args.promotions:
+                    break
         return loop, records
     finally:
         stack.stop()
+
+
+def promotions(base: dict[str, Truth], records: list[CycleRecord]) -> list[str]:
+    """Every promotion's ground truth on the held-out contexts against the champion it replaced; a promotion
+    is worse in ground truth when its expected reward per request (Cursor's) is lower than that champion's."""
+    lines = ["| promotion | cycle | version | population | accept before -> after | reward before -> after "
+             "| worse in ground truth | truth A/B difference |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    before, k = base, 0
+    for r in records:
+        if r.decision == "promoted":
+            k += 1
+            ab = r.ab_difference()
+            for pop, t1 in r.truth_eval.items():
+                t0 = before[pop]
+                worse = "**yes**" if t1.reward < t0.reward else "no"
+                lines.append(f"| {k} | {r.cycle} | v{r.candidate} | {pop} | {t0.accept_rate:.3f} ->"
+                             f" {t1.accept_rate:.3f} | {t0.reward:+.3f} -> {t1.reward:+.3f} | {worse}"
+                             f" | {'-' if ab is None else f'{ab:+.3f}'} |")  # fmt: skip
+        before = r.truth_eval or before
+    return lines if k else ["no promotion"]
 
 
 def plot(results: dict[str, tuple[dict[str, Truth], list[CycleRecord]]], path: Path) -> None:
@@ -171,41 +233,50 @@ def main() -> None:
     ap.add_argument("--bootstrap-seconds", type=float, default=240.0)
     ap.add_argument("--populations", default=",".join(p.name for p in default_populations()))
     ap.add_argument("--together", action="store_true", help="all populations on one deployment")
-    ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--cycles", type=int, default=5, help="cycles at most")
+    ap.add_argument("--promotions", type=int, default=5, help="stop after this many promotions (0: run every cycle)")
+    ap.add_argument("--wall-budget", type=float, default=0.0,
+                    help="start no cycle after this many seconds of a deployment (0: none); what ran is reported")
     ap.add_argument("--users", type=int, default=400, help="per population")
     ap.add_argument("--requests", type=int, default=400, help="per population per traffic round")
     ap.add_argument("--warmup", type=int, default=1, help="traffic rounds on the base model first")
-    ap.add_argument("--max-rounds", type=int, default=12, help="rounds a cycle waits for the controller")
-    ap.add_argument("--max-duration", type=float, default=200.0, help="the controller's max experiment seconds")
+    ap.add_argument("--max-rounds", type=int, default=40,
+                    help="rounds a cycle waits for the controller (it decides by its maximum duration first)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--window", type=float, default=2.0, help="reward window seconds")
-    ap.add_argument("--min-samples", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--max-samples", type=int, default=800,
-                    help="samples a cycle trains on at most, a seeded uniform (reservoir) sample of the eligible ones,"
-                    " the rest reported: bounds the step a cycle takes, so the offline gates' perplexity and KL"
-                    " bounds hold while data accumulates (0: all)")
-    ap.add_argument("--ope-holdout", type=float, default=0.2,
-                    help="share of traffic held out of training for the offline gate's estimate (flywheel/holdout.py)")
-    ap.add_argument("--time-budget", type=float, default=0.0,
-                    help="seconds a cycle's training may take; the samples it did not reach are reported (0: none)")
-    ap.add_argument("--baseline", type=float, default=0.0, help="PG baseline: 0 = the value of not suggesting")
-    ap.add_argument("--abstain-coef", type=float, default=0.0,
-                    help="weight of the trainer's abstain term (TrainerConfig.abstain_coef; 0: off)")
+    ap.add_argument("--window", type=float, default=2.0,
+                    help="reward window seconds (flywheel up: 60): a clock setting, no reward depends on it here")
     ap.add_argument("--eval-contexts", type=int, default=100)
     ap.add_argument("--control-runs", type=int, default=0)
-    ap.add_argument("--margin", type=float, default=0.0,
-                    help="non-inferiority margin at the maximum duration, a share of the champion's accept rate "
-                         "(0: promote only a significant win)")
+    # Unset, each of these is what `flywheel up` runs with (launcher/up.py); set, it overrides that one field.
+    product = demo_trainer_config()
+    demo = demo_rollout_config(metrics_port=0)
+    ap.add_argument("--lr", type=float, help=f"TrainerConfig.learning_rate (flywheel up: {product.learning_rate})")
+    ap.add_argument("--epochs", type=int, help=f"TrainerConfig.epochs (flywheel up: {product.epochs})")
+    ap.add_argument("--max-samples", type=int,
+                    help="TrainerConfig.max_samples: at most this many samples a cycle, a seeded uniform (reservoir)"
+                    f" sample of the eligible ones, the rest reported (flywheel up: {product.max_samples}, all)")
+    ap.add_argument("--ope-holdout", type=float,
+                    help="TrainerConfig.ope_holdout_share, traffic held out of training for the offline gate's "
+                    f"estimate (flywheel up: {product.ope_holdout_share})")
+    ap.add_argument("--time-budget", type=float,
+                    help="TrainerConfig.time_budget_s, seconds a cycle's training may take; the samples it did not"
+                    f" reach are reported (flywheel up: {product.time_budget_s})")
+    ap.add_argument("--baseline", type=float, help=f"TrainerConfig.baseline (flywheel up: {product.baseline})")
+    ap.add_argument("--abstain-coef", type=float,
+                    help=f"TrainerConfig.abstain_coef (flywheel up: {product.abstain_coef})")
+    ap.add_argument("--max-duration", type=float,
+                    help=f"RolloutConfig.max_duration_s (flywheel up: {demo.max_duration_s:.0f})")
+    ap.add_argument("--margin", type=float,
+                    help="RolloutConfig.non_inferiority_accept_share at the maximum duration, a share of the champion's"
+                    f" accept rate (flywheel up: {demo.non_inferiority_accept_share}; 0: only a significant win)")
+    ap.add_argument("--report", default="closed_loop", help="file name (no suffix) of the table and PNG in --out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    wanted = args.populations.split(",")
-    # A name in both means the default kind (the committed results' `noisy` judges like `length`).
-    known = {p.name: p for p in reporting_populations()} | {p.name: p for p in default_populations()}
-    pops = [p for name, p in known.items() if name in wanted]
+    # A name in both means the reporting kind (`noisy` judging like `style`); results before this change
+    # ran the default kind (judging like `length`).
+    pops = populations_named(args.populations.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -215,11 +286,13 @@ def main() -> None:
               f"{args.cycles} cycles, {args.users} users and {args.requests} requests a round per population")
         header = ["| deployment | cycle | candidate | decision | gate estimate [sequential interval] | truth A/B "
                   "difference | stage seconds | turnaround |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        used = settings_used(args, pops)
+        print("\n".join(used))
         print("\n".join(header))
         groups = [("all", pops)] if args.together else [(p.name, [p]) for p in pops]
         groups = groups if args.cycles else []  # --cycles 0: control runs only
         results: dict[str, tuple[dict[str, Truth], list[CycleRecord]]] = {}
-        lines = list(header)
+        lines = [f"# bench/closed_loop.py {' '.join(sys.argv[1:])}", "", *used, "", *header]
         for name, group in groups:
             started = time.perf_counter()
             loop, records = run_deployment(name, group, model, args, root)
@@ -238,6 +311,11 @@ def main() -> None:
                 summary.append(f"| {pop} | {t0.accept_rate:.3f} | {t1.accept_rate:.3f} | {rel:+.0%}"
                                f" | {t0.shown_rate:.2f} | {t1.shown_rate:.2f} | {t0.harmful_rate:.2f}"
                                f" | {t1.harmful_rate:.2f} | {unwanted} |")  # fmt: skip
+        for name, (base, records) in results.items():
+            decisions = ", ".join(r.decision for r in records)
+            n_promoted = sum(r.decision == "promoted" for r in records)
+            summary += ["", f"{name}: {n_promoted} promotions in {len(records)} cycles ({decisions})", "",
+                        *promotions(base, records)]  # fmt: skip
         print("\n".join(summary))
         lines += summary
         if args.control_runs:
@@ -257,9 +335,9 @@ def main() -> None:
                     f" ground truth; promoted {len(promoted)}, of them worse {worse_promoted}; decisions {by}")
             print(line)
             lines += ["", line]
-        (args.out / "closed_loop.md").write_text("\n".join(lines) + "\n")
-        plot(results, args.out / "closed_loop.png")
-        print(f"wrote {args.out / 'closed_loop.md'} and {args.out / 'closed_loop.png'}")
+        (args.out / f"{args.report}.md").write_text("\n".join(lines) + "\n")
+        plot(results, args.out / f"{args.report}.png")
+        print(f"wrote {args.out / args.report}.md and .png")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,14 @@ _TRAINER_CONFIG_OPTION = typer.Option(
 )
 
 
+_POPULATIONS_OPTION = typer.Option(
+    "",
+    help="The simulated users' populations, comma-separated (simulator/populations.py; the defaults were tuned on "
+    "length, style and declining; content, noisy, style-mirror and brackets were not used for tuning). Default: "
+    "one of each default kind.",
+)
+
+
 @app.command()
 def up(
     users: int = typer.Option(8, help="Simulated users driving traffic."),
@@ -79,13 +87,21 @@ def up(
     auto_approve: bool = typer.Option(True, help="Approve candidates automatically (demo only)."),
     duration: float = typer.Option(None, help="Stop after this many seconds (default: run until Ctrl-C)."),
     trainer_config: Path = _TRAINER_CONFIG_OPTION,
+    populations: str = _POPULATIONS_OPTION,
 ) -> None:
     """Run the whole loop on one machine: embedded parts, every component, simulated users, dashboard."""
     from flywheel.settings import get_settings
     from launcher.up import run_up
+    from simulator.populations import populations_named
 
+    names = [n.strip() for n in populations.split(",") if n.strip()]
+    try:
+        populations_named(names)  # checked before anything starts
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--populations") from exc
     run_up(get_settings(), users=users, bootstrap_seconds=bootstrap_seconds, train_interval_s=train_interval,
-           auto_approve_candidates=auto_approve, duration_s=duration, trainer_config=trainer_config)
+           auto_approve_candidates=auto_approve, duration_s=duration, trainer_config=trainer_config,
+           populations=names or None)  # fmt: skip
 
 
 @app.command("init")

@@ -25,13 +25,16 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy_gate import DeployGate, GateStatus
+from deploy_gate.rollout.config import RolloutConfig
 from flywheel.bus import ensure_topics
 from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage, TrafficSplit
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from launcher.embedded import EmbeddedStack, settings_env, start_embedded
+from simulator.populations import populations_named
 from simulator.users import UserSimulator
+from trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -166,6 +169,21 @@ DEMO_ROLLOUT_ENV = {
 }
 
 
+def demo_trainer_config(**overrides: object) -> TrainerConfig:
+    """The trainer configuration `flywheel up` runs with: `DEMO_TRAINER_CONFIG` over `TrainerConfig`'s defaults,
+    then `overrides` (TrainerConfig fields; unknown ones are refused)."""
+    return TrainerConfig.from_dict({**DEMO_TRAINER_CONFIG, **overrides})
+
+
+def demo_rollout_config(**overrides: object) -> RolloutConfig:
+    """The rollout configuration `flywheel up` gives its controller: `DEMO_ROLLOUT_ENV` where the environment
+    does not set that variable, `FLYWHEEL_ROLLOUT_*` from the environment, `RolloutConfig`'s defaults for the
+    rest, then `overrides` (RolloutConfig fields)."""
+    prefix = "FLYWHEEL_ROLLOUT_"
+    demo = {k.removeprefix(prefix).lower(): json.loads(v) for k, v in DEMO_ROLLOUT_ENV.items() if k not in os.environ}
+    return RolloutConfig(**{**demo, **overrides})
+
+
 def auto_approve(gate: DeployGate) -> list[str]:
     """Demo mode only: approve the newest pending candidate when no challenger is running.
 
@@ -232,6 +250,7 @@ def run_up(
     auto_approve_candidates: bool,
     duration_s: float | None,
     trainer_config: Path | None = None,
+    populations: list[str] | None = None,
 ) -> None:
     stack: EmbeddedStack = start_embedded(settings)
     demo: dict[str, object] = {"train_interval_s": train_interval_s}
@@ -261,7 +280,8 @@ def run_up(
                       f"serving: {base}:{s.serving_port}/v1/completions   collector: {base}:{s.collector_port}")
         console.print(f"logs: {s.data_dir / 'logs'}   approve a candidate: flywheel gate approve VERSION --by YOU")
         sim = UserSimulator(f"{base}:{s.serving_port}", f"{base}:{s.collector_port}",
-                            sorted(s.write_key_set)[0], n_users=users)
+                            sorted(s.write_key_set)[0], n_users=users,
+                            populations=populations_named(populations) if populations else None)  # fmt: skip
         user_threads = sim.start(stop)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         started = time.monotonic()

@@ -255,3 +255,13 @@ def reporting_populations() -> list[Population]:
     kind added after the defaults were fixed."""
     return [ContentPopulation(), NoisyPopulation(inner=StylePopulation()),
             StylePopulation(name="style-mirror", quote="'", naming="camel"), BracketPopulation()]  # fmt: skip
+
+
+def populations_named(names: list[str]) -> list[Population]:
+    """The populations of these names, in this order; a name of both a default and a reporting kind (`noisy`)
+    is the reporting one. Raises ValueError naming the known ones for an unknown name."""
+    known = {p.name: p for p in default_populations()} | {p.name: p for p in reporting_populations()}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown populations {unknown}; known: {sorted(known)}")
+    return [known[n] for n in names]

@@ -24,6 +24,7 @@ from deploy_gate.app import create_app
 from deploy_gate.gate import DeployGate
 from deploy_gate.rollout import RampStep, RolloutConfig, RolloutController
 from flywheel.connections import redis_client
+from flywheel.contract import utcnow
 from flywheel.identity import TokenStore
 from flywheel.settings import Settings
 from launcher.embedded import free_port
@@ -275,4 +276,46 @@ def test_dashboard_renders_the_experiment_analysis(
             legend = page.locator(f'#chart-legend [data-arm="{arm}"]').inner_text()
             assert legend.startswith(f"{arm} v{version} {newest['mean']:.3f}")
             assert legend.endswith(f"(users {newest['users']})")
+        assert real_errors(errors) == []
+
+
+def test_dashboard_says_why_the_offline_estimate_could_not_decide(
+    browser: Any, app: FastAPI, gate_settings: Settings, versions: tuple[str, str], tmp_path: Path
+) -> None:
+    """An off-policy estimate whose interval straddles the margin is shown as undecided, with the gate's
+    reason, never as a pass; a refused one as refused."""
+    from deploy_gate.offline import OfflineGates
+    from model_registry import OfflineGateReport, OfflineGateResult
+
+    champion, candidate = versions
+    registry = ModelRegistry(gate_settings)
+    config = OfflineGates(gate_settings, registry).recorded_config()  # what the gate's approval checks against
+    why = ("insufficient evidence: the interval straddles -0.02; DR - champion 0.012 [-0.031, 0.055] "
+           "(95% bootstrap, seed 0); ESS 61.0 of n=96")  # fmt: skip
+    undecided = [OfflineGateResult("sanity", "passed", 0.0, "-", "loads"),
+                 OfflineGateResult("ope_satisfaction", "insufficient_evidence", 0.012, "-", why)]  # fmt: skip
+    registry.record_offline_gates(candidate, OfflineGateReport(utcnow(), champion, undecided, config))
+    refused = register(registry, tmp_path, parent=champion)
+    worse = OfflineGateResult("ope_satisfaction", "failed", -0.2, "-", "worse than the champion: DR - champion -0.2")
+    registry.record_offline_gates(refused, OfflineGateReport(utcnow(), champion, [worse], config))
+
+    with serve(app) as base:
+        page, errors = open_dashboard(browser, base)
+        row = page.locator(f'#pending tr[data-version="{candidate}"]')
+        assert row.locator('[data-gate="sanity"]').inner_text() == "sanity ✓"
+        ope = row.locator('[data-gate="ope_satisfaction"]')
+        assert ope.inner_text() == "ope_satisfaction ?" and ope.get_attribute("class") == "badge"
+        assert page.locator(f'#pending tr[data-version="{refused}"] [data-gate="ope_satisfaction"]').inner_text() == (
+            "ope_satisfaction ✗"
+        )
+        # The newest candidate waiting is the refused one: the panel says so; approved, the other is shown.
+        assert page.locator('[data-field="offline-status"]').inner_text().startswith("refused")
+        app.state.gate.reject(refused, by="ana", reason="refused offline")
+        app.state.gate.approve(candidate, by="ana", reason="let the rollout decide")
+        page.reload()
+        page.wait_for_selector("body[data-loaded=true]")
+        offline = page.locator("#offline").inner_text()
+        assert offline.startswith(f"Challenger v{candidate}: 0.012")
+        assert page.locator('[data-field="offline-status"]').inner_text() == "could not decide yet"
+        assert page.locator('[data-field="offline-detail"]').inner_text() == why
         assert real_errors(errors) == []

@@ -39,6 +39,7 @@ from simulator.populations import (
     StylePopulation,
     Truth,
     default_populations,
+    populations_named,
     reporting_populations,
     tuning_populations,
 )
@@ -80,6 +81,16 @@ def test_tuning_and_reporting_populations_are_apart() -> None:
     assert {p.name for p in tuning} == {"length", "style", "declining"}
     assert not {p.name for p in tuning} & {p.name for p in reporting}
     assert not set(map(repr, tuning)) & set(map(repr, reporting))
+
+
+def test_populations_by_name_take_the_reporting_kind_and_refuse_an_unknown_name() -> None:
+    """`flywheel up --populations` and the closed-loop bench pick populations by name: `noisy` is the
+    reporting kind (judging like `style`), and a misspelt name is refused, not skipped."""
+    content, noisy = populations_named(["content", "noisy"])
+    assert isinstance(content, ContentPopulation)
+    assert isinstance(noisy, NoisyPopulation) and isinstance(noisy.inner, StylePopulation)
+    with pytest.raises(ValueError, match="unknown populations \\['bracket'\\]"):
+        populations_named(["bracket"])
 
 
 def test_style_population_prefers_its_quote_and_naming() -> None:

@@ -301,7 +301,8 @@ def test_a_cycle_with_more_eligible_data_than_its_budget_reports_what_it_left_ou
 
 
 def test_the_off_policy_holdout_is_left_out_of_training_and_said(tsettings: Settings, champion: str) -> None:
-    """Generations in the holdout (`flywheel.holdout`) never reach the trainer, and the cycle says how many."""
+    """Generations of prompts in the holdout (`flywheel.holdout`) never reach the trainer, and the cycle says
+    how many."""
     policy = load_policy(ModelRegistry(tsettings).fetch(champion))
     simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=40, seed=11, users=USERS)
     config = TrainerConfig(batch_size=8, min_samples=4, ope_holdout_share=0.5)
@@ -309,7 +310,12 @@ def test_the_off_policy_holdout_is_left_out_of_training_and_said(tsettings: Sett
                                encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1))  # fmt: skip
     held = [n for why, n in selection.dropped.items() if why.startswith("held out for the offline gate")]
     assert held and held[0] + len(selection.samples) == 40 and 0 < held[0] < 40
-    assert not any(in_holdout(s.generation_id, 0.5) for s in selection.samples)
+    # Held out by prompt: no prompt in the holdout reaches training, and every other prompt does.
+    held_prompts = {p for p in PROMPTS if in_holdout(p, 0.5)}
+    assert 0 < len(held_prompts) < len(PROMPTS)
+    encode = {p: tuple(policy.encode_prompt(p, max_tokens=16)) for p in PROMPTS}
+    trained = {tuple(s.prompt_token_ids) for s in selection.samples}
+    assert trained and trained <= {encode[p] for p in PROMPTS if p not in held_prompts}
 
 
 def _row(

@@ -161,6 +161,7 @@ def load_selection(
     consenting = _consenting_users(events_at, events_version, config) if config.require_consent else None
     key = settings.serving_key.get_secret_value()
     samples = []
+    held_out: set[str] = set()  # generation ids whose prompt is in the off-policy holdout (flywheel.holdout)
     for row in rows.sort("emitted_at").iter_rows(named=True):
         found = _trusted_generation(row["generation_id"], generations.get(row["generation_id"], []), key)
         if isinstance(found, str):
@@ -174,10 +175,12 @@ def load_selection(
                            selection.dropped, None if trusted else encode_text)  # fmt: skip
         if sample is not None:
             samples.append(sample)
-    if config.ope_holdout_share:
-        kept = [s for s in samples if not in_holdout(s.generation_id, config.ope_holdout_share)]
+            if in_holdout(record.prompt, config.ope_holdout_share):
+                held_out.add(sample.generation_id)
+    if held_out:
+        kept = [s for s in samples if s.generation_id not in held_out]
         if len(kept) < len(samples):
-            why = f"held out for the offline gate's estimate (share {config.ope_holdout_share:g} by generation-id hash)"
+            why = f"held out for the offline gate's estimate (share {config.ope_holdout_share:g} by prompt hash)"
             selection.dropped[why] += len(samples) - len(kept)
         samples = kept
     if config.max_samples and len(samples) > config.max_samples:

@@ -56,12 +56,12 @@ class OfflineGates:
         return self.current(version, champion) or self.check(version, champion)
 
     def _unseen(self, version: str, traffic: LoggedTraffic) -> tuple[LoggedTraffic, bool]:
-        """The champion's traffic `version` was not trained on (its trainer's holdout, `flywheel.holdout`),
+        """The champion's traffic on prompts `version` was not trained on (its trainer's holdout, `flywheel.holdout`),
         and whether the estimate is in-sample: a trained candidate whose trainer held nothing out."""
         lineage = self.registry.lineage(version)
         share = float(lineage.trainer_config.get("ope_holdout_share", 0.0) or 0.0)
         if share > 0:
-            held = [s for s in traffic.samples if in_holdout(s.generation_id, share)]
+            held = [s for s in traffic.samples if in_holdout(s.record.prompt, share)]
             return replace(traffic, samples=held), False
         return traffic, lineage.data_window is not None
 

@@ -362,13 +362,44 @@
       : null);
   }
 
+  // An offline gate has three verdicts: passed, failed (refused) and insufficient evidence, which never
+  // blocks but is no pass either: it is shown as undecided, never with a pass's tick.
+  const GATE_MARK = { passed: ['badge ok', '✓'], failed: ['badge bad', '✗'], insufficient_evidence: ['badge', '?'] };
+
   function gatesCell(gates) {
     if (!gates) return el('span', { class: 'muted' }, 'not run');
     if (!gates.length) return el('span', { class: 'muted' }, 'none');
-    return el('span', null, gates.map((g) => el('span', {
-      class: g.passed ? 'badge ok' : 'badge bad',
-      title: `${g.name}: ${fmt(g.value, 4)} (bound ${g.bound})${g.detail ? ' — ' + g.detail : ''}`,
-    }, `${g.name} ${g.passed ? '✓' : '✗'}`)));
+    return el('span', null, gates.map((g) => {
+      const [cls, mark] = GATE_MARK[g.status] || (g.passed ? GATE_MARK.passed : GATE_MARK.failed);
+      return el('span', { class: cls, 'data-gate': g.name, 'data-status': g.status,
+        title: `${g.name}: ${fmt(g.value, 4)} (bound ${g.bound})${g.detail ? ' — ' + g.detail : ''}` },
+      `${g.name} ${mark}`);
+    }));
+  }
+
+  const OFFLINE_VERDICT = {
+    passed: 'passed: not worse than the champion beyond the margin',
+    failed: 'refused: significantly worse than the champion, it never reaches users',
+    insufficient_evidence: 'could not decide yet',
+  };
+
+  function renderOffline(exp, versions, gatesOf) {
+    // The off-policy estimate of the challenger (else of the newest candidate waiting), in words: what
+    // it predicts before users see the version, and when it cannot tell, why (the gate's own detail).
+    const challenger = exp && exp.challenger;
+    const pending = versions.filter((x) => x.gate_state === 'pending');
+    const ver = challenger || (pending.length ? pending[0].version : null);
+    const ope = ver ? (gatesOf(ver) || []).find((g) => g.name === 'ope_satisfaction') : null;
+    if (!ope) {
+      fill('offline', empty(ver ? `No off-policy estimate for ${v(ver)} yet.` : 'No challenger or candidate.'));
+      return;
+    }
+    fill('offline', el('p', null, `${challenger ? 'Challenger' : 'Candidate'} ${v(ver)}: `,
+      el('b', { 'data-field': 'offline-value' }, ope.value === null ? '–' : fmt(ope.value)),
+      ' (DR − champion\'s logged mean reward) ',
+      el('span', { class: (GATE_MARK[ope.status] || GATE_MARK.failed)[0], 'data-field': 'offline-status' },
+        OFFLINE_VERDICT[ope.status] || ope.status), ' ',
+      el('span', { class: 'reason small', 'data-field': 'offline-detail' }, ope.detail)));
   }
 
   async function versionDetails(versions) {
@@ -479,7 +510,11 @@
     renderDifference(exp);
     renderGuardrails(exp);
     renderRamp(exp);
-    if (versions) renderVersions(versions, await versionDetails(versions));
+    if (versions) {
+      const gatesOf = await versionDetails(versions);
+      renderVersions(versions, gatesOf);
+      renderOffline(exp, versions, gatesOf);
+    }
     if (audit) renderAudit(audit);
     await whoami().catch(() => { canAct = false; });
     try { renderChart(exp, series, metrics); } catch (e) { $('chart-note').textContent = `chart: ${e.message}`; }
