@@ -134,7 +134,9 @@ class Settings(BaseSettings):
         default="200/second", description="Requests per client address the collector takes (429 beyond)."
     )
     gate_rate_limit: str = Field(
-        default="20/second", description="Requests per client address the gate takes (429 beyond)."
+        default="100/second",
+        description="Requests per client address the gate takes (429 beyond). One dashboard load is about 20 "
+        "requests, and viewers behind one proxy share an address: 20/second refused a page reloaded at once.",
     )
     auto_approve: bool = Field(
         default=False,

@@ -391,7 +391,9 @@
     const ver = challenger || (pending.length ? pending[0].version : null);
     const ope = ver ? (gatesOf(ver) || []).find((g) => g.name === 'ope_satisfaction') : null;
     if (!ope) {
-      fill('offline', empty(ver ? `No off-policy estimate for ${v(ver)} yet.` : 'No challenger or candidate.'));
+      const failed = ver && gatesOf.error(ver);
+      fill('offline', empty(failed ? `Could not load ${v(ver)}'s offline gates: ${failed}`
+        : ver ? `No off-policy estimate for ${v(ver)} yet.` : 'No challenger or candidate.'));
       return;
     }
     fill('offline', el('p', null, `${challenger ? 'Challenger' : 'Candidate'} ${v(ver)}: `,
@@ -410,9 +412,11 @@
       if (c && now - c.at < 60000) return;
       try {
         detailCache.set(ver, { at: now, body: await load(`api/versions/${encodeURIComponent(ver)}`) });
-      } catch (e) { /* shown as "not run"; tried again next minute */ }
+      } catch (e) { detailCache.set(ver, { at: 0, error: e.message }); /* said, and tried again next refresh */ }
     }));
-    return (ver) => { const c = detailCache.get(ver); return c && c.body ? c.body.offline_gates : undefined; };
+    const gatesOf = (ver) => { const c = detailCache.get(ver); return c && c.body ? c.body.offline_gates : undefined; };
+    gatesOf.error = (ver) => { const c = detailCache.get(ver); return c && c.error; };
+    return gatesOf;
   }
 
   function renderVersions(versions, gatesOf) {
