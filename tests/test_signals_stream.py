@@ -138,6 +138,10 @@ def test_reward_appears_soon_after_its_window_closes(settings: Settings) -> None
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
     try:
+        # "Soon" counts from a worker that reads the topic: joining its group may take seconds on a loaded machine.
+        joined = time.monotonic() + 60
+        while not worker._assigned and time.monotonic() < joined:
+            time.sleep(0.1)
         now = utcnow()
         send(settings, [generation_event("g-live", now), feedback_event("g-live", "accepted", now)])
         close = now + timedelta(seconds=settings.reward_window_s + settings.allowed_lateness_s)
