@@ -1,6 +1,6 @@
 """k8s/ checked offline as strictly as a cluster would: both overlays build, every built-in kind validates
 strictly, every custom resource against its published CRD schema, every semantic check passes (see
-tests/k8s_checks.py), the Dockerfile lints clean and runs unprivileged, promtool accepts the alerts; and
+tests/k8s_checks/), the Dockerfile lints clean and runs unprivileged, promtool accepts the alerts; and
 every deliberately broken overlay in tests/k8s_broken/ fails the check it is named after, which is what
 shows the checks check.
 

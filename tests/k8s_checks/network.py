@@ -118,6 +118,14 @@ NEEDED_FLOWS = [
 ]
 
 
+# Where it runs (prod): the multi-node training cycle's pods reach each other (torchrun's rendezvous on the
+# PyTorchJob's port, NCCL on any) and what the trainer reaches.
+MULTINODE_FLOWS = [("trainer-multinode", dst, port) for dst, port in (
+    ("trainer-multinode", 23456), ("valkey", 6379), ("mlflow", 5000), ("postgres", 5432))]
+
+# The only pods anyone outside the namespace may reach.
+PUBLIC = ("collector", "serving")
+
 # What reads or writes object storage: MLflow (its artifacts) and every process on the lake.
 S3_CLIENTS = ("mlflow", "ingest-worker", "signals-worker", "gate", "rollout", "trainer", "lake-compaction",
               "trainer-multinode")
@@ -136,7 +144,8 @@ def check_network_flows(m: Manifests) -> list[Problem]:
         if allowed(m, src, dst, port) != want:
             problems.append(Problem("network-flows", what, "refused" if want else "allowed, and must not be"))
 
-    for src_app, dst_app, port in NEEDED_FLOWS:
+    multinode = MULTINODE_FLOWS if _app_pods(m, "trainer-multinode") else []
+    for src_app, dst_app, port in NEEDED_FLOWS + multinode:
         for src in _app_pods(m, src_app):
             for dst in _app_pods(m, dst_app):
                 need(Peer(src.labels, pod=src), Peer(dst.labels, pod=dst), port, f"{src_app} -> {dst_app}:{port}")
@@ -146,14 +155,15 @@ def check_network_flows(m: Manifests) -> list[Problem]:
     s3 = [Peer(p.labels, pod=p) for p in minio] or [OBJECT_STORAGE]
     for app in S3_CLIENTS:
         for src in _app_pods(m, app):
-            for dst in s3:
-                port = 9000 if dst.pod else 443
-                need(Peer(src.labels, pod=src), dst, port, f"{app} -> object storage:{port}")
-    for app, port, reachable in (("collector", 8001, True), ("serving", 8000, True), ("gate", 8002, False),
-                                 ("valkey", 6379, False), ("mlflow", 5000, False), ("postgres", 5432, False),
-                                 ("kafka", 9092, False)):
-        for dst in _app_pods(m, app):
-            need(OUTSIDE, Peer(dst.labels, pod=dst), port, f"outside -> {app}:{port}", reachable)
+            for store in s3:
+                port = 9000 if store.pod else 443
+                need(Peer(src.labels, pod=src), store, port, f"{app} -> object storage:{port}")
+    # From outside the namespace only the collector and serving answer, on any port any pod declares
+    # (the gate's dashboard only through the ingress controller, /metrics only from Prometheus).
+    for dst in m.pods:
+        app = dst.labels.get("app", dst.owner)
+        for port in sorted(set(dst.ports.values())):
+            need(OUTSIDE, Peer(dst.labels, pod=dst), port, f"outside -> {app}:{port}", app in PUBLIC)
     for dst in m.pods_by_app("gate"):
         need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8002, "ingress controller -> gate:8002")
     for sm in m.of("ServiceMonitor"):
