@@ -109,12 +109,17 @@ _INDEXED = ("gen_ai.prompt.", "gen_ai.completion.")
 
 def span_attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
     """The attributes Flywheel reads from a span, converted; the others (a span has many) are passed over.
-    (Each read of a protobuf field makes a new Python object: each is read once.)"""
+    (Each read of a protobuf field makes a new Python object: each is read once. Most values are strings: a
+    non-empty `string_value` is taken as is, without asking which of the oneof's fields is set.)"""
     out = {}
     for kv in pairs:
         key = kv.key
         if key in _SPAN_KEYS or key.startswith(_INDEXED):
             value = kv.value
+            text = value.string_value  # "" when another kind is set (or an empty string): then asked
+            if text:
+                out[key] = text
+                continue
             kind = value.WhichOneof("value")
             out[key] = getattr(value, kind) if kind in _SCALARS else any_value(value)
     return out
