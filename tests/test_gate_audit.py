@@ -212,3 +212,18 @@ def test_unauthenticated_release_requests_never_grow_the_audit_table(
     assert counted() - before >= 20  # every one that reached the route (the rest were rate-limited)
     lines = [r for r in caplog.records if r.getMessage() == "unauthenticated release attempt refused"]
     assert len(lines) == 1, "logged, throttled"
+
+
+def test_a_gate_client_past_its_rate_gets_429_with_the_security_headers_and_health_still_answers(
+    gate: DeployGate, gate_settings: Settings, versions: tuple[str, str], tokens: dict[str, str]
+) -> None:
+    limited = gate_settings.model_copy(update={"gate_rate_limit": "3/minute"})
+    with TestClient(create_app(limited, gate=gate)) as client:
+        codes = [client.get("/api/me", headers=bearer(tokens["alice"])).status_code for _ in range(5)]
+        assert codes == [200, 200, 200, 429, 429]
+        r = client.post(f"/api/versions/{versions[1]}/approve", json=WHY, headers=bearer(tokens["alice"]))
+        assert r.status_code == 429 and r.json()["error"] == "rate_limited" and int(r.headers["retry-after"]) > 0
+        assert r.headers.get("Content-Security-Policy"), "the 429 passes through the security headers"
+        assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code in (200, 503)
+    # refused before the route: nothing approved, nothing audited
+    assert gate.registry.gate_state(versions[1]) == "pending" and gate.audit.entries(1000) == []

@@ -159,3 +159,20 @@ def test_a_running_worker_refits_as_labels_accumulate(settings: Settings) -> Non
     thread.join(timeout=30)
     active = store.active_version("code-completion")
     assert active.startswith("sat-code-completion-300-"), "the worker fitted and activated a model on its own"
+
+
+def test_a_products_own_surface_is_read_by_the_dashboard_and_refits_like_a_built_in_one(settings: Settings) -> None:
+    """A surface no built-in names ('docs'): once signals pins it (`adopt`, at its first generation), the
+    dashboard's reader counts its rewards, and a refit on its thumbs is activated for it alone."""
+    from deploy_gate.metrics import latest_rewards
+
+    store = DefinitionStore(settings, redis_client(settings))
+    _write_labelled_history(settings, 600, seed=4, coef=MISJUDGED_COEF, surface="docs")
+    assert store.adopt("docs") == "docs-rules-v1"
+    frame, read = latest_rewards(settings.lake_dir, lake_uri=settings.lake_root)
+    assert frame is not None and frame.height == 600 and "docs-rules-v1" in str(read)
+    docs = refit(settings, SignalsConfig(min_labels=100), surface="docs")
+    assert docs.activated and docs.version is not None and docs.version.startswith("sat-docs-")
+    assert store.active_version("docs") == docs.version
+    assert store.active_version("code-completion") == DEFAULT_DEFINITION.version
+    assert docs.version in str(latest_rewards(settings.lake_dir, lake_uri=settings.lake_root)[1])
