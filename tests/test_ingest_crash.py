@@ -1,5 +1,7 @@
 """A worker killed with SIGKILL mid-batch, again and again, while events keep arriving: the
-lake still holds every event exactly once. The worker runs as a real subprocess (the CLI)."""
+lake still holds every event exactly once. The worker runs as a real subprocess (the CLI), with
+its lake on a local disk and on S3-compatible storage (moto's server, `tests.test_lake_concurrency`'s
+fixtures: the worker inherits the `AWS_*` variables that point delta-rs at it)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from flywheel.contract import Event
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from launcher.embedded import settings_env
+from tests.test_lake_concurrency import moto_endpoint, s3_lake  # noqa: F401  (the S3 server's fixtures)
 
 N_EVENTS = 3000
 KILLS = 3
@@ -59,7 +62,10 @@ def wait_for_rows(settings: Settings, more_than: int, timeout_s: float) -> int:
 
 
 @pytest.mark.slow
-def test_sigkilled_worker_leaves_every_event_exactly_once(settings, tmp_path):
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_sigkilled_worker_leaves_every_event_exactly_once(settings, tmp_path, store, request):
+    if store == "s3":
+        settings = settings.model_copy(update={"lake_uri": request.getfixturevalue("s3_lake")})
     rng = random.Random(3)
     ensure_topics(settings)
     producer = make_producer(settings)
@@ -102,3 +108,4 @@ def test_sigkilled_worker_leaves_every_event_exactly_once(settings, tmp_path):
     lake = EVENTS.read(EVENTS.at(settings.lake_root))
     assert lake.height == N_EVENTS, "every event exactly once"
     assert lake["event_id"].n_unique() == N_EVENTS
+    assert (store == "s3") != (settings.lake_dir / "events").exists(), "the lake is where its URI says"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.bus import Consumer, Outgoing, RecordBatch, ensure_topics, make_consumer, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
 from flywheel.lake.tables import DEAD_LETTERS, EVENTS
@@ -195,6 +195,50 @@ def test_two_workers_writing_the_same_partitions_commit_each_offset_once(setting
     positions = lake.select("kafka_partition", "kafka_offset")
     assert positions.n_unique() == positions.height == len(sent)
     assert "lake commit refused" in caplog.text, "the workers never raced"
+
+
+class SmallPolls:
+    """The worker's real consumer, handing out at most `most` records a poll (as a topic that trickles in does)."""
+
+    def __init__(self, inner: Consumer, most: int) -> None:
+        self.inner, self.most, self.polls = inner, most, 0
+
+    def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
+        self.polls += 1
+        return self.inner.poll_columns(min(max_records, self.most), timeout_s)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_a_batch_fills_over_polls_to_its_size_and_a_quiet_topic_commits_after_the_linger(settings):
+    """A Delta commit has a fixed cost, so a batch gathers polls until `batch_size` records (one commit for all of
+    them); when the topic goes quiet, the batch is committed `linger_s` after its first record, not full."""
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    sent = [event(i) for i in range(45)]
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in sent[:40]])
+    consumer = SmallPolls(make_consumer(settings, [settings.events_topic], "g-batching"), most=10)
+    # A linger far longer than the test: only a full batch ends this one.
+    worker = IngestWorker(settings, consumer=consumer, batch_size=40, poll_timeout_s=0.3, linger_s=600)
+    location = EVENTS.at(settings.lake_root)
+    deadline = time.monotonic() + 60
+    first = worker.run_once()
+    while not first.written and time.monotonic() < deadline:  # the group join, then the table's offsets sought
+        first = worker.run_once()
+    assert (first.polled, first.written) == (40, 40) and consumer.polls >= 4
+    assert EVENTS.version(location) == 1, "the forty records went in one commit"  # version 0 is the empty table
+
+    worker.linger_s = 0.3
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), key=e.generation_id.encode()) for e in sent[40:]])
+    producer.close()
+    results = []
+    while sum(r.written for r in results) < 5 and time.monotonic() < deadline:
+        results.append(worker.run_once())
+    worker.close()
+    # Five records of a batch of forty: each batch returned after its linger, and wrote what it had.
+    assert all(r.polled < 40 for r in results) and sum(r.written for r in results) == 5
+    assert sorted(EVENTS.read(location)["event_id"].to_list()) == sorted(e.event_id for e in sent)
 
 
 def test_duplicates_and_replays_are_written_once(settings):
