@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flywheel.settings import get_settings
+from flywheel.settings import Settings, get_settings
 
 app = typer.Typer(
     help="Collector (HTTP) and ingest workers (Kafka to lake), dead letters.", no_args_is_help=True
@@ -90,23 +90,41 @@ def list_letters(
 
     from ingest.replay import list_dead_letters
 
-    letters = list_dead_letters(get_settings())[-limit:]
+    letters = list_dead_letters(_settings_with_kafka())[-limit:]
     if as_json:
         for record, letter in letters:
             doc = json.loads(letter.to_bytes())
             typer.echo(json.dumps({"position": f"{record.topic}/{record.partition}/{record.offset}", **doc}))
         return
-    table = Table("position", "source", "received_at", "bytes", "reason")
+    # The reason is what a reader came for: shown whole, wrapped; the rest kept on one line each.
+    table = Table()
+    for name in ("position", "source", "received_at", "bytes"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("reason", overflow="fold")
     for record, letter in letters:
         table.add_row(
             f"{record.partition}/{record.offset}",
             letter.source,
             letter.received_at.isoformat(timespec="seconds"),
             str(len(letter.original)),
-            letter.reason[:120],
+            letter.reason,
         )
     Console().print(table)
     typer.echo(f"{len(letters)} dead letter(s)")
+
+
+def _settings_with_kafka() -> Settings:
+    """The settings of a command that reads the dead-letter topic: with no Kafka configured and no `flywheel up`
+    running beside it, it says so at once instead of failing to bootstrap from an empty address."""
+    settings = get_settings()
+    if not settings.kafka_bootstrap_servers:
+        typer.echo(
+            "no Kafka to read the dead letters from: set FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS, or run this while "
+            f"`flywheel up` is running (its embedded broker listens on 127.0.0.1:{settings.embedded_kafka_port})",
+            err=True,
+        )
+        raise typer.Exit(2)
+    return settings
 
 
 @dead_letters.command()
@@ -117,7 +135,7 @@ def replay(
     """Re-validate dead letters and produce those that pass now (idempotent: event ids are kept)."""
     from ingest.replay import replay_dead_letters
 
-    result = replay_dead_letters(get_settings(), source_prefix=source, dry_run=dry_run)
+    result = replay_dead_letters(_settings_with_kafka(), source_prefix=source, dry_run=dry_run)
     verb = "would replay" if dry_run else "replayed"
     typer.echo(f"{verb} {len(result.replayed)} event(s); {len(result.still_invalid)} still invalid")
     for position, reason in result.still_invalid[:20]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 from dataclasses import replace
 from datetime import timedelta
 
@@ -52,6 +53,12 @@ def test_list_then_replay_after_a_fix_produces_only_what_passes_now(settings, mo
     assert sorted(by_id) == ["broken", "v2-event"] and len(docs) == 2
     assert "unknown schema_version 2" in by_id["v2-event"]["reason"]
     assert by_id["v2-event"]["source"] == "http:/v1/events"
+    # The table shows each reason whole (wrapped), not cut: a reader came for the reason.
+    table = runner.invoke(flywheel_cli, ["ingest", "dead-letters", "list"])
+    assert table.exit_code == 0, table.output
+    shown = "".join(ch for ch in table.output if ch not in "│ \n")
+    for doc in docs:
+        assert "".join(doc["reason"].split()) in shown, (doc["reason"], table.output)
 
     before = runner.invoke(flywheel_cli, ["ingest", "dead-letters", "replay"])
     assert before.exit_code == 0 and "replayed 0 event(s); 2 still invalid" in before.output
@@ -83,3 +90,22 @@ def test_a_segment_batch_item_replays_with_its_batch_clock_skew_correction(setti
     fixed = {**item, "properties": {**item["properties"], "generation_id": "g1"}}
     event = revalidate(replace(letter, original=json.dumps(fixed).encode()))
     assert event.ts == letter.received_at - timedelta(seconds=10)
+
+
+def test_listing_dead_letters_with_no_kafka_says_what_to_set(monkeypatch):
+    """No Kafka configured and no `flywheel up` beside it: a clear message and exit 2 at once, not a traceback
+    after a 30-second bootstrap from an empty address."""
+    with socket.socket() as probe:  # a loopback port nothing listens on, for the embedded broker's
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    for name in ("KAFKA_BOOTSTRAP_SERVERS", "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLYWHEEL_EMBEDDED_KAFKA_PORT", str(free_port))
+    get_settings.cache_clear()
+    try:
+        for command in ("list", "replay"):
+            result = CliRunner().invoke(flywheel_cli, ["ingest", "dead-letters", command])
+            assert result.exit_code == 2, result.output
+            assert "FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS" in result.output and f"127.0.0.1:{free_port}" in result.output
+    finally:
+        get_settings.cache_clear()
