@@ -44,6 +44,13 @@ class Settings(BaseSettings):
         description="Where the lake's Delta tables live: a local path or s3://BUCKET/PREFIX (credentials and "
         "endpoint from the AWS_* variables); empty: <data_dir>/lake.",
     )
+    lake_log_retention_days: int = Field(
+        default=365,
+        ge=30,
+        description="Days each lake table keeps its commit log (Delta's delta.logRetentionDuration): a table version "
+        "older than this can no longer be opened, so a model trained on it can no longer be traced to its rows. At "
+        "least Delta's 30-day default; about 1-2 KB of log a commit, kept this long (docs/design.md, 'Lake tables').",
+    )
 
     # Kafka
     kafka_bootstrap_servers: str = Field(

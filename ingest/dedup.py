@@ -55,7 +55,7 @@ from datetime import UTC, datetime, timedelta
 import polars as pl
 from deltalake import DeltaTable
 
-from flywheel.lake.tables import EVENTS, CommitRefused, Table
+from flywheel.lake.tables import DEFAULT_LOG_RETENTION_DAYS, EVENTS, CommitRefused, Table
 
 Partition = tuple[str, int]
 
@@ -82,10 +82,18 @@ class Selection:
 class PartitionLedger:
     """The offsets a table holds per Kafka partition and, for events, the recent event ids (module doc)."""
 
-    def __init__(self, table: Table, location: str, prefix: str, window_s: float = 7 * 24 * 3600) -> None:
+    def __init__(
+        self,
+        table: Table,
+        location: str,
+        prefix: str,
+        window_s: float = 7 * 24 * 3600,
+        log_retention_days: int = DEFAULT_LOG_RETENTION_DAYS,
+    ) -> None:
         self.table = table
         self.location = location
         self.prefix = prefix
+        self._log_retention_days = log_retention_days  # for a table this ledger creates
         self._window_s = window_s
         self._snapshot: DeltaTable | None = None
         self.committed: dict[Partition, int | None] = {}
@@ -93,7 +101,7 @@ class PartitionLedger:
 
     def snapshot(self) -> DeltaTable:
         if self._snapshot is None:
-            self._snapshot = self.table.create(self.location)
+            self._snapshot = self.table.create(self.location, log_retention_days=self._log_retention_days)
         return self._snapshot
 
     def reload(self, partitions: Iterable[Partition]) -> dict[Partition, int | None]:

@@ -110,8 +110,11 @@ class IngestWorker:
         self._consumer = consumer
         self._producer = producer
         lake = settings.lake_root
-        self._events = PartitionLedger(EVENTS, EVENTS.at(lake), "ingest", window_s=dedup_ttl_s)
-        self._letters = PartitionLedger(DEAD_LETTERS, DEAD_LETTERS.at(lake), "ingest")
+        keep_log = settings.lake_log_retention_days
+        self._events = PartitionLedger(
+            EVENTS, EVENTS.at(lake), "ingest", window_s=dedup_ttl_s, log_retention_days=keep_log
+        )
+        self._letters = PartitionLedger(DEAD_LETTERS, DEAD_LETTERS.at(lake), "ingest", log_retention_days=keep_log)
         self._epoch: int | None = None
         # Lag asks the broker for every partition's end: every few seconds, not per batch.
         self.lag_interval_s = lag_interval_s

@@ -2,7 +2,9 @@
 
 Here, above the registry, because the vacuum keeps every table version a registered model version
 trained on (its lineage's `data_window.lake_versions`): a model can always be traced to, and retrained
-on, the exact rows it learnt from. Without the registry's answer no vacuum runs.
+on, the exact rows it learnt from. Without the registry's answer no vacuum runs, and the command exits
+75 (EX_TEMPFAIL), so a scheduler sees the failure and runs it again later. `compact` also sets each
+table's log retention (`FLYWHEEL_LAKE_LOG_RETENTION_DAYS`): a version whose log is gone cannot be read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from typing import Annotated
 
 import typer
+from deltalake.exceptions import CommitFailedError
 
 from flywheel.lake.maintenance import (
     DEFAULT_RETENTION_HOURS,
@@ -21,12 +24,16 @@ from flywheel.lake.maintenance import (
     compact,
     history,
     migrate,
+    set_log_retention,
     vacuum,
 )
 from flywheel.lake.tables import TABLES, Table
 from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# sysexits.h EX_TEMPFAIL: the registry did not answer, nothing was vacuumed; try again later.
+EXIT_REGISTRY_UNAVAILABLE = 75
 
 app = typer.Typer(help=f"The lake's Delta tables ({', '.join(TABLES)}).", no_args_is_help=True)
 
@@ -55,12 +62,13 @@ def pinned_versions(settings: Settings) -> dict[str, list[int]]:
 
 def _vacuum_all(
     settings: Settings, tables: list[Table], retention_hours: float, full: bool, dry_run: bool = False
-) -> None:
+) -> bool:
+    """Vacuum `tables`; False (nothing vacuumed) when the registry did not say which versions to keep."""
     try:
         pinned = pinned_versions(settings)
     except Exception as exc:  # noqa: BLE001 - without the registry's versions a vacuum could delete what a model needs
         typer.echo(f"vacuum skipped: the registry did not say which versions models trained on ({exc})", err=True)
-        return
+        return False
     for table in tables:
         keep = pinned.get(table.name, [])
         try:
@@ -71,6 +79,7 @@ def _vacuum_all(
             continue
         verb = "would delete" if dry_run else "deleted"
         typer.echo(f"{table.name}: {verb} {len(gone)} file(s){' (full)' if full else ''}; kept versions {keep}")
+    return True
 
 
 @app.command("history")
@@ -104,13 +113,20 @@ def compact_command(
     runs = 0
     while True:
         for t in tables:
+            try:
+                if set_log_retention(t, t.at(settings.lake_root), settings.lake_log_retention_days):
+                    typer.echo(f"{t.name}: commit log kept {settings.lake_log_retention_days} days")
+            except CommitFailedError as exc:  # a concurrent commit won: set on the next run
+                typer.echo(f"{t.name}: log retention not set this run ({exc})", err=True)
             done = compact(t, t.at(settings.lake_root))
             typer.echo(f"{t.name}: {done.files_before} -> {done.files_after} file(s) in {done.seconds:.2f}s"
                        + (f" (version {done.version})" if done.version is not None else ""))  # fmt: skip
-        if vacuum_after:
-            _vacuum_all(settings, tables, retention_hours, full=runs % full_every == full_every - 1)
+        full = runs % full_every == full_every - 1
+        vacuumed = not vacuum_after or _vacuum_all(settings, tables, retention_hours, full=full)
         runs += 1
         if not every:
+            if not vacuumed:
+                raise typer.Exit(EXIT_REGISTRY_UNAVAILABLE)
             return
         time.sleep(every)
 
@@ -122,8 +138,11 @@ def vacuum_command(
     full: bool = typer.Option(False, help="Also delete files no version ever named (lost or killed commits)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would go."),
 ) -> None:
-    """Delete files no version within the retention, nor any registered model's data version, needs."""
-    _vacuum_all(Settings(), _tables(table), retention_hours, full, dry_run)
+    """Delete files no version within the retention, nor any registered model's data version, needs.
+
+    Exits 75 (EX_TEMPFAIL) without deleting anything when the registry does not answer."""
+    if not _vacuum_all(Settings(), _tables(table), retention_hours, full, dry_run):
+        raise typer.Exit(EXIT_REGISTRY_UNAVAILABLE)
 
 
 @app.command("migrate")

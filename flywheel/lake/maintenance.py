@@ -15,6 +15,10 @@ needs. The retention must outlast every reader and every version someone means t
   `flywheel.contract.DataWindow.lake_versions`): their files are kept whatever their age, so any
   model can be traced to, and retrained on, the exact rows it learnt from.
 
+Data files are not all a version needs: its commit log must be there too. `set_log_retention` sets how long a
+table keeps it (`delta.logRetentionDuration`, `flywheel.lake.tables.DEFAULT_LOG_RETENTION_DAYS`); a candidate
+pinned for longer than that can no longer be read back by its version.
+
 `vacuum(full=True)` also deletes files no version ever referenced: the Parquet files of a writer
 that lost its commit race (or was killed before committing), which a plain vacuum cannot see.
 
@@ -34,7 +38,7 @@ from pathlib import Path
 import polars as pl
 
 from flywheel.lake import is_remote, legacy
-from flywheel.lake.tables import Table
+from flywheel.lake.tables import LOG_RETENTION, Table, log_retention
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,18 @@ def compact(table: Table, location: str, *, target_size: int | None = None) -> C
     after = len(delta.file_uris())
     made = delta.version() if delta.version() != version else None
     return Compaction(table.name, before, after, time.perf_counter() - started, made)
+
+
+def set_log_retention(table: Table, location: str, days: int) -> bool:
+    """Make the table at `location` keep its commit log `days` (`delta.logRetentionDuration`); True when this
+    changed it (one metadata commit: a writer whose snapshot predates it loses one commit race and retries)."""
+    value = log_retention(days)
+    delta = table.open(location)
+    if delta is None or delta.metadata().configuration.get(LOG_RETENTION) == value:
+        return False
+    delta.alter.set_table_properties({LOG_RETENTION: value})
+    log.info("%s: commit log kept %s", table.name, value.removeprefix("interval "))
+    return True
 
 
 def vacuum(

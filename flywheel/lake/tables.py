@@ -37,7 +37,7 @@ from typing import TypeVar
 
 import polars as pl
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction, RemoveAction
 
 from flywheel.contract import Event, RewardRecord
@@ -48,9 +48,26 @@ log = logging.getLogger(__name__)
 _UTC_US = pl.Datetime("us", "UTC")
 # The partition columns every table stores beside its own (the date and hour of `partition_column`).
 PARTITION_COLUMNS = pl.Schema({"date": pl.Date(), "hour": pl.Int32()})
+# How long a table keeps its commit log (`delta.logRetentionDuration`). At each checkpoint (every 100 commits)
+# delta-rs deletes log files older than this, and a version whose log is gone can no longer be opened, though a
+# vacuum kept its data files (`maintenance.vacuum(keep_versions=...)`): a model trained on it could no longer be
+# traced to its rows. Delta's default is 30 days; ours a year (`Settings.lake_log_retention_days`), never less
+# than Delta's. `flywheel lake compact` sets the deployment's value on tables created before it.
+DEFAULT_LOG_RETENTION_DAYS = 365
+MIN_LOG_RETENTION_DAYS = 30
+LOG_RETENTION = "delta.logRetentionDuration"
+
+
+def log_retention(days: int) -> str:
+    """`days` as the table property's value ("interval N days"); refuses fewer than Delta's default."""
+    if days < MIN_LOG_RETENTION_DAYS:
+        raise ValueError(f"a log retention of {days} days is shorter than Delta's {MIN_LOG_RETENTION_DAYS}-day default")
+    return f"interval {int(days)} days"
+
+
 # Table properties set at creation. A named write's transaction (`Table.write(name=...)`) carries its time
 # and is forgotten this long after it (a signals outbox entry is flushed within seconds); a Kafka
-# partition's carries none and is kept for good.
+# partition's carries none and is kept for good. The log retention is `Table.create`'s argument.
 TABLE_CONFIGURATION: dict[str, str | None] = {"delta.setTransactionRetentionDuration": "interval 7 days"}
 
 Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
@@ -58,6 +75,11 @@ Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
 
 class LakeSchemaError(ValueError):
     """A frame does not have a table's columns: writing it would break the contract for every reader."""
+
+
+class VersionGone(LookupError):
+    """A version of a table that exists can no longer be opened: its commit log was cleaned up (older than the
+    table's log retention) or it was never made. Never read as an empty table: a re-run would train on nothing."""
 
 
 class CommitRefused(RuntimeError):
@@ -107,23 +129,39 @@ class Table:
     # ------------------------------------------------------------ opening
 
     def open(self, location: str, version: int | None = None) -> DeltaTable | None:
-        """The table at `location` (at `version`, default the newest), or None when it does not exist yet."""
+        """The table at `location` (at `version`, default the newest), or None when it does not exist yet.
+
+        Raises `VersionGone` when the table exists but `version` cannot be opened (its log was cleaned up)."""
         guard_fork()
+        if version is None:
+            try:
+                return DeltaTable(location)
+            except TableNotFoundError:
+                return None
         try:
             return DeltaTable(location, version=version)
-        except TableNotFoundError:
-            return None
+        except DeltaError as exc:  # TableNotFoundError too: delta-rs says so when the version's log is gone
+            newest = self.open(location)
+            if newest is None:
+                return None
+            kept = newest.metadata().configuration.get(LOG_RETENTION) or "interval 30 days (Delta's default)"
+            raise VersionGone(
+                f"{self.name}: version {version} of {location} cannot be opened (the newest is {newest.version()}; "
+                f"the table keeps its log for {kept.removeprefix('interval ')}): {exc}"
+            ) from exc
 
-    def create(self, location: str) -> DeltaTable:
-        """The table at `location`, created empty (partitioned, with the declared schema) if it does not exist."""
+    def create(self, location: str, *, log_retention_days: int = DEFAULT_LOG_RETENTION_DAYS) -> DeltaTable:
+        """The table at `location`, created empty (partitioned, with the declared schema, keeping its log
+        `log_retention_days`) if it does not exist."""
         table = self.open(location)
         if table is not None:
             return table
         schema = pl.DataFrame(schema={**self.schema, **PARTITION_COLUMNS}).to_arrow().schema
+        configuration = {**TABLE_CONFIGURATION, LOG_RETENTION: log_retention(log_retention_days)}
         try:
             return DeltaTable.create(
                 location, schema=schema, partition_by=list(PARTITION_COLUMNS), mode="ignore",
-                configuration=TABLE_CONFIGURATION,
+                configuration=configuration,
             )  # fmt: skip
         except Exception:  # noqa: BLE001 - another writer created it first: its version 0 stands
             table = self.open(location)
