@@ -238,7 +238,8 @@ def rollout_line(gate: DeployGate) -> str:
     view = RolloutController(gate).view()
     decision = view.analysis.decision if view.analysis else None
     said = f"{decision.action}: {decision.reason}" if decision else "waiting for challenger rewards"
-    return f"{view.state} at {view.share:.0%} ({said})" if view.state != "idle" else ""
+    # The experiment's own challenger: after a rollback the split may already name the next candidate.
+    return f"v{view.challenger} {view.state} at {view.share:.0%} ({said})" if view.state != "idle" else ""
 
 
 def run_up(

@@ -36,7 +36,7 @@ def test_the_demo_never_promotes_an_equal_challenger_as_a_win_nor_rolls_it_back_
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from launcher.up import DEMO_ROLLOUT_ENV
+    from launcher.up import DEMO_ROLLOUT_ENV, rollout_line
 
     for k, v in DEMO_ROLLOUT_ENV.items():
         monkeypatch.setenv(k, v)
@@ -58,7 +58,12 @@ def test_the_demo_never_promotes_an_equal_challenger_as_a_win_nor_rolls_it_back_
             # Nothing showed it harmful: what it served stays eligible for training.
             assert rec.challenger is not None and registry.gate_state(rec.challenger) == "rolled_back"
             champion = registry.alias("champion")
+            ended_challenger = rec.challenger
             gate.approve(register(registry, tmp_path, parent=champion), by="demo", reason="auto-approve")
+            # The console's rollout line names the experiment's own challenger, not the split's next one.
+            line = rollout_line(gate)
+            assert gate.splits.get().challenger_version != ended_challenger, line
+            assert line.startswith(f"v{ended_challenger} {rec.state} at "), line
     assert ended, "no experiment ended in 30 minutes: the maximum duration is 10"
     assert not [e for e in ended if "significant win" in e or "guardrail" in e], ended
     assert all("inconclusive" in e for e in ended), ended

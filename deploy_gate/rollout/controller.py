@@ -104,7 +104,11 @@ class RolloutController:
     def view(self) -> ExperimentView:
         """The `GET /api/experiment` answer, from the stored record and the split (no lake read)."""
         rec, split = self.record(), self.gate.splits.get()
-        live = challenger_live(split)
+        # An ended experiment is shown as it ended until the next tick starts one for the split's new challenger
+        # (approved since): its state beside the new version's name and share would say that version ended.
+        ended = rec.state in ("promoted", "rolled_back")
+        newer = split is not None and split.challenger_version != rec.challenger
+        live = challenger_live(split) and not (ended and newer)
         return ExperimentView(
             experiment=rec.experiment,
             state=rec.state if (live or rec.state in ("promoted", "rolled_back")) else "idle",
