@@ -111,7 +111,7 @@ class RolloutController:
         live = challenger_live(split) and not (ended and newer)
         return ExperimentView(
             experiment=rec.experiment,
-            state=rec.state if (live or rec.state in ("promoted", "rolled_back")) else "idle",
+            state=rec.state if (live or ended) else "idle",
             champion=split.champion_version if split else rec.champion,
             challenger=split.challenger_version if split and live else rec.challenger,
             holdout_version=split.holdout_version if split else None,
