@@ -204,4 +204,5 @@ class StateStore:
         return cast(list[bytes], self._r.lrange(keys.outbox(partition), 0, -1))
 
     def pop_outbox(self, keys: Keys, partition: int) -> None:
-        self._r.lpop(keys.outbox(partition))
+        # LTRIM, not LPOP: the entry (a batch's records) need not come back over the wire
+        self._r.ltrim(keys.outbox(partition), 1, -1)

@@ -18,7 +18,12 @@ class KafkaPythonProducer:
         self._p = KafkaProducer(
             bootstrap_servers=bootstrap.split(","),
             acks="all",
-            linger_ms=5,
+            linger_ms=config.pop("linger_ms", 5),
+            # `send_all` flushes what it sent, so a batch is a call's records per partition, not 16 KiB of them:
+            # kafka-python's default closes a batch every ~40 records of 400 bytes, and each new batch wakes its
+            # sender thread, which then drains (and fights `send` for the GIL); 256 KiB halved the cost of a
+            # record (bench/signals_stream_throughput.py). Below Kafka's default 1 MiB message limit.
+            batch_size=config.pop("batch_size", 256 * 1024),
             retries=5,
             max_block_ms=max_block_ms,
             # kafka-python's own default blocks the constructor 30 s when no broker answers, whatever max_block_ms.
@@ -113,9 +118,7 @@ class KafkaPythonConsumer:
             return {}
         ends = self._c.end_offsets(parts, timeout_ms=5000)
         # Clamped: a broker whose end offset trails the true end (the embedded Tansu may) must not read negative.
-        return {
-            (tp.topic, tp.partition): max(0, ends[tp] - self._c.position(tp, timeout_ms=5000)) for tp in parts
-        }
+        return {(tp.topic, tp.partition): max(0, ends[tp] - self._c.position(tp, timeout_ms=5000)) for tp in parts}
 
     def close(self) -> None:
         self._c.close(autocommit=False)
