@@ -299,6 +299,13 @@ def test_a_cycle_with_more_eligible_data_than_its_budget_reports_what_it_left_ou
     assert result.metrics["samples_trained"] == 4 and result.metrics["samples_eligible"] == 40
     assert "36 not reached within time_budget_s=1e-06 (visited in a seeded random order" in result.reason
 
+    # Early stopping at target_kl: the first step starts at the champion (KL 0), the second measures the
+    # first update's KL, which passes a tiny target, so no third step starts; what it left out is said.
+    stop = TrainerConfig(batch_size=4, min_samples=4, learning_rate=1e-2, target_kl=1e-9)
+    result = run_cycle(tsettings, stop, progress=False)
+    assert result.status == "registered" and result.metrics["steps"] == 2, result.metrics
+    assert "32 not reached: stopped at target_kl=1e-09 nats to the champion" in result.reason, result.reason
+
 
 def test_the_off_policy_holdout_is_left_out_of_training_and_said(tsettings: Settings, champion: str) -> None:
     """Generations of prompts in the holdout (`flywheel.holdout`) never reach the trainer, and the cycle says

@@ -69,6 +69,11 @@ class TrainerConfig:
         time_budget_s: wall-clock seconds training may take (0 = no budget). Samples are visited in
             a seeded random order, so a cycle that runs out stops after the step past the budget
             having trained on a uniform sample, and reports the samples it did not reach.
+        target_kl: stop the cycle once the mean per-token KL to the champion over its last
+            `KL_STOP_STEPS` steps passes this many nats (0 = never): the trust region of PPO's early
+            stopping (Schulman et al. 2017; OpenAI Baselines' `target_kl`), kept under the offline
+            gate's `max_kl` so a learning rate that alone would overshoot it still makes a candidate
+            the gate lets through. Samples not reached are reported, like the time budget's.
         replay_fraction: add up to this fraction of older (already trained on) samples.
         require_consent / consent_property: train only on users whose latest event carrying
             `consent_property` set it true.
@@ -110,6 +115,7 @@ class TrainerConfig:
     min_samples: int | None = None
     max_samples: int = 0
     time_budget_s: float = 0.0
+    target_kl: float = 0.0
     ope_holdout_share: float = 0.0
     replay_fraction: float = 0.0
     require_consent: bool = True
@@ -171,6 +177,8 @@ class TrainerConfig:
             errors.append(f"ope_holdout_share={self.ope_holdout_share}: must be in [0, 1) (0 = hold nothing out)")
         if self.time_budget_s < 0:
             errors.append(f"time_budget_s={self.time_budget_s}: must be >= 0 seconds (0 = no budget)")
+        if self.target_kl < 0:
+            errors.append(f"target_kl={self.target_kl}: must be >= 0 nats (0 = no early stop)")
         if not 0.0 <= self.replay_fraction <= 1.0:
             errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
         if self.require_consent and not self.consent_property.strip():

@@ -39,7 +39,7 @@ from flywheel.settings import Settings
 from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
 from trainer.data import Selection, load_selection, over_cap_reason, quarantined_versions
-from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
+from trainer.loop import StepStats, kl_to_reference, mismatch_report, recent_kl, score_samples, train_policy
 from trainer.retokenize import text_encoder
 from trainer.scoring import scorer_for
 
@@ -64,6 +64,12 @@ def over_budget_reason(config: TrainerConfig) -> str:
     """The `Selection.dropped` reason of samples a cycle did not reach within its time budget: says the rule."""
     return (f"not reached within time_budget_s={config.time_budget_s:g} (visited in a seeded random order, so "
             "the trained ones are a uniform sample)")  # fmt: skip
+
+
+def over_kl_reason(config: TrainerConfig) -> str:
+    """The `Selection.dropped` reason of samples a cycle did not reach because it stopped at `target_kl`."""
+    return (f"not reached: stopped at target_kl={config.target_kl:g} nats to the champion (visited in a seeded "
+            "random order, so the trained ones are a uniform sample)")  # fmt: skip
 
 
 def watermark(registry: ModelRegistry, champion: str) -> datetime | None:
@@ -201,7 +207,15 @@ def _train_and_register(
         )
     reached = len(samples) if len(history) >= steps_per_epoch else len(history) * config.batch_size * world
     if reached < len(samples):
-        selection.dropped[over_budget_reason(config)] += len(samples) - reached
+        # training stops early at max_steps, at the deadline or at target_kl
+        out_of_time = deadline is not None and time.monotonic() > deadline
+        if config.max_steps and len(history) >= config.max_steps:
+            reason = f"not reached within max_steps={config.max_steps} (visited in a seeded random order)"
+        elif config.target_kl and not out_of_time and recent_kl(history) > config.target_kl:
+            reason = over_kl_reason(config)
+        else:
+            reason = over_budget_reason(config)
+        selection.dropped[reason] += len(samples) - reached
     if config.save_dtype == "bfloat16":
         # Before the KL, so it measures the weights that will be stored and served.
         round_parameters_to_bfloat16_(policy.model, rounding_seed(config, champion, selection.window))

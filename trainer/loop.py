@@ -108,6 +108,16 @@ def mismatch_report(
     )
 
 
+KL_STOP_STEPS = 4
+"""Steps whose batch KL `TrainerConfig.target_kl` compares, averaged: one batch's estimate is noisy."""
+
+
+def recent_kl(history: Sequence[StepStats]) -> float:
+    """Mean per-token KL to the champion over the last `KL_STOP_STEPS` steps (each measured before its update)."""
+    last = history[-KL_STOP_STEPS:]
+    return sum(s.kl for s in last) / len(last) if last else 0.0
+
+
 def _order(n: int, config: TrainerConfig, epoch: int, world: int) -> list[int]:
     g = torch.Generator().manual_seed(config.seed * 1000 + epoch)
     order = torch.randperm(n, generator=g).tolist()
@@ -133,7 +143,8 @@ def train_policy(
     """Optimise `model` on `samples` against `reference` log-probs (the starting champion's).
 
     `deadline` (a `time.monotonic()` value): no step starts after it (the first always runs), so the
-    samples trained on are the first steps' share of a seeded random order: a uniform sample.
+    samples trained on are the first steps' share of a seeded random order: a uniform sample. Nor does
+    one start once `recent_kl` has passed `config.target_kl` (when set): the same uniform share.
 
     The baseline and advantage normalisation use the whole cycle's rewards, so every process
     of a distributed run computes the same advantages. The model stays in eval mode: dropout
@@ -164,6 +175,8 @@ def train_policy(
         order = _order(len(samples), config, epoch, world)
         for start in range(0, len(order), global_batch):
             if step and deadline is not None and _past(deadline, world, device):
+                return history
+            if config.target_kl and history and _over_kl(recent_kl(history), config.target_kl, world, device):
                 return history
             idx = order[start : start + global_batch][rank::world]
             batch = [samples[i] for i in idx]
@@ -222,6 +235,14 @@ def _past(deadline: float, world: int, device: torch.device) -> bool:
     if world > 1:
         dist.all_reduce(late, op=dist.ReduceOp.MAX)
     return bool(late.item())
+
+
+def _over_kl(kl: float, target: float, world: int, device: torch.device) -> bool:
+    """Whether any process's recent KL passed `target` (all stop at the same step, or DDP would hang)."""
+    over = torch.tensor([float(kl > target)], device=device)
+    if world > 1:
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    return bool(over.item())
 
 
 def decline_probabilities(
