@@ -59,7 +59,7 @@ _IMPLICIT = ("shown", "copied", "regenerated", "followup", "edit_distance", "ret
 def _prop(key: str, *types: str) -> pl.Expr:
     """Property `key` of each event of `types` as text (a JSON string's content, else the JSON of the value);
     null when absent, JSON null, or another type's (only what a signal reads is parsed: parsing is the cost)."""
-    return pl.when(pl.col("type").is_in(list(types))).then(pl.col("properties")).str.json_path_match(f"$.{key}")
+    return pl.when(_is(*types)).then(pl.col("properties")).str.json_path_match(f"$.{key}")
 
 
 def in_chunks(frame: pl.DataFrame, rows: int = 16_384) -> pl.DataFrame:
@@ -99,7 +99,8 @@ def _seconds(us: pl.Expr) -> pl.Expr:
 
 
 def _is(*types: str) -> pl.Expr:
-    return pl.col("type").is_in(list(types))
+    """Whether each event is of one of `types`: equalities, several times cheaper than `is_in` on text."""
+    return pl.any_horizontal([pl.col("type") == t for t in types])
 
 
 def _first_row(cond: pl.Expr) -> pl.Expr:

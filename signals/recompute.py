@@ -166,19 +166,24 @@ def plan_windows(
 
     # per lane, the first row of each partition at which its watermark reaches a value
     # (a watermark never goes down along a partition: the first row of a value is where it changes)
-    def changes(wm: pl.Expr) -> pl.Expr:
+    def changes(wm: pl.Expr, pos: pl.Expr) -> pl.Expr:
         # the frame is in partition order: the row before is of the same partition unless `pos` is 0
-        before = pl.when(pl.col("pos") > 0).then(wm.shift(1))
+        before = pl.when(pos > 0).then(wm.shift(1))
         return wm.is_not_null() & (before.is_null() | (wm != before))
 
-    steps = pl.concat(
-        [
-            df.filter(changes(pl.col(f"wm{lane}")))
-            .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
-            .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
-            for lane in (0, 1)
-        ]
-    ).sort("wm")
+    steps = (
+        pl.concat(
+            [
+                df.lazy()
+                .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
+                .filter(changes(pl.col("wm"), pl.col("first_pos")))
+                .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
+                for lane in (0, 1)
+            ]
+        )
+        .sort("wm")
+        .collect(engine=ENGINE)
+    )
     idle_wm = to_us(now) - lateness_us - int(round(idle_grace_s * 1e6))
     first = (
         df.lazy()
