@@ -198,7 +198,8 @@ class Signal:
     `any`, `min`, `max`, `sum` or `len`, the form polars aggregates fastest), the values read at the event
     rows those name (`picks`), and the expressions that turn the raw columns into its values once joined to
     its generation (`finish`). A value left null is "not observed". (Retention's checks are aggregated from
-    a frame of their own, `retention_checks`, sorted once by time after accept.)"""
+    a frame of their own, `retention_checks`, sorted once by time after accept; edits' distances are summed
+    in one, `edit_sums`.)"""
 
     name: str
     doc: str
@@ -276,14 +277,18 @@ def _undo_finish(d: RewardDefinition) -> list[pl.Expr]:
     ]
 
 
-def _edits_agg(d: RewardDefinition) -> list[pl.Expr]:
-    edited = _is("edited")
-    distance = pl.col("_edit").fill_null(0.0).clip(lower_bound=0.0).filter(edited).sum()
-    return [edited.any().alias("_any_edited"), distance.alias("_edit_sum")]
+def edit_sums(typed: pl.DataFrame) -> pl.LazyFrame:
+    """One row per record with `edited` events: `_edit_sum`, their distances summed in event order.
+
+    Apart from the other aggregations (`score_frame`): a float sum's last bits depend on the order of its
+    terms, and polars' streaming engine may add a record's partial sums in another one."""
+    edited = typed.lazy().filter(_is("edited"))
+    distance = pl.col("_edit").fill_null(0.0).clip(lower_bound=0.0).filter(_is("edited")).sum()
+    return edited.group_by("_record").agg(distance.alias("_edit_sum"))
 
 
 def _edits_finish(d: RewardDefinition) -> list[pl.Expr]:
-    distance = pl.when(pl.col("_any_edited")).then(pl.col("_edit_sum"))
+    distance = pl.col("_edit_sum")
     length = pl.max_horizontal(pl.lit(1), pl.col("completion_chars")).cast(pl.Float64)
     ratio = distance / length
     return [
@@ -396,7 +401,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal(
         "edits",
         "Edit distance after accepting, summed, and its ratio to the completion (`features.edits`).",
-        _edits_agg,
+        _none,
         _edits_finish,
         ("edit_distance", "edit_ratio"),
     ),
@@ -510,7 +515,14 @@ def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedbac
     aggs = [pl.len().alias("feedback_events"), *(e for s in SIGNALS for e in s.aggregate(d))]
     # collected once: the group-by, the picks and the retention checks read it
     typed = typed_feedback(feedback)
-    per_record = typed.lazy().group_by("_record").agg(pl.col(*KEY).first(), *aggs).collect(engine=ENGINE)
+    # min, max, any and len: the streaming engine aggregates those in about half the CPU time (3M events)
+    per_record = (
+        typed.lazy()
+        .group_by("_record")
+        .agg(pl.col(*KEY).first(), *aggs)
+        .collect(engine="streaming")
+        .join(edit_sums(typed).collect(engine=ENGINE), on="_record", how="left")
+    )
     per_record = _picked(typed, per_record, [p for s in SIGNALS for p in s.picks])
     frame = (
         generations.lazy()
