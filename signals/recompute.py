@@ -31,7 +31,7 @@ from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import EVENTS, REWARDS, rewards_frame
 from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
-from signals.columns import score_frame, signal_names, signals_of
+from signals.columns import ENGINE, in_chunks, score_frame, signal_names, signals_of
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.events import from_us, to_us
@@ -52,10 +52,12 @@ def generation_fields(properties: pl.Series) -> pl.DataFrame:
     Only that is parsed (prompt and token ids are most of the JSON), in one pass for the six fields: the
     contract holds each to a string (`flywheel.contract.GenerationRecord`). Text where one is not (rows
     written around the contract) is read field by field, each value as its text."""
+    frame = in_chunks(pl.DataFrame({"properties": properties}))
     try:
-        fields = properties.fill_null("{}").str.json_decode(_GENERATION_FIELDS).struct.unnest()
+        fields = frame.select(pl.col("properties").fill_null("{}").str.json_decode(_GENERATION_FIELDS)).unnest(
+            "properties"
+        )
     except pl.exceptions.ComputeError:
-        frame = pl.DataFrame({"properties": properties})
         fields = frame.select(
             pl.col("properties").str.json_path_match(f"$.{k}").alias(k) for k in _GENERATION_FIELDS.to_schema()
         )
@@ -89,6 +91,17 @@ def load_events(table: str, topic: str) -> pl.DataFrame | None:
     )
 
 
+def _is_sorted(frame: pl.DataFrame, *by: str) -> bool:
+    """Whether `frame` is in ascending order of the non-null columns `by` (checked in one pass, a sort's tenth)."""
+    if any(frame.get_column(c).has_nulls() for c in by):
+        return False
+    after: pl.Expr = pl.lit(True)  # the row is at or after the one before in the last columns of `by`
+    for c in reversed(by):
+        before = pl.col(c).shift(1)
+        after = (pl.col(c) > before) | ((pl.col(c) == before) & after)
+    return bool(frame.select(after.slice(1).all()).item())
+
+
 def _first_copy() -> pl.Expr:
     """True on the first row of each event (`EVENTS.key`); a key of one column is hashed as itself, not as a
     struct (about a quarter less time at 1M events)."""
@@ -114,16 +127,26 @@ def plan_windows(
     window_us = int(round(window_s * 1e6))
     lateness_us = int(round(lateness_s * 1e6))
     backfill_after_us = int(round(backfill_after_s * 1e6))
+    lane_order = ["kafka_partition", "kafka_offset"]
+    if not _is_sorted(events, *lane_order):  # the lake's rows mostly come in that order already
+        events = events.sort(*lane_order)
     df = (
-        events.sort("kafka_partition", "kafka_offset")
+        events.lazy()
         .filter(_first_copy())  # the first copy of each event counts
-        .with_columns(
+        .select(
+            "event_id",
+            "type",
+            "generation_id",
+            "user_id",
+            "properties",
+            "kafka_partition",
             pl.col("ts").dt.epoch("us").alias("ts_us"),
-            # the worker's clock: arrival, never past the wall clock (`signals.worker.event_clock_us`)
-            pl.min_horizontal(pl.col("received_at").dt.epoch("us"), pl.lit(to_us(now))).alias("clock"),
+            pl.col("received_at").dt.epoch("us").alias("received_us"),
         )
         .with_columns(
-            ((pl.col("received_at").dt.epoch("us") - pl.col("ts_us")) > backfill_after_us).cast(pl.Int8).alias("lane"),
+            # the worker's clock: arrival, never past the wall clock (`signals.worker.event_clock_us`)
+            pl.min_horizontal("received_us", pl.lit(to_us(now))).alias("clock"),
+            ((pl.col("received_us") - pl.col("ts_us")) > backfill_after_us).cast(pl.Int8).alias("lane"),
         )
         .with_columns(
             (pl.col("clock").cum_max().over("kafka_partition") - lateness_us).alias("wm0"),
@@ -138,24 +161,37 @@ def plan_windows(
             ).alias("wm1"),
             pl.int_range(pl.len()).over("kafka_partition").alias("pos"),
         )
+        .collect(engine=ENGINE)
     )
 
     # per lane, the first row of each partition at which its watermark reaches a value
     # (a watermark never goes down along a partition: the first row of a value is where it changes)
-    def changes(wm: pl.Expr) -> pl.Expr:
-        before = wm.shift(1).over("kafka_partition")
+    def changes(wm: pl.Expr, pos: pl.Expr) -> pl.Expr:
+        # the frame is in partition order: the row before is of the same partition unless `pos` is 0
+        before = pl.when(pos > 0).then(wm.shift(1))
         return wm.is_not_null() & (before.is_null() | (wm != before))
 
-    steps = pl.concat(
-        [
-            df.filter(changes(pl.col(f"wm{lane}")))
-            .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
-            .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
-            for lane in (0, 1)
-        ]
-    ).sort("wm")
+    steps = (
+        pl.concat(
+            [
+                df.lazy()
+                .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
+                .filter(changes(pl.col("wm"), pl.col("first_pos")))
+                .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
+                for lane in (0, 1)
+            ]
+        )
+        .sort("wm")
+        .collect(engine=ENGINE)
+    )
     idle_wm = to_us(now) - lateness_us - int(round(idle_grace_s * 1e6))
-    first = df.filter(pl.col("type") == "generation").unique("generation_id", keep="first", maintain_order=True)
+    first = (
+        df.lazy()
+        .filter(pl.col("type") == "generation")
+        .select("generation_id", "user_id", "ts_us", "kafka_partition", "pos", "lane", "properties")
+        .unique("generation_id", keep="first", maintain_order=True)
+        .collect(engine=ENGINE)
+    )
     gens = (
         first.select(
             "generation_id",
@@ -187,23 +223,36 @@ def plan_windows(
         .drop("wm", "first_pos", "lane")
         .with_row_index("gen_idx")
     )
-    feedback = df.filter(pl.col("type") != "generation")
+    # one plan from here to the join, so only the rows and columns that reach it are copied
+    candidates = (
+        df.lazy()
+        .filter(pl.col("type") != "generation")
+        .select("event_id", "type", "generation_id", "properties", "kafka_partition", "ts_us", "pos")
+    )
     if max_feedback_bytes is not None:
-        feedback = feedback.filter(pl.col("properties").fill_null("{}").str.len_bytes() <= max_feedback_bytes)
+        candidates = candidates.filter(pl.col("properties").fill_null("{}").str.len_bytes() <= max_feedback_bytes)
     if max_feedback is not None:  # the worker's cap: the first ones of each generation, in arrival order
-        counts = feedback.group_by("generation_id").agg(pl.len())
-        flooded = counts.filter(pl.col("len") > max_feedback)["generation_id"]
+        # counted by the id's hash (a third faster than by its text): a generation sharing the hash of a flooded
+        # one is numbered too, and keeps its events as it has no more than the cap
+        key = pl.col("generation_id").hash()
+        counts = candidates.group_by(key).agg(pl.len())
+        flooded = counts.filter(pl.col("len") > max_feedback).collect(engine=ENGINE)["generation_id"]
         if len(flooded):  # numbering rows per generation costs more than counting them: only where needed
-            within = pl.col("generation_id").is_in(flooded.implode())
-            feedback = pl.concat([
-                feedback.filter(~within),
-                feedback.filter(within).filter(pl.int_range(pl.len()).over("generation_id") < max_feedback),
+            within = key.is_in(flooded.implode())
+            candidates = pl.concat([
+                candidates.filter(~within),
+                candidates.filter(within).filter(pl.int_range(pl.len()).over("generation_id") < max_feedback),
             ])  # fmt: skip
-    feedback = feedback.join(
-        gens.select("generation_id", "kafka_partition", "window_end", "close_pos", "gen_idx"),
-        on=["generation_id", "kafka_partition"],
-        how="inner",
-    ).filter(pl.col("ts_us") <= pl.col("window_end"))
+    feedback = (
+        candidates.join(
+            gens.lazy().select("generation_id", "kafka_partition", "window_end", "close_pos", "gen_idx"),
+            on=["generation_id", "kafka_partition"],
+            how="inner",
+        )
+        .filter(pl.col("ts_us") <= pl.col("window_end"))
+        .drop("generation_id", "window_end")
+        .collect(engine=ENGINE)
+    )
     columns = ("gen_idx", "event_id", "type", "ts_us", "properties", "late_rank")
     late = pl.col("pos") >= pl.col("close_pos")
     # only the (few) late events need numbering, in arrival order; the rest are rank 0 in any order
