@@ -70,10 +70,11 @@ class TrainerConfig:
             a seeded random order, so a cycle that runs out stops after the step past the budget
             having trained on a uniform sample, and reports the samples it did not reach.
         target_kl: stop the cycle once the mean per-token KL to the champion over its last
-            `KL_STOP_STEPS` steps passes this many nats (0 = never): the trust region of PPO's early
-            stopping (Schulman et al. 2017; OpenAI Baselines' `target_kl`), kept under the offline
-            gate's `max_kl` so a learning rate that alone would overshoot it still makes a candidate
-            the gate lets through. Samples not reached are reported, like the time budget's.
+            `KL_STOP_STEPS` steps passes this many nats (0 = never): PPO's early stop (Schulman et al.
+            2017; OpenAI Baselines' `target_kl`). It is measured on the logged tokens of each batch,
+            the champion's, while the offline gate's `max_kl` reads the candidate's own completions,
+            which read higher: set it well under `max_kl` (README, "Does it make users happier?").
+            Samples not reached are reported, like the time budget's.
         replay_fraction: add up to this fraction of older (already trained on) samples.
         require_consent / consent_property: train only on users whose latest event carrying
             `consent_property` set it true.
