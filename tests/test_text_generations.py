@@ -141,7 +141,7 @@ def test_no_logprob_objective_learns_from_them_when_configured(
     before = [p.detach().clone() for p in policy.model.parameters()]
     scorer = scorer_for(False)
     reference = score_samples(policy.model, selection.samples, scorer, policy.pad_id, 8)
-    history = train_policy(policy.model, selection.samples, reference, config, scorer, policy.pad_id)
+    history = train_policy(policy.model, selection.samples, reference, config, scorer, policy.pad_id).history
     assert history and all(torch.isfinite(torch.tensor(h.loss)) for h in history)
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.model.parameters(), strict=True))
 

@@ -7,6 +7,7 @@ column layout. MLflow is the real SQLite store.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -192,9 +193,13 @@ def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(
                                  encode_prompt=lambda t, p=policy: p.encode_prompt(t, 1)).samples  # fmt: skip
         scorer = scorer_for(True)
         reference = score_samples(policy.model, samples, scorer, policy.pad_id, 8)
-        train_policy(policy.model, samples, reference, config, scorer, policy.pad_id)
+        assert train_policy(policy.model, samples, reference, config, scorer, policy.pad_id).stopped_at == ""
         kls.append(kl_to_reference(policy.model, samples, reference, scorer, policy.pad_id, 8))
     assert kls[1] < 0.7 * kls[0], f"KL to the champion: coef 0 -> {kls[0]:.4f}, coef 2 -> {kls[1]:.4f}"
+    # and a run cut short says so, by its own rule
+    capped = train_policy(policy.model, samples, reference, dataclasses.replace(config, max_steps=2), scorer,
+                          policy.pad_id)  # fmt: skip
+    assert (len(capped.history), capped.stopped_at) == (2, "max_steps")
 
 
 def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(

@@ -200,7 +200,7 @@ def test_the_abstain_term_moves_declining_toward_what_declining_would_have_earne
     p0 = p_decline()
     stats = train_policy(policy.model, [sample(-0.25, [5, 6])], [[0.0, 0.0]],
                          TrainerConfig(abstain_coef=1.0, batch_size=1), scorer_for(False), policy.pad_id,
-                         stop_ids=stop)  # fmt: skip
+                         stop_ids=stop).history  # fmt: skip
     assert stats[0].abstain == pytest.approx(-0.25 * p0, rel=1e-4)  # logged beside the loss, before its coef
     with pytest.raises(ValueError, match="stop_ids"):  # asked for, never silently left out
         train_policy(policy.model, [sample(-0.25, [5, 6])], [[0.0, 0.0]], TrainerConfig(abstain_coef=1.0),

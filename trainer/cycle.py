@@ -39,7 +39,7 @@ from flywheel.settings import Settings
 from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
 from trainer.data import Selection, load_selection, over_cap_reason, quarantined_versions
-from trainer.loop import StepStats, kl_to_reference, mismatch_report, recent_kl, score_samples, train_policy
+from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
 from trainer.retokenize import text_encoder
 from trainer.scoring import scorer_for
 
@@ -201,20 +201,19 @@ def _train_and_register(
                 on_step(stats)
 
         deadline = started + config.time_budget_s if config.time_budget_s else None
-        history = train_policy(
+        training = train_policy(
             model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step,
             stop_ids=policy.stop_ids, deadline=deadline,
         )
+    history = training.history
     reached = len(samples) if len(history) >= steps_per_epoch else len(history) * config.batch_size * world
     if reached < len(samples):
-        # training stops early at max_steps, at the deadline or at target_kl
-        out_of_time = deadline is not None and time.monotonic() > deadline
-        if config.max_steps and len(history) >= config.max_steps:
-            reason = f"not reached within max_steps={config.max_steps} (visited in a seeded random order)"
-        elif config.target_kl and not out_of_time and recent_kl(history) > config.target_kl:
-            reason = over_kl_reason(config)
-        else:
-            reason = over_budget_reason(config)
+        # stopped early: train_policy says why (every process agrees: its checks are all-reduced)
+        reason = {
+            "max_steps": f"not reached within max_steps={config.max_steps} (visited in a seeded random order)",
+            "deadline": over_budget_reason(config),
+            "target_kl": over_kl_reason(config),
+        }[training.stopped_at]
         selection.dropped[reason] += len(samples) - reached
     if config.save_dtype == "bfloat16":
         # Before the KL, so it measures the weights that will be stored and served.

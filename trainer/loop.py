@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,14 @@ KL_STOP_STEPS = 4
 """Steps whose batch KL `TrainerConfig.target_kl` compares, averaged: one batch's estimate is noisy."""
 
 
+@dataclass(frozen=True)
+class Training:
+    """What `train_policy` did: its steps, and why it stopped before the end of its epochs ("" when it did not)."""
+
+    history: list[StepStats]
+    stopped_at: Literal["", "max_steps", "deadline", "target_kl"] = ""
+
+
 def recent_kl(history: Sequence[StepStats]) -> float:
     """Mean per-token KL to the champion over the last `KL_STOP_STEPS` steps (each measured before its update)."""
     last = history[-KL_STOP_STEPS:]
@@ -139,7 +148,7 @@ def train_policy(
     on_step: Callable[[StepStats], None] | None = None,
     stop_ids: Sequence[int] = (),
     deadline: float | None = None,
-) -> list[StepStats]:
+) -> Training:
     """Optimise `model` on `samples` against `reference` log-probs (the starting champion's).
 
     `deadline` (a `time.monotonic()` value): no step starts after it (the first always runs), so the
@@ -171,13 +180,14 @@ def train_policy(
     global_batch = config.batch_size * world
     history: list[StepStats] = []
     step = 0
+    steps_total = math.ceil(len(_order(len(samples), config, 0, world)) / global_batch) * config.epochs
     for epoch in range(config.epochs):
         order = _order(len(samples), config, epoch, world)
         for start in range(0, len(order), global_batch):
             if step and deadline is not None and _past(deadline, world, device):
-                return history
+                return Training(history, "deadline")
             if config.target_kl and history and _over_kl(recent_kl(history), config.target_kl, world, device):
-                return history
+                return Training(history, "target_kl")
             idx = order[start : start + global_batch][rank::world]
             batch = [samples[i] for i in idx]
             width = max(len(s.completion_token_ids) for s in batch)
@@ -225,8 +235,8 @@ def train_policy(
             if on_step is not None:
                 on_step(record)
             if config.max_steps and step >= config.max_steps:
-                return history
-    return history
+                return Training(history, "max_steps" if step < steps_total else "")
+    return Training(history)
 
 
 def _past(deadline: float, world: int, device: torch.device) -> bool:
