@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -227,6 +228,8 @@ def plot(results: dict[str, tuple[dict[str, Truth], list[CycleRecord]]], path: P
 
 
 def main() -> None:
+    # A run stopped by SIGTERM unwinds as Ctrl-C does, so the broker, Valkey and services it started stop with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
