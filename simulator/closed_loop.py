@@ -365,7 +365,7 @@ def evaluate_policy(policy: Policy, populations: list[Population], contexts: Con
     contexts), `repeats` samples per context with fixed seeds, straight through the policy: no events."""
     out = {}
     for pop in populations:
-        chosen = _eval_set(contexts, pop)
+        chosen = eval_set(contexts, pop)
         requests = [GenerationRequest(c.prompt, max_tokens, 1.0, seed=1000 * r + i)
                     for r in range(repeats) for i, c in enumerate(chosen)]  # fmt: skip
         gens = [g for i in range(0, len(requests), _EVAL_BATCH)
@@ -378,7 +378,7 @@ def evaluate_policy(policy: Policy, populations: list[Population], contexts: Con
     return out
 
 
-def _eval_set(pool: ContextPool, pop: Population) -> list[Context]:
+def eval_set(pool: ContextPool, pop: Population) -> list[Context]:
     """The population's mix of code and comment contexts, the same every time."""
     n_comment = round(len(pool.code) * pop.comment_share / max(1e-9, 1 - pop.comment_share))
     return list(pool.code) + list(pool.comment[:n_comment])

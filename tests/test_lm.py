@@ -23,6 +23,7 @@ from flywheel.lm import (
 )
 from flywheel.lm.bootstrap import pretrain_state_path
 from flywheel.lm.corpus import package_corpus, stdlib_corpus
+from flywheel.lm.policy import GenerationRequest
 
 PROMPTS = [
     "def ",
@@ -177,6 +178,8 @@ def test_same_seed_gives_the_same_generation(policy: Policy) -> None:
     assert a == b
     others = {tuple(policy.generate(PROMPTS[1], 12, seed=s).completion_token_ids) for s in range(8)}
     assert len(others) > 1  # the seed actually drives sampling
+    quick = policy.generate_batch([GenerationRequest(PROMPTS[1], 12, seed=7)], behaviour_logprobs=False)[0]
+    assert quick.logprobs == [] and quick.completion_token_ids == a.completion_token_ids
 
 
 def test_greedy_generation_picks_the_most_likely_token(policy: Policy) -> None:

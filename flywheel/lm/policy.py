@@ -225,7 +225,9 @@ class Policy:
                 kwargs = {"attention_mask": mask, "position_ids": positions}
             out = self.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
 
-    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+    def generate_batch(
+        self, requests: Sequence[GenerationRequest], *, behaviour_logprobs: bool = True
+    ) -> list[Generation]:
         """Sample every request (each at most one line) in shared forward passes, with behaviour log-probs.
 
         A completion stops at end-of-text, at its `max_tokens`, after the first token containing a
@@ -233,6 +235,9 @@ class Policy:
         end-of-text first token means the policy declined to suggest. `temperature=0` is greedy.
         The same request with the same seed gives the same completion on the same device, whatever
         else is in the batch (see the module docstring for the one caveat).
+        `behaviour_logprobs=False` leaves `logprobs` empty and skips their recompute (a full forward per
+        sample, most of the cost of a short completion on a CPU), for callers that only judge the text;
+        the completions are the same.
         """
         for request in requests:
             request.check()
@@ -244,6 +249,8 @@ class Policy:
             generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
             rows.append(_Row(self.encode_prompt(request.prompt, request.max_tokens), request, generator))
         self._sample(rows)
+        if not behaviour_logprobs:
+            return [self._result(r, []) for r in rows]
 
         # Logged log-probs come from a fresh full forward per sample through the trainer's own function,
         # not from the sampling logits (padded, KV-cache steps accumulate differently), so the trainer
