@@ -76,6 +76,9 @@ class RecordLine(msgspec.Struct, kw_only=True, gc=False):
 
 
 encode_line = msgspec.json.Encoder().encode
+# `json.dumps(signals, sort_keys=True)`'s text (`rewards_frame`'s): one encoder, where `json.dumps` with any option
+# builds a new one each call (most of its cost on a dict of a few floats)
+_signals_json = json.JSONEncoder(sort_keys=True).encode
 decode_lines = msgspec.json.Decoder(list[RecordLine]).decode
 
 
@@ -102,7 +105,7 @@ def write_lines(table: str, lines: Sequence[RecordLine], name: str) -> int | Non
         for column in REWARDS.schema
         if column not in times | {"signals"}
     }
-    columns["signals"] = [json.dumps(line.signals, sort_keys=True) for line in lines]
+    columns["signals"] = [_signals_json(line.signals) for line in lines]
     for column in times:
         us = [to_us(getattr(line, column)) for line in lines]
         columns[column] = pl.Series(column, us, pl.Int64).cast(REWARDS.schema[column])

@@ -30,7 +30,7 @@ from signals.events import FeedbackEvent, GenerationInfo
 
 NOT_EMITTED = -1
 # msgspec writes and reads the JSON `json` would (properties hold JSON values only), several times faster.
-_encode = compact_json_encoder()
+_encode = compact_json_encoder(msgspec.to_builtins)  # Structs, where `json.dumps` writes the text
 _pack = msgspec.msgpack.Encoder().encode
 
 
@@ -49,12 +49,14 @@ class GenState:
     feedback: int = 0  # distinct feedback events taken (capped at `SignalsConfig.max_feedback_per_generation`)
 
     def to_json(self) -> str:
+        # Its generation and events are Structs msgspec writes as `GenerationInfo.to_json` and
+        # `FeedbackEvent.to_json` would (same keys, same order), without building those per state.
         return _encode(
             {
                 "p": self.partition,
-                "g": self.gen.to_json() if self.gen else None,
+                "g": self.gen,
                 "end": self.window_end_us,
-                "ev": [e.to_json() for e in self.events],
+                "ev": self.events,
                 "seen": sorted(self.seen),
                 "rev": self.revision,
                 "late": self.late,
@@ -67,20 +69,40 @@ class GenState:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> GenState:
-        d = msgspec.json.decode(raw)
+        d = _decode_state(raw)
         return cls(
-            partition=d["p"],
-            gen=GenerationInfo.from_json(d["g"]) if d["g"] else None,
-            window_end_us=d["end"],
-            events=[FeedbackEvent.from_json(e) for e in d["ev"]],
-            seen=set(d["seen"]),
-            revision=d["rev"],
-            late=d["late"],
-            version=d["ver"],
-            lane=d.get("lane", 0),
-            orphaned=d.get("orph", False),
-            feedback=d.get("nf", len(d["ev"])),
+            partition=d.p,
+            gen=d.g,
+            window_end_us=d.end,
+            events=d.ev,
+            seen=set(d.seen),
+            revision=d.rev,
+            late=d.late,
+            version=d.ver,
+            lane=d.lane,
+            orphaned=d.orph,
+            feedback=len(d.ev) if d.nf is None else d.nf,
         )
+
+
+class _Stored(msgspec.Struct, gc=False):
+    """`GenState.to_json`'s object as read back (typed: its generation and events decode straight into their
+    Structs); `lane`, `orph` and `nf` came later, so a state written before them reads with their defaults."""
+
+    p: int
+    g: GenerationInfo | None
+    end: int | None
+    ev: list[FeedbackEvent]
+    seen: list[str]
+    rev: int
+    late: int
+    ver: str | None
+    lane: int = 0
+    orph: bool = False
+    nf: int | None = None
+
+
+_decode_state = msgspec.json.Decoder(_Stored).decode
 
 
 class Keys:

@@ -63,6 +63,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar, get_args
 
+import msgspec
 import polars as pl
 
 from flywheel.bus import (
@@ -150,9 +151,9 @@ def event_lane(e: StreamEvent, backfill_after_us: int) -> int:
     return 1 if e.received_us - e.ts_us > backfill_after_us else 0
 
 
-@dataclass(frozen=True)
-class _Closed:
-    """A record to emit: a window closed (or revised) in this batch, with its events at that moment."""
+class _Closed(msgspec.Struct, frozen=True, gc=False):
+    """A record to emit: a window closed (or revised) in this batch, with its events at that moment (a Struct,
+    like `signals.events`' values: one is made per record)."""
 
     definition: RewardDefinition
     partition: int
