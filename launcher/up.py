@@ -214,8 +214,9 @@ def progress_table(sim: UserSimulator, status: GateStatus, started: float, exper
     table.add_column("arm")
     table.add_column("served", justify="right")
     table.add_column("shown rate", justify="right")
-    table.add_column("accept rate", justify="right")
-    table.add_column("accept rate, last 100", justify="right")
+    # both at the same population mix for every arm (`SimulationStats`): users are split by a hash of their id
+    table.add_column("accept rate, same user mix", justify="right")
+    table.add_column("last 100 per population", justify="right")
     for arm in ("champion", "challenger"):
         s = sim.stats
         table.add_row(arm, str(s.served[arm]), f"{s.shown_rate(arm):.2f}", f"{s.satisfaction(arm):.3f}",

@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,11 +29,22 @@ RECENT = 100  # shown suggestions per arm in the recent accept rate
 
 @dataclass
 class SimulationStats:
+    """Ground-truth counts per arm, and per arm and population.
+
+    The accept rates are standardised to one population mix: users are split between the arms by a hash of
+    their id, so with few users one arm can hold more of a population that accepts little (content users
+    accept about 0.06 of what they see, length users 0.4), and a raw per-arm rate would then show a
+    difference the versions did not make. Each arm's rate is its per-population rates weighted by every
+    arm's shown suggestions per population, over the populations both arms have served."""
+
     served: Counter[str] = field(default_factory=Counter)  # per arm
     satisfied: Counter[str] = field(default_factory=Counter)  # kept suggestions, per arm
     declined: Counter[str] = field(default_factory=Counter)
     versions: Counter[str] = field(default_factory=Counter)
-    recent: defaultdict[str, deque[bool]] = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT)))
+    shown_by: Counter[tuple[str, str]] = field(default_factory=Counter)  # (arm, population)
+    kept_by: Counter[tuple[str, str]] = field(default_factory=Counter)
+    recent: defaultdict[tuple[str, str], deque[bool]] = field(
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT)))  # fmt: skip
     errors: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -44,22 +55,35 @@ class SimulationStats:
             if not outcome.truth.shown:
                 self.declined[outcome.arm] += 1
                 return
-            self.recent[outcome.arm].append(outcome.reaction.kept)
+            key = (outcome.arm, outcome.population)
+            self.shown_by[key] += 1
+            self.kept_by[key] += outcome.reaction.kept
+            self.recent[key].append(outcome.reaction.kept)
             if outcome.reaction.kept:
                 self.satisfied[outcome.arm] += 1
 
+    def _standardised(self, arm: str, rate: Callable[[str], float]) -> float:
+        with self.lock:
+            arms = {a for a, _ in self.shown_by}
+            served = [{p for a, p in self.shown_by if a == other} for other in arms]
+            common = set.intersection(*served) if served else set()
+            weight = {p: sum(n for (_, q), n in self.shown_by.items() if q == p) for p in common}
+        if arm not in arms or not weight:
+            return float("nan")
+        return sum(w * rate(p) for p, w in weight.items()) / sum(weight.values())
+
     def satisfaction(self, arm: str) -> float:
-        """The ground-truth accept rate of `arm`'s shown suggestions (kept, not undone), since the start."""
-        shown = self.served[arm] - self.declined[arm]
-        return self.satisfied[arm] / shown if shown else float("nan")
+        """The ground-truth accept rate of `arm`'s shown suggestions (kept, not undone) since the start, at the
+        population mix of every arm (see the class docstring)."""
+        return self._standardised(arm, lambda p: self.kept_by[arm, p] / self.shown_by[arm, p])
 
     def shown_rate(self, arm: str) -> float:
         return (self.served[arm] - self.declined[arm]) / self.served[arm] if self.served[arm] else float("nan")
 
     def recent_accept_rate(self, arm: str) -> float:
-        """The accept rate of `arm`'s last `RECENT` shown suggestions: how the version serving now does."""
-        kept = self.recent[arm]
-        return sum(kept) / len(kept) if kept else float("nan")
+        """The accept rate of each population's last `RECENT` shown suggestions in `arm`, at the common mix:
+        how the version serving now does."""
+        return self._standardised(arm, lambda p: sum(self.recent[arm, p]) / len(self.recent[arm, p]))
 
 
 class UserSimulator:

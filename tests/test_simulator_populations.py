@@ -36,6 +36,7 @@ from simulator.populations import (
     DecliningPopulation,
     LengthPopulation,
     NoisyPopulation,
+    Reaction,
     StylePopulation,
     Truth,
     default_populations,
@@ -43,7 +44,8 @@ from simulator.populations import (
     reporting_populations,
     tuning_populations,
 )
-from simulator.product import SimulatedProduct
+from simulator.product import Outcome, SimulatedProduct
+from simulator.users import SimulationStats
 
 CODE = Context(prompt="def area(width, height):\n    return wid", truth="th * height\n", kind="code")
 COMMENT = Context(prompt="x = 1\n# the cache is rebuil", truth="t on every start\n", kind="comment")
@@ -143,6 +145,33 @@ def test_reactions_follow_the_truth() -> None:
     kept = sum(pop.react(Truth(True, 0.85, 0.85, True), rng).kept for _ in range(4000)) / 4000
     assert abs(kept - 0.85) < 0.03
     assert not pop.react(Truth(False, 0.0, 0.25, True), rng).shown
+
+
+def test_the_demo_table_compares_arms_at_one_population_mix() -> None:
+    """Equal versions, arms holding different mixes of users: the raw rates differ, the table's do not."""
+    stats = SimulationStats()
+
+    def serve(arm: str, population: str, kept: int, shown: int) -> None:
+        for i in range(shown):
+            reaction = Reaction(shown=True, accepted=i < kept, kept=i < kept)
+            stats.record(Outcome(population, CODE, arm, "1", f"g-{arm}-{population}-{i}", "x", "stop",
+                                 Truth(True, 0.5, 0.5, True), reaction, 2))  # fmt: skip
+
+    # both versions: content users accept 5 in 100, length users 40 in 100; the challenger got mostly content users
+    serve("champion", "content", 5, 100)
+    serve("champion", "length", 120, 300)
+    serve("challenger", "content", 15, 300)
+    serve("challenger", "length", 40, 100)
+    raw = {arm: stats.satisfied[arm] / stats.served[arm] for arm in ("champion", "challenger")}
+    assert raw["challenger"] < 0.6 * raw["champion"]  # 0.1375 against 0.3125: what the table showed before
+    assert stats.satisfaction("champion") == pytest.approx(stats.satisfaction("challenger"))
+    assert stats.satisfaction("champion") == pytest.approx((0.05 * 400 + 0.4 * 400) / 800)
+    # a population only one arm has served does not enter either arm's rate
+    serve("champion", "style", 100, 100)
+    assert stats.satisfaction("champion") == pytest.approx(stats.satisfaction("challenger"))
+    # the recent rate: each population's last 100 in the arm (kept ones came first above), at the same weights
+    assert stats.recent_accept_rate("champion") == pytest.approx((5 / 100 + 0 / 100) / 2)
+    assert stats.recent_accept_rate("challenger") == pytest.approx((0 / 100 + 40 / 100) / 2)
 
 
 @pytest.mark.slow
