@@ -42,7 +42,7 @@ from flywheel.bus import ensure_topics
 from flywheel.contract import ModelLineage
 from flywheel.lake.tables import REWARDS
 from flywheel.lm import load_policy
-from flywheel.lm.policy import GenerationRequest, Policy
+from flywheel.lm.policy import Generation, GenerationRequest, Policy
 from flywheel.settings import Settings
 from ingest.collector import create_app as create_collector
 from ingest.worker import IngestWorker
@@ -365,17 +365,23 @@ def evaluate_policy(policy: Policy, populations: list[Population], contexts: Con
     contexts), `repeats` samples per context with fixed seeds, straight through the policy: no events."""
     out = {}
     for pop in populations:
-        chosen = eval_set(contexts, pop)
-        requests = [GenerationRequest(c.prompt, max_tokens, 1.0, seed=1000 * r + i)
-                    for r in range(repeats) for i, c in enumerate(chosen)]  # fmt: skip
-        gens = [g for i in range(0, len(requests), _EVAL_BATCH)
-                for g in policy.generate_batch(requests[i : i + _EVAL_BATCH])]  # fmt: skip
-        ctxs = [c for _ in range(repeats) for c in chosen]
-        outcomes = [_eval_outcome(pop, c, g.completion, g.finish_reason) for c, g in zip(ctxs, gens, strict=True)]
-        truth = measure(outcomes)
+        judged = eval_generations(policy, pop, contexts, max_tokens, repeats)
+        truth = measure([_eval_outcome(pop, c, g.completion, g.finish_reason) for c, g in judged])
         assert truth is not None
         out[pop.name] = truth
     return out
+
+
+def eval_generations(policy: Policy, pop: Population, contexts: ContextPool, max_tokens: int = 16,
+                     repeats: int = 2) -> list[tuple[Context, Generation]]:  # fmt: skip
+    """`policy`'s completions of `pop`'s evaluation contexts, repeat-major (repeat r of context i has seed
+    1000 r + i). Only their text is judged, so behaviour log-probs are not recomputed (same completions)."""
+    chosen = eval_set(contexts, pop)
+    requests = [GenerationRequest(c.prompt, max_tokens, 1.0, seed=1000 * r + i)
+                for r in range(repeats) for i, c in enumerate(chosen)]  # fmt: skip
+    gens = [g for i in range(0, len(requests), _EVAL_BATCH)
+            for g in policy.generate_batch(requests[i : i + _EVAL_BATCH], behaviour_logprobs=False)]  # fmt: skip
+    return list(zip([c for _ in range(repeats) for c in chosen], gens, strict=True))
 
 
 def eval_set(pool: ContextPool, pop: Population) -> list[Context]:
