@@ -1,11 +1,15 @@
-"""Helpers several test modules share: fake registry versions, offline-gate records, reading the events topic."""
+"""Helpers several test modules share: fake registry versions, offline-gate records, reading the events topic,
+loading a benchmark script as a module."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -62,3 +66,14 @@ def cli_settings(
     get_settings.cache_clear()
     yield s
     get_settings.cache_clear()
+
+
+def bench_module(name: str) -> ModuleType:
+    """`bench/NAME.py` loaded as the module `name` (bench/ is a folder of scripts, not a package)."""
+    path = Path(__file__).parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

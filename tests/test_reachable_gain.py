@@ -1,21 +1,13 @@
 """The tilt, KL and promotion-chain math of bench/reachable_gain.py, on a seeded toy sample."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from tests.helpers import bench_module
+
 
 def _bench():  # type: ignore[no-untyped-def]
-    path = Path(__file__).parents[1] / "bench" / "reachable_gain.py"
-    spec = importlib.util.spec_from_file_location("reachable_gain", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("reachable_gain")
 
 
 @pytest.fixture(scope="module")

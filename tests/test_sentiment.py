@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from signals import features
 from signals.events import FeedbackEvent
 from signals.reward import RewardDefinition
 from signals.sentiment import DEFAULT_SENTIMENT, SENTIMENTS, vader_code_sentiment, vader_sentiment
+from tests.helpers import bench_module
 
 POSITIVE = ["thanks, that worked", "perfect, exactly what I needed", "great explanation!", "awesome, thank you"]
 NEGATIVE = ["that's wrong", "this is useless", "still getting the same error", "terrible, nothing runs"]
@@ -31,11 +29,7 @@ def test_a_reward_definition_scores_follow_ups_with_vader() -> None:
 
 
 def test_on_the_labelled_set_vader_beats_chance_with_its_interval() -> None:
-    path = Path(__file__).parents[1] / "bench" / "sentiment_auc.py"
-    spec = importlib.util.spec_from_file_location("sentiment_auc", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("sentiment_auc")
     rows = bench.load(bench.DATA)
     pos = [vader_sentiment(t) for t, up in rows if up]
     neg = [vader_sentiment(t) for t, up in rows if not up]

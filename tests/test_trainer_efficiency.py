@@ -1,23 +1,14 @@
 """bench/trainer_efficiency.py's pure parts: the signals' reward of a simulated reaction, and the measures."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from simulator.populations import Reaction
+from tests.helpers import bench_module
 
 
 def _bench():  # type: ignore[no-untyped-def]
-    path = Path(__file__).parents[1] / "bench" / "trainer_efficiency.py"
-    spec = importlib.util.spec_from_file_location("trainer_efficiency", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("trainer_efficiency")
 
 
 @pytest.mark.parametrize(
