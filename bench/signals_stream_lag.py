@@ -31,6 +31,7 @@ import msgspec
 
 from flywheel.bus import Outgoing, ensure_topics, make_producer
 from flywheel.bus.reader import topic_reader
+from flywheel.connections import delete_prefix, redis_client
 from flywheel.settings import Settings
 from launcher.embedded import free_port, start_broker
 from signals.config import SignalsConfig
@@ -157,6 +158,7 @@ def main() -> None:
             reader.join(timeout=30)
             worker_stop.set()
             thread.join(timeout=10)
+            delete_prefix(redis_client(settings), settings.redis_prefix)  # the worker's window state
         finally:
             broker.terminate()
             broker.wait(timeout=10)

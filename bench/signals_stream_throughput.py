@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.connections import delete_prefix, redis_client
 from flywheel.contract import utcnow
 from flywheel.settings import Settings
 from ingest.worker import IngestWorker
@@ -64,7 +65,10 @@ def main() -> None:
             producer.close()
             n = len(events)
 
-            rounds = [_round(settings, Path(tmp), f"{tag}-{k}", n, args.generations) for k in range(args.rounds)]
+            try:
+                rounds = [_round(settings, Path(tmp), f"{tag}-{k}", n, args.generations) for k in range(args.rounds)]
+            finally:
+                delete_prefix(redis_client(settings), settings.redis_prefix)  # the workers' window state
         finally:
             broker.terminate()
             broker.wait(timeout=10)

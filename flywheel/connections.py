@@ -11,6 +11,21 @@ def redis_client(settings: Settings) -> redis.Redis:
     return redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, health_check_interval=30)
 
 
+def delete_prefix(client: redis.Redis, prefix: str) -> int:
+    """Delete every key under `prefix` (SCAN, then UNLINK in chunks) and return how many: for benchmarks and
+    tests sharing one Redis. Their window state would otherwise stay until it expires, about a day later, and
+    a few million such keys make every later prefix scan on that Redis take seconds."""
+    deleted, chunk = 0, []
+    for key in client.scan_iter(match=f"{prefix}*", count=10_000):
+        chunk.append(key)
+        if len(chunk) == 10_000:
+            deleted += int(client.unlink(*chunk))  # type: ignore[arg-type]
+            chunk = []
+    if chunk:
+        deleted += int(client.unlink(*chunk))  # type: ignore[arg-type]
+    return deleted
+
+
 def configure_mlflow(settings: Settings) -> str:
     """Point the mlflow client library at the configured tracking/registry URI."""
     import mlflow

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from flywheel.connections import delete_prefix
 from flywheel.settings import Settings
 from launcher.embedded import free_port, redis_answers, start_broker
 
@@ -87,10 +88,7 @@ def settings(broker: str, redis_url: str, mlflow_template: Path, tmp_path: Path)
     yield s
     import redis
 
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{s.redis_prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    delete_prefix(redis.Redis.from_url(redis_url), s.redis_prefix)
 
 
 @pytest.fixture(scope="session")
