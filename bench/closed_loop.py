@@ -48,6 +48,7 @@ from functools import partial
 from pathlib import Path
 
 from deploy_gate.rollout.config import RolloutConfig
+from flywheel.connections import delete_prefix, redis_client
 from flywheel.lm import PRESETS, bootstrap_model, load_policy
 from flywheel.settings import Settings
 from launcher.embedded import free_port, start_embedded
@@ -184,6 +185,7 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
                     break
         return loop, records
     finally:
+        delete_prefix(redis_client(stack.settings), settings.redis_prefix)  # on a shared Redis: its state
         stack.stop()
 
 
