@@ -170,10 +170,7 @@ def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
     seconds = time.monotonic() - started
     if config.save_dtype == "bfloat16":
         round_parameters_to_bfloat16_(policy.model, config.seed)
-    steps = len(training.history)
-    per_epoch = math.ceil(len(samples) / config.batch_size)
-    reached = len(samples) if steps >= per_epoch else steps * config.batch_size
-    return Trained(policy, seconds, steps, len(samples), reached, training.stopped_at)
+    return Trained(policy, seconds, len(training.history), len(samples), training.samples_reached, training.stopped_at)
 
 
 # ---- 3. measurement ---------------------------------------------------------------------------------------

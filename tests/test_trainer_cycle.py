@@ -199,7 +199,7 @@ def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(
     # and a run cut short says so, by its own rule
     capped = train_policy(policy.model, samples, reference, dataclasses.replace(config, max_steps=2), scorer,
                           policy.pad_id)  # fmt: skip
-    assert (len(capped.history), capped.stopped_at) == (2, "max_steps")
+    assert (len(capped.history), capped.samples_reached, capped.stopped_at) == (2, 2 * config.batch_size, "max_steps")
 
 
 def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(

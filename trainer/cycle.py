@@ -205,8 +205,7 @@ def _train_and_register(
             model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step,
             stop_ids=policy.stop_ids, deadline=deadline,
         )
-    history = training.history
-    reached = len(samples) if len(history) >= steps_per_epoch else len(history) * config.batch_size * world
+    history, reached = training.history, training.samples_reached
     if reached < len(samples):
         # stopped early: train_policy says why (every process agrees: its checks are all-reduced)
         reason = {

@@ -115,9 +115,11 @@ KL_STOP_STEPS = 4
 
 @dataclass(frozen=True)
 class Training:
-    """What `train_policy` did: its steps, and why it stopped before the end of its epochs ("" when it did not)."""
+    """What `train_policy` did: its steps, how many distinct samples they visited, and why it stopped before the
+    end of its epochs ("" when it did not)."""
 
     history: list[StepStats]
+    samples_reached: int
     stopped_at: Literal["", "max_steps", "deadline", "target_kl"] = ""
 
 
@@ -180,14 +182,20 @@ def train_policy(
     global_batch = config.batch_size * world
     history: list[StepStats] = []
     step = 0
-    steps_total = math.ceil(len(_order(len(samples), config, 0, world)) / global_batch) * config.epochs
+    # an epoch's order is the samples wrapped around to a multiple of the world size (`_order`)
+    steps_per_epoch = math.ceil((len(samples) + (-len(samples)) % world) / global_batch)
+
+    def done(stopped_at: Literal["", "max_steps", "deadline", "target_kl"] = "") -> Training:
+        reached = len(samples) if step >= steps_per_epoch else step * global_batch
+        return Training(history, reached, stopped_at)
+
     for epoch in range(config.epochs):
         order = _order(len(samples), config, epoch, world)
         for start in range(0, len(order), global_batch):
             if step and deadline is not None and _past(deadline, world, device):
-                return Training(history, "deadline")
+                return done("deadline")
             if config.target_kl and history and _over_kl(recent_kl(history), config.target_kl, world, device):
-                return Training(history, "target_kl")
+                return done("target_kl")
             idx = order[start : start + global_batch][rank::world]
             batch = [samples[i] for i in idx]
             width = max(len(s.completion_token_ids) for s in batch)
@@ -235,8 +243,8 @@ def train_policy(
             if on_step is not None:
                 on_step(record)
             if config.max_steps and step >= config.max_steps:
-                return Training(history, "max_steps" if step < steps_total else "")
-    return Training(history)
+                return done("max_steps" if step < steps_per_epoch * config.epochs else "")
+    return done()
 
 
 def _past(deadline: float, world: int, device: torch.device) -> bool:
