@@ -163,6 +163,12 @@ def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
     scorer = scorer_for(config.exact_logprobs)
     started = time.monotonic()
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
+    if config.own_samples:
+        from trainer.reward_model import own_samples
+
+        own = own_samples(policy, samples, reference, config, scorer)
+        samples, reference = own.samples, own.reference
+        print(own.note, flush=True)
     deadline = started + config.time_budget_s if config.time_budget_s else None
     with progress("training", math.ceil(len(samples) / config.batch_size) * config.epochs) as advance:
         training = train_policy(policy.model, samples, reference, config, scorer, policy.pad_id,

@@ -8,6 +8,7 @@ column layout. MLflow is the real SQLite store.
 from __future__ import annotations
 
 import dataclasses
+import random
 import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -79,9 +80,7 @@ def _stop_rate(policy: Policy, n: int = 60) -> float:
     return sum(g.finish_reason != "length" for g in gens) / n
 
 
-def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
-    tsettings: Settings, champion: str
-) -> None:
+def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(tsettings: Settings, champion: str) -> None:
     registry = ModelRegistry(tsettings)
     config = TrainerConfig(learning_rate=2e-3, batch_size=8, epochs=2, kl_coef=0.05)
     v1 = load_policy(registry.fetch(champion))
@@ -96,9 +95,7 @@ def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
     # The gate promotes the candidate; new feedback on it now rewards the opposite.
     registry.set_alias("champion", first.version)
     opposite = lambda g: -_ends_early(g)  # noqa: E731
-    simulate_feedback(
-        tsettings, v2, PROMPTS, opposite, model_version=first.version, n=48, seed=2, users=USERS
-    )
+    simulate_feedback(tsettings, v2, PROMPTS, opposite, model_version=first.version, n=48, seed=2, users=USERS)
     second = run_cycle(tsettings, config, progress=False)
     assert second.status == "registered" and second.parent_version == first.version
     back = _stop_rate(load_policy(registry.fetch(second.version)))
@@ -176,15 +173,11 @@ def test_each_cycle_rounds_with_its_own_reproducible_draws() -> None:
                 rounding_seed(TrainerConfig(), "3", other)}) == 4  # fmt: skip
 
 
-def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(
-    tsettings: Settings, champion: str
-) -> None:
+def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(tsettings: Settings, champion: str) -> None:
     registry = ModelRegistry(tsettings)
     path = registry.fetch(champion)
     policy = load_policy(path)
-    simulate_feedback(
-        tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=32, seed=3, users=USERS
-    )
+    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=32, seed=3, users=USERS)
     kls = []
     for kl_coef in (0.0, 2.0):
         config = TrainerConfig(learning_rate=2e-3, batch_size=8, epochs=3, kl_coef=kl_coef)
@@ -202,9 +195,7 @@ def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(
     assert (len(capped.history), capped.samples_reached, capped.stopped_at) == (2, 2 * config.batch_size, "max_steps")
 
 
-def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(
-    tsettings: Settings, champion: str
-) -> None:
+def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(tsettings: Settings, champion: str) -> None:
     registry = ModelRegistry(tsettings)
     simulate_feedback(tsettings, load_policy(registry.fetch(champion)), PROMPTS, _ends_early,
                       model_version=champion, n=16, seed=4, users=USERS)  # fmt: skip
@@ -330,6 +321,36 @@ def test_the_off_policy_holdout_is_left_out_of_training_and_said(tsettings: Sett
     assert trained and trained <= {encode[p] for p in PROMPTS if p not in held_prompts}
 
 
+def test_a_cycle_on_its_own_samples_learns_what_the_logged_rewards_prefer(tsettings: Settings, champion: str) -> None:
+    registry = ModelRegistry(tsettings)
+    v1 = load_policy(registry.fetch(champion))
+    simulate_feedback(tsettings, v1, PROMPTS, _ends_early, model_version=champion, n=48, seed=1, users=USERS)
+    config = TrainerConfig(learning_rate=2e-3, batch_size=8, epochs=2, own_samples=4, own_max_tokens=8)
+    result = run_cycle(tsettings, config, progress=False)
+    assert result.status == "registered" and result.sample_count == 48  # the logged data behind it
+    assert "trained on 40 of 40 own samples; left out: none;" in result.reason
+    assert "40 own samples (4 a prompt) scored by a reward model fitted on 48 logged rewards" in result.reason
+    metrics = MlflowClient(tsettings.resolved_mlflow_uri).get_run(result.run_id).data.metrics
+    assert metrics["own_samples"] == 4 * len(PROMPTS) and metrics["reward_model_cv_corr"] > 0.2
+    assert metrics["samples_eligible"] == 48 and metrics["samples_trained"] == 4 * len(PROMPTS)
+    before, after = _stop_rate(v1), _stop_rate(load_policy(registry.fetch(result.version)))
+    assert after > before + 0.1, f"ending the line early was rewarded: {before:.2f} -> {after:.2f}"
+
+
+def test_a_reward_model_that_predicts_nothing_leaves_the_cycle_on_its_logged_samples(
+    tsettings: Settings, champion: str
+) -> None:
+    policy = load_policy(ModelRegistry(tsettings).fetch(champion))
+    rng = random.Random(5)
+    simulate_feedback(tsettings, policy, PROMPTS, lambda g: rng.choice([1.0, -1.0]), model_version=champion, n=40,
+                      seed=3, users=USERS)  # fmt: skip
+    config = TrainerConfig(batch_size=8, own_samples=4, reward_model_min_corr=0.5)
+    result = run_cycle(tsettings, config, progress=False)
+    assert result.status == "registered" and "trained on 40 samples" in result.reason
+    assert "trained on the logged samples: the reward model's cross-validated correlation" in result.reason
+    assert "not above reward_model_min_corr=0.5" in result.reason
+
+
 def _row(
     gid: str, user: str, *, version: str = "1", prompt: str = "x = ", completion: str = " 1\n", temperature: float = 1.0
 ) -> Event:
@@ -378,9 +399,7 @@ def test_eligibility_consent_quarantine_scrubbing_and_latest_revision(tsettings:
     by_id = {s.generation_id: s for s in selection.samples}
     assert sorted(by_id) == ["ok", "pii-prompt"]
     assert by_id["ok"].reward == -1.0  # the latest revision wins
-    assert by_id["pii-prompt"].prompt_redacted and by_id["pii-prompt"].prompt_token_ids == [
-        len("mail <EMAIL>\nx = ")
-    ]
+    assert by_id["pii-prompt"].prompt_redacted and by_id["pii-prompt"].prompt_token_ids == [len("mail <EMAIL>\nx = ")]
     assert selection.dropped == {
         "without consent": 2, "from quarantined versions": 1, "without a generation event": 1,
         "with secrets or personal data in the completion": 1, "prompts redacted (kept)": 1,

@@ -76,6 +76,13 @@ class TrainerConfig:
             which read higher: set it well under `max_kl` (README, "Does it make users happier?").
             Samples not reached are reported, like the time budget's.
         replay_fraction: add up to this fraction of older (already trained on) samples.
+        own_samples: train on the champion's own samples instead of the logged ones (0 = off): a reward model
+            is fitted on the cycle's logged rewards (`trainer.reward_model`: ridge regression on text features,
+            its penalty cross-validated), then `own_samples` fresh completions (at most `own_max_tokens`
+            tokens) of each logged prompt are sampled from the champion and scored by it; each sample's
+            reward is its score minus its prompt group's mean. On-policy, so `pg`'s ratio starts at 1.
+        reward_model_min_corr: the reward model's cross-validated correlation with the logged rewards below
+            which the cycle trains on the logged samples instead, and says so.
         require_consent / consent_property: train only on users whose latest event carrying
             `consent_property` set it true.
         mismatch_threshold: |trainer - serving| log-prob difference counted as a mismatch.
@@ -119,6 +126,9 @@ class TrainerConfig:
     target_kl: float = 0.0
     ope_holdout_share: float = 0.0
     replay_fraction: float = 0.0
+    own_samples: int = 0
+    own_max_tokens: int = 16
+    reward_model_min_corr: float = 0.0
     require_consent: bool = True
     consent_property: str = "training_consent"
     mismatch_threshold: float = 1e-3
@@ -182,6 +192,10 @@ class TrainerConfig:
             errors.append(f"target_kl={self.target_kl}: must be >= 0 nats (0 = no early stop)")
         if not 0.0 <= self.replay_fraction <= 1.0:
             errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
+        if self.own_samples < 0 or self.own_max_tokens < 1:
+            errors.append("own_samples must be >= 0 (0 = off) and own_max_tokens >= 1")
+        if not -1.0 <= self.reward_model_min_corr <= 1.0:
+            errors.append(f"reward_model_min_corr={self.reward_model_min_corr}: a correlation, in [-1, 1]")
         if self.require_consent and not self.consent_property.strip():
             errors.append("consent_property is empty; name the event property that carries consent")
         if self.exact_check_samples < 0:

@@ -41,6 +41,7 @@ from trainer.config import TrainerConfig
 from trainer.data import Selection, load_selection, over_cap_reason, quarantined_versions
 from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
 from trainer.retokenize import text_encoder
+from trainer.reward_model import own_samples
 from trainer.scoring import scorer_for
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,7 @@ def run_cycle(
     if champion is None or selection is None:
         return CycleResult("skipped", reason, parent_version=champion)
     if policy is None:  # other processes: process 0 has verified and cached the checkpoint
-        policy = load_policy(
-            registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype
-        )
+        policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
     tracker = _Tracker(settings, config, champion, selection.window.start if selection.window else None,
                        enabled=rank == 0)  # fmt: skip
     try:
@@ -186,6 +185,17 @@ def _train_and_register(
                 "train/inference mismatch (%s), %d tokens served by v%s: mean %.3g, max %.3g, %.1f%% > %g",
                 name, m.tokens, champion, m.mean_abs, m.max_abs, 100 * m.share_over_threshold, m.threshold,
             )  # fmt: skip
+    logged = samples
+    own_note = ""
+    if config.own_samples:
+        # The logged rewards fit a reward model; the champion's own samples, scored by it, are trained on.
+        own = own_samples(policy, logged, reference, config, scorer)
+        own_note = own.note
+        if own.fresh:
+            samples, reference = own.samples, own.reference
+        tracker.log_metrics(own.metrics(), step=0)
+        if rank == 0:
+            log.info("%s", own_note)
     model: torch.nn.Module = policy.model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -202,8 +212,17 @@ def _train_and_register(
 
         deadline = started + config.time_budget_s if config.time_budget_s else None
         training = train_policy(
-            model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step,
-            stop_ids=policy.stop_ids, deadline=deadline,
+            model,
+            samples,
+            reference,
+            config,
+            scorer,
+            policy.pad_id,
+            rank=rank,
+            world=world,
+            on_step=_on_step,
+            stop_ids=policy.stop_ids,
+            deadline=deadline,
         )
     history, reached = training.history, training.samples_reached
     if reached < len(samples):
@@ -213,40 +232,42 @@ def _train_and_register(
             "deadline": over_budget_reason(config),
             "target_kl": over_kl_reason(config),
         }[training.stopped_at]
-        selection.dropped[reason] += len(samples) - reached
+        # own samples left out are the champion's fresh samples: every logged one fitted the reward model
+        selection.dropped[reason if samples is logged else f"own samples {reason}"] += len(samples) - reached
     if config.save_dtype == "bfloat16":
         # Before the KL, so it measures the weights that will be stored and served.
         round_parameters_to_bfloat16_(policy.model, rounding_seed(config, champion, selection.window))
     kl = kl_to_reference(policy.model, samples, reference, scorer, policy.pad_id, config.batch_size)
     tokens = sum(len(s.completion_token_ids) for s in samples)
     metrics = {
-        "mean_reward": sum(s.reward for s in samples) / len(samples),
+        "mean_reward": sum(s.reward for s in logged) / len(logged),
         "kl_to_champion": kl,
         "final_loss": history[-1].loss,
         "steps": float(len(history)),
-        "samples_eligible": float(len(samples) + selection.dropped.get(over_cap_reason(config), 0)),
+        "samples_eligible": float(len(logged) + selection.dropped.get(over_cap_reason(config), 0)),
         "samples_trained": float(min(reached, len(samples))),
         "train_seconds": time.monotonic() - started,
-        "replay_samples": float(sum(s.replay for s in samples)),
+        "replay_samples": float(sum(s.replay for s in logged)),
         "tokens": float(tokens),
         **{k: v for k, v in mismatch_metrics.items() if not math.isnan(v)},
         **selection.drop_metrics(),
     }
+    kind = "samples" if samples is logged else f"of {len(samples)} own samples"
+    trained_on = f"{min(reached, len(samples))} {kind}"
     if rank == 0:
-        log.info("trained on %d of %d eligible samples in %.0fs; left out of this cycle: %s",
-                 min(reached, len(samples)), metrics["samples_eligible"], metrics["train_seconds"],
-                 selection.describe_drops())  # fmt: skip
+        log.info("trained on %s (%d eligible logged) in %.0fs; left out of this cycle: %s", trained_on,
+                 metrics["samples_eligible"], metrics["train_seconds"], selection.describe_drops())  # fmt: skip
     tracker.log_metrics(metrics, step=len(history))
     if rank != 0:
         _barrier(world)
         return CycleResult("registered", "trained (process 0 registers)", parent_version=champion,
-                           sample_count=len(samples), metrics=metrics)  # fmt: skip
+                           sample_count=len(logged), metrics=metrics)  # fmt: skip
     lineage = ModelLineage(
         parent_version=champion,
         base=registry.lineage(champion).base,
         trainer_config=config.to_dict(),
         data_window=selection.window,
-        sample_count=len(samples),
+        sample_count=len(logged),
         metrics=metrics,
         run_id=tracker.run_id,
     )
@@ -262,12 +283,13 @@ def _train_and_register(
                         step=len(history))  # fmt: skip
     tracker.finished(version)
     _barrier(world)
-    log.info("registered candidate v%s from v%s on %d samples (%s artifact, %d bytes stored)", version, champion,
-             len(samples), artifact.kind, artifact.stored_bytes)  # fmt: skip
+    log.info("registered candidate v%s from v%s on %d logged samples (%s artifact, %d bytes stored)", version,
+             champion, len(logged), artifact.kind, artifact.stored_bytes)  # fmt: skip
+    detail = f"; {own_note}" if own_note else ""
     return CycleResult(
-        "registered", f"trained on {min(reached, len(samples))} samples; left out: {selection.describe_drops()}",
+        "registered", f"trained on {trained_on}; left out: {selection.describe_drops()}{detail}",
         version=version, parent_version=champion,
-        sample_count=len(samples), run_id=tracker.run_id, metrics=metrics,
+        sample_count=len(logged), run_id=tracker.run_id, metrics=metrics,
     )  # fmt: skip
 
 

@@ -261,6 +261,25 @@ class Policy:
             )  # (B, T)
         return [self._result(r, logprobs[i, : len(r.chosen)].tolist()) for i, r in enumerate(rows)]
 
+    def sample_token_ids(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, seeds: Sequence[int], temperature: float = 1.0
+    ) -> list[list[int]]:
+        """The chosen token ids of one seeded completion of each already-tokenised prompt (as `generate_batch`
+        samples: one line at most, end-of-text kept): for the trainer, whose samples carry ids, not text."""
+        request = GenerationRequest("", max_tokens, temperature)
+        request.check()
+        if not prompts:
+            return []
+        rows = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            if len(prompt) + max_tokens > self.context:
+                raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room for {max_tokens} in {self.context}")
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            rows.append(_Row(list(prompt), request, generator))
+        self._sample(rows)
+        return [r.chosen for r in rows]
+
     def _result(self, row: _Row, logprobs: list[float]) -> Generation:
         last = row.chosen[-1]
         stopped = last in self.stop_ids
