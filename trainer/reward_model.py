@@ -8,9 +8,9 @@ of each logged prompt from the champion give an on-policy group per prompt whose
 Shao et al. 2024), and the policy gradient on those moves toward what the fitted model rewards. This is the
 reward-model step of RLHF (Ouyang et al. 2022) on implicit feedback.
 
-The model is ridge regression (`numpy`) on text features any completion has: counts of each character and of
-character-class bigrams (so `aB`, `a_`, `("` are distinct), its length, its lines, whether it finished or was
-cut, and the champion's mean log-prob of it. Its penalty is chosen by k-fold cross-validation, and the
+The model is ridge regression (`numpy`) on text features any completion has: counts of each character, how its
+identifiers are written (`aB`, `a_`, `a1` pairs), its length, its lines, whether it finished or was cut, and
+the champion's mean log-prob of it. Its penalty is chosen by k-fold cross-validation, and the
 cross-validated correlation with the logged rewards is reported; when it is not above `min_cv_corr`, the
 cycle trains on the logged samples as before and says why (`fit_reward_model` returns the model either way).
 """
@@ -34,7 +34,8 @@ from trainer.scoring import Scorer
 
 PRINTABLE = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
 _CHAR_INDEX = {c: i for i, c in enumerate(PRINTABLE)}
-BIGRAM_BUCKETS = 256
+IDENTIFIER_SHAPES = ("aA", "Aa", "AA", "a_", "_a", "a0")
+"""Character-class pairs (a lower, A upper, 0 digit) whose presence says how identifiers are written."""
 LAMBDAS = tuple(10.0**k for k in range(-1, 5))
 """Ridge penalties tried by cross-validation (features are standardised, so one scale fits all)."""
 
@@ -50,21 +51,23 @@ def _char_class(ch: str) -> str:
 
 
 def text_features(text: str, finish_reason: str, mean_logprob: float, tokens: int) -> np.ndarray:
-    """One completion's feature vector (float64): what the reward model may use, nothing about the user."""
+    """One completion's feature vector (float64): what the reward model may use, nothing about the user.
+
+    log(1 + count) of each character, whether each of `IDENTIFIER_SHAPES` occurs, and the completion's shape.
+    (Hashed character-class bigrams of every kind were tried and fitted worse: `bench/results/reward_model.md`.)
+    """
     chars = np.zeros(len(PRINTABLE) + 1)
     for ch in text:
         chars[_CHAR_INDEX.get(ch, len(PRINTABLE))] += 1
-    bigrams = np.zeros(BIGRAM_BUCKETS)
-    classes = [_char_class(ch) for ch in text]
-    for a, b in zip(classes, classes[1:], strict=False):
-        bigrams[zlib.crc32((a + b).encode()) % BIGRAM_BUCKETS] += 1
+    classes = "".join(_char_class(ch) for ch in text)
+    shapes = np.array([float(pair in classes) for pair in IDENTIFIER_SHAPES])
     body = text.rstrip("\n")
     shape = np.array([
         math.log1p(len(body)), float(len(body) == 0), float(body.count("\n")), float(text.endswith("\n")),
         float(finish_reason == "stop"), float(finish_reason == "length"), float(finish_reason == "declined"),
         math.log1p(tokens), mean_logprob,
     ])  # fmt: skip
-    return np.concatenate([np.log1p(chars), np.log1p(bigrams), shape])
+    return np.concatenate([np.log1p(chars), shapes, shape])
 
 
 @dataclass(frozen=True)
