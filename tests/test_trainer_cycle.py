@@ -344,11 +344,11 @@ def test_a_reward_model_that_predicts_nothing_leaves_the_cycle_on_its_logged_sam
     rng = random.Random(5)
     simulate_feedback(tsettings, policy, PROMPTS, lambda g: rng.choice([1.0, -1.0]), model_version=champion, n=40,
                       seed=3, users=USERS)  # fmt: skip
-    config = TrainerConfig(batch_size=8, own_samples=4, reward_model_min_corr=0.5)
+    config = TrainerConfig(batch_size=8, own_samples=4, reward_model_min_z=20)
     result = run_cycle(tsettings, config, progress=False)
     assert result.status == "registered" and "trained on 40 samples" in result.reason
     assert "trained on the logged samples: the reward model's cross-validated correlation" in result.reason
-    assert "not above reward_model_min_corr=0.5" in result.reason
+    assert "not above reward_model_min_z=20" in result.reason
 
 
 def _row(

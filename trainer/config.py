@@ -81,8 +81,9 @@ class TrainerConfig:
             its penalty cross-validated), then `own_samples` fresh completions (at most `own_max_tokens`
             tokens) of each logged prompt are sampled from the champion and scored by it; each sample's
             reward is its score minus its prompt group's mean. On-policy, so `pg`'s ratio starts at 1.
-        reward_model_min_corr: the reward model's cross-validated correlation with the logged rewards below
-            which the cycle trains on the logged samples instead, and says so.
+        reward_model_min_z: how many standard errors from zero the reward model's cross-validated correlation
+            with the logged rewards must be (r x sqrt(rows): about 1 when the text says nothing of the reward)
+            for the cycle to train on own samples; under it, it trains on the logged samples and says so.
         require_consent / consent_property: train only on users whose latest event carrying
             `consent_property` set it true.
         mismatch_threshold: |trainer - serving| log-prob difference counted as a mismatch.
@@ -128,7 +129,7 @@ class TrainerConfig:
     replay_fraction: float = 0.0
     own_samples: int = 0
     own_max_tokens: int = 16
-    reward_model_min_corr: float = 0.0
+    reward_model_min_z: float = 2.0
     require_consent: bool = True
     consent_property: str = "training_consent"
     mismatch_threshold: float = 1e-3
@@ -194,8 +195,8 @@ class TrainerConfig:
             errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
         if self.own_samples < 0 or self.own_max_tokens < 1:
             errors.append("own_samples must be >= 0 (0 = off) and own_max_tokens >= 1")
-        if not -1.0 <= self.reward_model_min_corr <= 1.0:
-            errors.append(f"reward_model_min_corr={self.reward_model_min_corr}: a correlation, in [-1, 1]")
+        if self.reward_model_min_z < 0:
+            errors.append(f"reward_model_min_z={self.reward_model_min_z}: must be >= 0 standard errors")
         if self.require_consent and not self.consent_property.strip():
             errors.append("consent_property is empty; name the event property that carries consent")
         if self.exact_check_samples < 0:

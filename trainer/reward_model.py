@@ -11,8 +11,9 @@ reward-model step of RLHF (Ouyang et al. 2022) on implicit feedback.
 The model is ridge regression (`numpy`) on text features any completion has: counts of each character, how its
 identifiers are written (`aB`, `a_`, `a1` pairs), its length, its lines, whether it finished or was cut, and
 the champion's mean log-prob of it. Its penalty is chosen by k-fold cross-validation, and the
-cross-validated correlation with the logged rewards is reported; when it is not above `min_cv_corr`, the
-cycle trains on the logged samples as before and says why (`fit_reward_model` returns the model either way).
+cross-validated correlation r with the logged rewards is reported; when r x sqrt(rows) (its distance from zero
+in standard errors when the text says nothing of the reward) is not above `TrainerConfig.reward_model_min_z`,
+the cycle trains on the logged samples as before and says why.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def text_features(text: str, finish_reason: str, mean_logprob: float, tokens: in
     """One completion's feature vector (float64): what the reward model may use, nothing about the user.
 
     log(1 + count) of each character, whether each of `IDENTIFIER_SHAPES` occurs, and the completion's shape.
-    (Hashed character-class bigrams of every kind were tried and fitted worse: `bench/results/reward_model.md`.)
+    (Hashed character-class bigrams of every kind were tried and fitted worse: `bench/results/reward_model_fit.md`.)
     """
     chars = np.zeros(len(PRINTABLE) + 1)
     for ch in text:
@@ -209,18 +210,20 @@ def own_samples(
 
     Only samples with a shown or declined completion the model can read are used: text-only ones are tokenised
     by the policy like the rest. Falls back to the logged samples, saying why, when the cross-validated
-    correlation is not above `config.reward_model_min_corr` or there are too few rewards to cross-validate.
+    correlation is not `config.reward_model_min_z` standard errors above zero, or there are too few rewards to
+    cross-validate.
     """
     rewards = np.array([s.reward for s in logged])
     try:
         model = fit_reward_model(completion_features(policy, logged, reference), rewards, seed=config.seed)
     except ValueError as exc:
         return OwnSamples(list(logged), [list(r) for r in reference], None, f"trained on the logged samples: {exc}")
-    if not model.cv_corr > config.reward_model_min_corr:
+    z = model.cv_corr * math.sqrt(model.rows)
+    if not z > config.reward_model_min_z:
         return OwnSamples(list(logged), [list(r) for r in reference], model,
                           f"trained on the logged samples: the reward model's cross-validated correlation with"
-                          f" their rewards is {model.cv_corr:.3f}, not above reward_model_min_corr="
-                          f"{config.reward_model_min_corr}")  # fmt: skip
+                          f" their rewards, {model.cv_corr:.3f} on {model.rows}, is {z:.1f} standard errors from"
+                          f" zero, not above reward_model_min_z={config.reward_model_min_z:g}")  # fmt: skip
     fresh = sample_own(policy, logged, config.own_samples, config.own_max_tokens, config.seed)
     fresh_reference = score_samples(policy.model, fresh, scorer, policy.pad_id, config.batch_size)
     scores = model.predict(completion_features(policy, fresh, fresh_reference))
