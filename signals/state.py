@@ -19,6 +19,7 @@ outbox only if its marker was not already set: a record is never emitted twice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -226,10 +227,19 @@ class StateStore:
             self._r.hset(keys.wm, mapping={k: str(ceiling_us) for k in lowered})
         return lowered
 
-    def outbox_entries(self, keys: Keys, partition: int) -> list[bytes]:
+    def outbox_entries(self, keys: Keys, partitions: Sequence[int]) -> dict[int, list[bytes]]:
+        """The outbox entries of each of `partitions` that has any, oldest first (one round trip)."""
+        pipe = self._r.pipeline(transaction=False)
+        for p in partitions:
+            pipe.lrange(keys.outbox(p), 0, -1)
         # Replies are bytes (no decode_responses); the stubs say bytes | str.
-        return cast(list[bytes], self._r.lrange(keys.outbox(partition), 0, -1))
+        found = zip(partitions, cast(list[list[bytes]], pipe.execute()), strict=True)
+        return {p: entries for p, entries in found if entries}
 
-    def pop_outbox(self, keys: Keys, partition: int) -> None:
-        # LTRIM, not LPOP: the entry (a batch's records) need not come back over the wire
-        self._r.ltrim(keys.outbox(partition), 1, -1)
+    def pop_outbox(self, keys: Keys, counts: Mapping[int, int]) -> None:
+        """Drop the first `counts[p]` entries of each partition's outbox, all at once (MULTI)."""
+        # LTRIM, not LPOP: the entries (a batch's records) need not come back over the wire
+        pipe = self._r.pipeline(transaction=True)
+        for p, n in counts.items():
+            pipe.ltrim(keys.outbox(p), n, -1)
+        pipe.execute()

@@ -707,24 +707,33 @@ class SignalsWorker:
             log.warning("%d of %d records were already emitted (markers set); not sending them again", n - queued, n)
 
     def flush_outbox(self) -> int:
-        """Send committed records to Kafka and the lake; pop each entry only after both succeeded."""
-        sent = 0
-        for topic, p in sorted(self.consumer.assignment()):
-            if topic != self.settings.events_topic:
-                continue
-            for raw in self.store.outbox_entries(self.keys, p):
+        """Send committed records to Kafka and the lake; pop the entries only after both succeeded. The entries of
+        every assigned partition go together: one send, one lake commit (each entry in it once, by its name), one
+        pop; so a batch pays Kafka's flush and the lake's commit once, not once a partition."""
+        mine = sorted(p for topic, p in self.consumer.assignment() if topic == self.settings.events_topic)
+        found = self.store.outbox_entries(self.keys, mine)
+        if not found:
+            return 0
+        named: list[tuple[str, list[bytes]]] = []
+        for raws in found.values():
+            for raw in raws:
                 entry_id, *lines = raw.split(b"\n")
-                recs = decode_lines(b"[" + b",".join(lines) + b"]")
-                produce_lines(self.producer, self.settings, lines, recs)
-                write_lines(REWARDS.at(self.settings.lake_root), recs, f"signals-{entry_id.decode()}")
-                self.store.pop_outbox(self.keys, p)
-                first = sum(1 for r in recs if r.revision == 0)
-                self.stats.records += first
-                self.stats.revisions += len(recs) - first
-                metrics.RECORDS.labels("first").inc(first)
-                metrics.RECORDS.labels("revision").inc(len(recs) - first)
-                sent += len(recs)
-        return sent
+                named.append((f"signals-{entry_id.decode()}", lines))
+        lines = [line for _, entry in named for line in entry]
+        recs = decode_lines(b"[" + b",".join(lines) + b"]")
+        produce_lines(self.producer, self.settings, lines, recs)
+        entries, start = [], 0
+        for name, entry in named:
+            entries.append((name, recs[start : start + len(entry)]))
+            start += len(entry)
+        write_lines(REWARDS.at(self.settings.lake_root), entries)
+        self.store.pop_outbox(self.keys, {p: len(raws) for p, raws in found.items()})
+        first = sum(1 for r in recs if r.revision == 0)
+        self.stats.records += first
+        self.stats.revisions += len(recs) - first
+        metrics.RECORDS.labels("first").inc(first)
+        metrics.RECORDS.labels("revision").inc(len(recs) - first)
+        return len(recs)
 
     def _maybe_refit(self) -> None:
         every = self.config.refit_every_s
