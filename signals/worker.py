@@ -608,7 +608,7 @@ class SignalsWorker:
 
     def _run_once(self) -> int:
         sent = self.flush_outbox()
-        records = self.consumer.poll_columns(self.config.poll_max_records, self.config.poll_timeout_s)
+        records = self._poll()
         assigned = self.consumer.assignment()
         if assigned != self._assigned:
             # a fresh assignment has not fetched anything yet: an empty poll now does not mean a quiet stream
@@ -629,12 +629,35 @@ class SignalsWorker:
             raise
         return sent + self.flush_outbox()
 
+    def _poll(self) -> RecordBatch:
+        """A poll, then more while the batch is below `poll_max_records` and the broker already holds more records
+        (`Consumer.known_backlog`: what is there, never what may come, so a live stream waits for no later
+        event). A batch pays fixed costs once (the Lua commit, Kafka's flush, a lake commit, scoring's frames,
+        the validator's columns), and one fetch response can hold less than a batch: the embedded broker's about
+        3,400 events a partition. Should the group hand out partitions in between, what was gathered is read
+        again from its first offsets, and the batch is empty."""
+        cfg, consumer = self.config, self.consumer
+        epoch = consumer.assignment_epoch()
+        parts = [consumer.poll_columns(cfg.poll_max_records, cfg.poll_timeout_s)]
+        n = len(parts[0])
+        while 0 < n < cfg.poll_max_records and consumer.known_backlog() > 0:
+            more = consumer.poll_columns(cfg.poll_max_records - n, cfg.poll_timeout_s)
+            if consumer.assignment_epoch() != epoch:
+                self._rewind(RecordBatch.concat(parts))
+                return RecordBatch([], [], [], [])
+            if not len(more):
+                break
+            parts.append(more)
+            n += len(more)
+        return RecordBatch.concat(parts)
+
     def _rewind(self, records: RecordBatch) -> None:
-        try:
-            for (topic, partition), offset in records.first_offsets().items():
+        """Each partition of `records` sought back to its first offset there, so the next poll reads them again."""
+        for (topic, partition), offset in records.first_offsets().items():
+            try:
                 self.consumer.seek(topic, partition, offset)
-        except Exception:  # noqa: BLE001 - a partition revoked meanwhile: its new owner replays from the commit
-            log.warning("could not rewind after a failed batch", exc_info=True)
+            except Exception:  # noqa: BLE001 - a partition revoked meanwhile: its new owner replays from the commit
+                log.warning("could not rewind a partition", extra={"partition": partition}, exc_info=True)
 
     def run(self, stop_event: threading.Event) -> None:
         """Poll and emit until `stop_event` is set, waiting out Kafka, Redis and MLflow outages."""

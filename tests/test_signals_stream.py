@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from flywheel.bus import ensure_topics
+from flywheel.bus import Outgoing, ensure_topics, make_consumer, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import REWARDS
@@ -21,6 +21,7 @@ from signals.reward import DEFAULT_DEFINITION
 from signals.sink import read_rewards, write_rewards
 from signals.worker import SignalsWorker
 from simulator.telemetry import feedback_event, generation_event, history, lake_events_from_topic, send
+from tests.helpers import SmallPolls
 
 CONFIG = SignalsConfig(idle_after_s=1.5, poll_timeout_s=0.2)
 
@@ -161,6 +162,24 @@ def test_a_worker_killed_after_its_flush_reached_the_lake_leaves_each_record_the
     assert sorted(lake["generation_id"].to_list()) == gids
     sent = Counter(f"{r.reward_version}:{r.generation_id}:{r.revision}" for r in rewards_on_topic(settings))
     assert sorted(sent) == [f"{DEFAULT_DEFINITION.version}:{g}:0" for g in gids] and set(sent.values()) == {2}
+
+
+def test_a_batch_gathers_polls_while_the_broker_already_holds_more(settings: Settings) -> None:
+    """A fetch response can hold fewer records than a batch: the worker polls again while the broker already holds
+    more, so a batch pays its fixed costs (the Lua commit, Kafka's flush, a lake commit) once for them all."""
+    ensure_topics(settings)
+    old = utcnow() - timedelta(minutes=5)
+    producer = make_producer(settings)  # one partition: its fetch responses tell the whole backlog
+    producer.send_all([Outgoing(settings.events_topic, generation_event(f"g{i:02d}", old).to_bytes(), b"one")
+                       for i in range(24)])  # fmt: skip
+    producer.close()
+    consumer = SmallPolls(make_consumer(settings, [settings.events_topic], "g-gather"), most=5)
+    worker = SignalsWorker(settings, CONFIG.model_copy(update={"poll_max_records": 24}), consumer=consumer)
+    try:
+        run_until(worker, lambda: worker.stats.events > 0)
+    finally:
+        worker.close()
+    assert worker.stats.events == 24 and consumer.polls >= 5
 
 
 def test_reward_appears_soon_after_its_window_closes(settings: Settings) -> None:
