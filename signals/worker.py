@@ -643,7 +643,7 @@ class SignalsWorker:
         while 0 < n < cfg.poll_max_records and consumer.known_backlog() > 0:
             more = consumer.poll_columns(cfg.poll_max_records - n, cfg.poll_timeout_s)
             if consumer.assignment_epoch() != epoch:
-                self._rewind(RecordBatch.concat(parts))
+                self._rewind(RecordBatch.concat([*parts, more]))
                 return RecordBatch([], [], [], [])
             if not len(more):
                 break
