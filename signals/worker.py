@@ -18,7 +18,8 @@ default on arrival and a revision per later event. When the whole stream has bee
 close in a quiet system; the live watermark moves there, the historical one stays at the replay's event
 time, so history replayed into a worker that has been idle still gives one final record per generation.
 
-Each poll is decoded as one batch, column-wise, by the contract's batch validator (`signals.events.decode_batch`):
+A batch is a poll, and more polls while the broker already holds more records (up to `poll_max_records`, never
+waiting for new ones), decoded column-wise by the contract's batch validator (`signals.events.decode_batch`):
 an event is taken exactly when ingest writes it to the lake, with the lake's properties. Then per event, in
 partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
@@ -39,7 +40,8 @@ Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
 and the lake and is popped. A restarted worker re-reads uncommitted events (their
 ids are already seen, so nothing counts twice) and first flushes any outbox left
-behind. The lake write is idempotent (one commit named by the outbox entry); a crash between
+behind. A flush sends every assigned partition's entries together: one Kafka send, one lake
+commit in which each entry is written once by its name (idempotent); a crash between
 Kafka's acknowledgement and the pop can repeat a Kafka message, which carries a
 `record_id` header for consumers to drop it.
 
