@@ -210,11 +210,11 @@ class IngestWorker:
         while 0 < n < self.batch_size and (left := deadline - time.monotonic()) > 0:
             more = self._poll_once(self.batch_size - n, min(left, self.poll_timeout_s))
             if self._new_assignment():
-                self._resume_from_lake(_concat(parts + [more]))
+                self._resume_from_lake(RecordBatch.concat(parts + [more]))
                 return _EMPTY
             parts.append(more)
             n += len(more)
-        return _concat(parts) if len(parts) > 1 else batch
+        return RecordBatch.concat(parts)
 
     def _new_assignment(self) -> bool:
         epoch_of = getattr(self._consumer, "assignment_epoch", None)
@@ -375,13 +375,6 @@ class IngestWorker:
 
 
 _EMPTY = RecordBatch([], [], [], [])
-
-
-def _concat(parts: list[RecordBatch]) -> RecordBatch:
-    return RecordBatch(
-        [t for p in parts for t in p.topics], [n for p in parts for n in p.partitions],
-        [o for p in parts for o in p.offsets], [v for p in parts for v in p.values],
-    )  # fmt: skip
 
 
 def _validate(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:

@@ -1,7 +1,8 @@
 """Where reward records go: the rewards topic and the lake's rewards table (`flywheel.lake.tables.REWARDS`).
 
 `write_rewards` writes records in one commit named by the batch, so a batch written twice (a crash
-between the lake write and the outbox pop) is committed once (`flywheel.lake.tables.Table.write`);
+between the lake write and the outbox pop) is committed once (`flywheel.lake.tables.Table.write`;
+`write_lines` writes several such named batches in one commit, `Table.write_parts`);
 `read_rewards` reads them back.
 
 The streaming worker moves its records as `RecordLine`s, the JSON `RewardRecord.model_dump_json` writes
@@ -94,8 +95,10 @@ def produce_lines(producer: Producer, settings: Settings, raw: Sequence[bytes], 
     )
 
 
-def write_lines(table: str, lines: Sequence[RecordLine], name: str) -> int | None:
-    """`write_rewards` for `RecordLine`s: the frame built column-wise, `signals` as `rewards_frame` writes it."""
+def write_lines(table: str, entries: Sequence[tuple[str, Sequence[RecordLine]]]) -> int | None:
+    """`write_rewards` for `RecordLine`s, several named batches (the outbox entries of a flush) in one commit, each
+    once per name (`Table.write_parts`): the frame built column-wise, `signals` as `rewards_frame` writes it."""
+    lines = [line for _, batch in entries for line in batch]
     if not lines:
         return None
     # times as integer microseconds, cast: polars converts zoned datetimes one by one, several times slower
@@ -109,4 +112,9 @@ def write_lines(table: str, lines: Sequence[RecordLine], name: str) -> int | Non
     for column in times:
         us = [to_us(getattr(line, column)) for line in lines]
         columns[column] = pl.Series(column, us, pl.Int64).cast(REWARDS.schema[column])
-    return REWARDS.write(table, pl.DataFrame(columns, schema=REWARDS.schema), name)
+    frame = pl.DataFrame(columns, schema=REWARDS.schema)
+    parts, start = [], 0
+    for name, batch in entries:
+        parts.append((name, frame.slice(start, len(batch))))
+        start += len(batch)
+    return REWARDS.write_parts(table, parts)

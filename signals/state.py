@@ -19,6 +19,7 @@ outbox only if its marker was not already set: a record is never emitted twice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -127,20 +128,25 @@ class Keys:
         return f"{self.prefix}outbox:{self.topic}:{partition}"
 
 
+# The plan's lists come flat (`CommitPlan.payload`): a table per state or record cost Redis more to unpack than
+# the text it holds.
 _COMMIT_LUA = """
 local p = cmsgpack.unpack(ARGV[1])
-for _, s in ipairs(p.states) do redis.call('SET', s[1], s[2], 'EX', s[3]) end
-for _, z in ipairs(p.zadd) do redis.call('ZADD', z[1], z[3], z[2]) end
-for _, z in ipairs(p.zrem) do redis.call('ZREM', z[1], z[2]) end
-for _, w in ipairs(p.wm) do
-  local cur = redis.call('HGET', w[1], w[2])
-  if (not cur) or tonumber(cur) < tonumber(w[3]) then redis.call('HSET', w[1], w[2], w[3]) end
+local s, z = p.states, p.zadd
+for i = 1, #s, 3 do redis.call('SET', s[i], s[i + 1], 'EX', s[i + 2]) end
+for i = 1, #z, 3 do redis.call('ZADD', z[i], z[i + 2], z[i + 1]) end
+z = p.zrem
+for i = 1, #z, 2 do redis.call('ZREM', z[i], z[i + 1]) end
+local w = p.wm
+for i = 1, #w, 3 do
+  local cur = redis.call('HGET', w[i], w[i + 1])
+  if (not cur) or tonumber(cur) < tonumber(w[i + 2]) then redis.call('HSET', w[i], w[i + 1], w[i + 2]) end
 end
 local pushed = 0
 for _, o in ipairs(p.outbox) do
-  local recs = {}
-  for _, e in ipairs(o[4]) do
-    if redis.call('SET', e[1], '1', 'NX', 'EX', o[3]) then table.insert(recs, e[2]) end
+  local recs, e = {}, o[4]
+  for i = 1, #e, 2 do
+    if redis.call('SET', e[i], '1', 'NX', 'EX', o[3]) then table.insert(recs, e[i + 1]) end
   end
   if #recs > 0 then
     redis.call('RPUSH', o[1], o[2] .. '\\n' .. table.concat(recs, '\\n'))
@@ -167,11 +173,11 @@ class CommitPlan:
         # any ZREM, so the member ends absent either way).
         removed = set(self.zrem)
         d: dict[str, Any] = {
-            "states": self.states,
-            "zadd": [z for z in self.zadd if (z[0], z[1]) not in removed],
-            "zrem": self.zrem,
-            "wm": self.wm,
-            "outbox": self.outbox,
+            "states": [x for state in self.states for x in state],
+            "zadd": [x for z in self.zadd if (z[0], z[1]) not in removed for x in z],
+            "zrem": [x for z in self.zrem for x in z],
+            "wm": [x for w in self.wm for x in w],
+            "outbox": [(key, entry, ttl, [x for p in pairs for x in p]) for key, entry, ttl, pairs in self.outbox],
         }
         return _pack(d)
 
@@ -226,10 +232,19 @@ class StateStore:
             self._r.hset(keys.wm, mapping={k: str(ceiling_us) for k in lowered})
         return lowered
 
-    def outbox_entries(self, keys: Keys, partition: int) -> list[bytes]:
+    def outbox_entries(self, keys: Keys, partitions: Sequence[int]) -> dict[int, list[bytes]]:
+        """The outbox entries of each of `partitions` that has any, oldest first (one round trip)."""
+        pipe = self._r.pipeline(transaction=False)
+        for p in partitions:
+            pipe.lrange(keys.outbox(p), 0, -1)
         # Replies are bytes (no decode_responses); the stubs say bytes | str.
-        return cast(list[bytes], self._r.lrange(keys.outbox(partition), 0, -1))
+        found = zip(partitions, cast(list[list[bytes]], pipe.execute()), strict=True)
+        return {p: entries for p, entries in found if entries}
 
-    def pop_outbox(self, keys: Keys, partition: int) -> None:
-        # LTRIM, not LPOP: the entry (a batch's records) need not come back over the wire
-        self._r.ltrim(keys.outbox(partition), 1, -1)
+    def pop_outbox(self, keys: Keys, counts: Mapping[int, int]) -> None:
+        """Drop the first `counts[p]` entries of each partition's outbox, all at once (MULTI)."""
+        # LTRIM, not LPOP: the entries (a batch's records) need not come back over the wire
+        pipe = self._r.pipeline(transaction=True)
+        for p, n in counts.items():
+            pipe.ltrim(keys.outbox(p), n, -1)
+        pipe.execute()

@@ -18,7 +18,8 @@ default on arrival and a revision per later event. When the whole stream has bee
 close in a quiet system; the live watermark moves there, the historical one stays at the replay's event
 time, so history replayed into a worker that has been idle still gives one final record per generation.
 
-Each poll is decoded as one batch, column-wise, by the contract's batch validator (`signals.events.decode_batch`):
+A batch is a poll, and more polls while the broker already holds more records (up to `poll_max_records`, never
+waiting for new ones), decoded column-wise by the contract's batch validator (`signals.events.decode_batch`):
 an event is taken exactly when ingest writes it to the lake, with the lake's properties. Then per event, in
 partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
@@ -39,7 +40,8 @@ Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
 and the lake and is popped. A restarted worker re-reads uncommitted events (their
 ids are already seen, so nothing counts twice) and first flushes any outbox left
-behind. The lake write is idempotent (one commit named by the outbox entry); a crash between
+behind. A flush sends every assigned partition's entries together: one Kafka send, one lake
+commit in which each entry is written once by its name (idempotent); a crash between
 Kafka's acknowledgement and the pop can repeat a Kafka message, which carries a
 `record_id` header for consumers to drop it.
 
@@ -608,7 +610,7 @@ class SignalsWorker:
 
     def _run_once(self) -> int:
         sent = self.flush_outbox()
-        records = self.consumer.poll_columns(self.config.poll_max_records, self.config.poll_timeout_s)
+        records = self._poll()
         assigned = self.consumer.assignment()
         if assigned != self._assigned:
             # a fresh assignment has not fetched anything yet: an empty poll now does not mean a quiet stream
@@ -629,12 +631,35 @@ class SignalsWorker:
             raise
         return sent + self.flush_outbox()
 
+    def _poll(self) -> RecordBatch:
+        """A poll, then more while the batch is below `poll_max_records` and the broker already holds more records
+        (`Consumer.known_backlog`: what is there, never what may come, so a live stream waits for no later
+        event). A batch pays fixed costs once (the Lua commit, Kafka's flush, a lake commit, scoring's frames,
+        the validator's columns), and one fetch response can hold less than a batch: the embedded broker's about
+        3,400 events a partition. Should the group hand out partitions in between, what was gathered is read
+        again from its first offsets, and the batch is empty."""
+        cfg, consumer = self.config, self.consumer
+        epoch = consumer.assignment_epoch()
+        parts = [consumer.poll_columns(cfg.poll_max_records, cfg.poll_timeout_s)]
+        n = len(parts[0])
+        while 0 < n < cfg.poll_max_records and consumer.known_backlog() > 0:
+            more = consumer.poll_columns(cfg.poll_max_records - n, cfg.poll_timeout_s)
+            if consumer.assignment_epoch() != epoch:
+                self._rewind(RecordBatch.concat([*parts, more]))
+                return RecordBatch([], [], [], [])
+            if not len(more):
+                break
+            parts.append(more)
+            n += len(more)
+        return RecordBatch.concat(parts)
+
     def _rewind(self, records: RecordBatch) -> None:
-        try:
-            for (topic, partition), offset in records.first_offsets().items():
+        """Each partition of `records` sought back to its first offset there, so the next poll reads them again."""
+        for (topic, partition), offset in records.first_offsets().items():
+            try:
                 self.consumer.seek(topic, partition, offset)
-        except Exception:  # noqa: BLE001 - a partition revoked meanwhile: its new owner replays from the commit
-            log.warning("could not rewind after a failed batch", exc_info=True)
+            except Exception:  # noqa: BLE001 - a partition revoked meanwhile: its new owner replays from the commit
+                log.warning("could not rewind a partition", extra={"partition": partition}, exc_info=True)
 
     def run(self, stop_event: threading.Event) -> None:
         """Poll and emit until `stop_event` is set, waiting out Kafka, Redis and MLflow outages."""
@@ -707,24 +732,33 @@ class SignalsWorker:
             log.warning("%d of %d records were already emitted (markers set); not sending them again", n - queued, n)
 
     def flush_outbox(self) -> int:
-        """Send committed records to Kafka and the lake; pop each entry only after both succeeded."""
-        sent = 0
-        for topic, p in sorted(self.consumer.assignment()):
-            if topic != self.settings.events_topic:
-                continue
-            for raw in self.store.outbox_entries(self.keys, p):
+        """Send committed records to Kafka and the lake; pop the entries only after both succeeded. The entries of
+        every assigned partition go together: one send, one lake commit (each entry in it once, by its name), one
+        pop; so a batch pays Kafka's flush and the lake's commit once, not once a partition."""
+        mine = sorted(p for topic, p in self.consumer.assignment() if topic == self.settings.events_topic)
+        found = self.store.outbox_entries(self.keys, mine)
+        if not found:
+            return 0
+        named: list[tuple[str, list[bytes]]] = []
+        for raws in found.values():
+            for raw in raws:
                 entry_id, *lines = raw.split(b"\n")
-                recs = decode_lines(b"[" + b",".join(lines) + b"]")
-                produce_lines(self.producer, self.settings, lines, recs)
-                write_lines(REWARDS.at(self.settings.lake_root), recs, f"signals-{entry_id.decode()}")
-                self.store.pop_outbox(self.keys, p)
-                first = sum(1 for r in recs if r.revision == 0)
-                self.stats.records += first
-                self.stats.revisions += len(recs) - first
-                metrics.RECORDS.labels("first").inc(first)
-                metrics.RECORDS.labels("revision").inc(len(recs) - first)
-                sent += len(recs)
-        return sent
+                named.append((f"signals-{entry_id.decode()}", lines))
+        lines = [line for _, entry in named for line in entry]
+        recs = decode_lines(b"[" + b",".join(lines) + b"]")
+        produce_lines(self.producer, self.settings, lines, recs)
+        entries, start = [], 0
+        for name, entry in named:
+            entries.append((name, recs[start : start + len(entry)]))
+            start += len(entry)
+        write_lines(REWARDS.at(self.settings.lake_root), entries)
+        self.store.pop_outbox(self.keys, {p: len(raws) for p, raws in found.items()})
+        first = sum(1 for r in recs if r.revision == 0)
+        self.stats.records += first
+        self.stats.revisions += len(recs) - first
+        metrics.RECORDS.labels("first").inc(first)
+        metrics.RECORDS.labels("revision").inc(len(recs) - first)
+        return len(recs)
 
     def _maybe_refit(self) -> None:
         every = self.config.refit_every_s

@@ -1,5 +1,5 @@
 """Helpers several test modules share: fake registry versions, offline-gate records, reading the events topic,
-loading a benchmark script as a module."""
+a consumer that hands out small polls, loading a benchmark script as a module."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 
 from deploy_gate.offline import OfflineGates
-from flywheel.bus import make_consumer
+from flywheel.bus import Consumer, RecordBatch, make_consumer
 from flywheel.contract import Event, ModelLineage, utcnow
 from flywheel.settings import Settings, get_settings
 from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
@@ -66,6 +66,21 @@ def cli_settings(
     get_settings.cache_clear()
     yield s
     get_settings.cache_clear()
+
+
+class SmallPolls:
+    """A worker's real consumer, handing out at most `most` records a poll (as a topic that trickles in does, or a
+    broker whose fetch responses are small)."""
+
+    def __init__(self, inner: Consumer, most: int) -> None:
+        self.inner, self.most, self.polls = inner, most, 0
+
+    def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
+        self.polls += 1
+        return self.inner.poll_columns(min(max_records, self.most), timeout_s)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
 
 
 def bench_module(name: str) -> ModuleType:

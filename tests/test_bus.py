@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from flywheel.bus import RecordBatch
+import time
+
+import pytest
+
+from flywheel.bus import Outgoing, RecordBatch, ensure_topics, make_consumer, make_producer
+from flywheel.settings import Settings
 
 
 def test_offset_range_per_partition_whatever_the_order():
@@ -22,3 +27,25 @@ def test_kafka_python_checks_batch_crcs_in_c():
     from kafka.record import util
 
     assert util._crc32c is crc32c.crc32c  # kafka-python picks the C implementation when it imports
+
+
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])
+def test_known_backlog_is_what_the_last_fetch_left_past_the_position(settings: Settings, client: str) -> None:
+    """The signals worker polls again while the broker already holds more (`Consumer.known_backlog`, asked of no
+    broker): more than 0 while a poll has taken part of what was fetched, 0 once it has taken all."""
+    settings = settings.model_copy(update={"kafka_client": client})
+    ensure_topics(settings)
+    producer = make_producer(settings)
+    producer.send_all([Outgoing(settings.events_topic, b"%d" % i, key=b"one partition") for i in range(50)])
+    producer.close()
+    consumer = make_consumer(settings, [settings.events_topic], f"g-backlog-{client}")
+    try:
+        taken, deadline = 0, time.monotonic() + 30
+        while not taken and time.monotonic() < deadline:
+            taken = len(consumer.poll_columns(10, 0.5))
+        assert taken == 10 and consumer.known_backlog() == 40
+        while taken < 50 and time.monotonic() < deadline:
+            taken += len(consumer.poll_columns(100, 0.5))
+        assert taken == 50 and consumer.known_backlog() == 0
+    finally:
+        consumer.close()

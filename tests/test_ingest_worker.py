@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from flywheel.bus import Consumer, Outgoing, RecordBatch, ensure_topics, make_consumer, make_producer
+from flywheel.bus import Outgoing, ensure_topics, make_consumer, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
 from flywheel.lake.tables import DEAD_LETTERS, EVENTS
@@ -21,6 +21,7 @@ from ingest.collector import create_app
 from ingest.dead_letters import DeadLetter
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port, start_broker, wait_for_port
+from tests.helpers import SmallPolls
 
 
 def drain(worker: IngestWorker, until_rows: int, settings: Settings, timeout_s: float = 30.0) -> None:
@@ -195,20 +196,6 @@ def test_two_workers_writing_the_same_partitions_commit_each_offset_once(setting
     positions = lake.select("kafka_partition", "kafka_offset")
     assert positions.n_unique() == positions.height == len(sent)
     assert "lake commit refused" in caplog.text, "the workers never raced"
-
-
-class SmallPolls:
-    """The worker's real consumer, handing out at most `most` records a poll (as a topic that trickles in does)."""
-
-    def __init__(self, inner: Consumer, most: int) -> None:
-        self.inner, self.most, self.polls = inner, most, 0
-
-    def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
-        self.polls += 1
-        return self.inner.poll_columns(min(max_records, self.most), timeout_s)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
 
 
 def test_a_batch_fills_over_polls_to_its_size_and_a_quiet_topic_commits_after_the_linger(settings):

@@ -97,6 +97,18 @@ def test_named_writes_are_committed_once(tmp_path: Path) -> None:
     assert REWARDS.read(location).height == 2
 
 
+def test_named_parts_are_each_committed_once_whether_written_together_or_apart(tmp_path: Path) -> None:
+    """The signals worker flushes several outbox entries in one commit; after a crash before the pop, a new owner
+    of one partition flushes that entry alone, and an entry flushed alone may come again with others."""
+    location = REWARDS.at(tmp_path)
+    a, b, c = (rewards_frame([reward_record(f"g{i}", 1.0)]) for i in range(3))
+    assert REWARDS.write_parts(location, [("a", a), ("b", b)]) is not None
+    assert REWARDS.write_parts(location, [("b", b)]) is None
+    assert REWARDS.write_parts(location, [("a", a), ("b", b), ("c", c)]) is not None  # only c is new
+    assert REWARDS.write(location, c, "c") is None
+    assert sorted(REWARDS.read(location)["generation_id"].to_list()) == ["g0", "g1", "g2"]
+
+
 # ------------------------------------------------------------ the ingest ledger
 
 

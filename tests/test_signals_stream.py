@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from flywheel.bus import ensure_topics
+from flywheel.bus import Outgoing, ensure_topics, make_consumer, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import REWARDS
@@ -21,6 +21,7 @@ from signals.reward import DEFAULT_DEFINITION
 from signals.sink import read_rewards, write_rewards
 from signals.worker import SignalsWorker
 from simulator.telemetry import feedback_event, generation_event, history, lake_events_from_topic, send
+from tests.helpers import SmallPolls
 
 CONFIG = SignalsConfig(idle_after_s=1.5, poll_timeout_s=0.2)
 
@@ -131,6 +132,56 @@ def test_worker_restarted_mid_window_loses_nothing_and_duplicates_nothing(settin
     assert lake.height == 7 and lake["generation_id"].n_unique() == 7
 
 
+def test_a_worker_killed_after_its_flush_reached_the_lake_leaves_each_record_there_once(settings: Settings) -> None:
+    """A flush sends the outbox entries of every partition at once, one Kafka send and one lake commit; killed before
+    they are popped, the worker that comes next flushes them again: the lake still holds each record once, and the
+    repeats on Kafka are the same records (with the `record_id` header a consumer drops them by)."""
+    ensure_topics(settings)
+    old = utcnow() - timedelta(minutes=5)
+    gids = [f"g{i:02d}" for i in range(12)]
+    send(settings, [generation_event(g, old) for g in gids] + [feedback_event(g, "accepted", old) for g in gids])
+
+    first = SignalsWorker(settings, CONFIG)
+
+    def killed(*_args: object) -> None:
+        raise RuntimeError("killed before popping the outbox")
+
+    first.store.pop_outbox = killed  # type: ignore[method-assign]  # the crash happens inside the real worker
+    with pytest.raises(RuntimeError, match="killed"):
+        run_until(first, lambda: False)
+    left = first.store.outbox_entries(first.keys, range(settings.topic_partitions))
+    first.close()
+    assert len(left) > 1, "the flush spanned several partitions' entries"
+
+    second = SignalsWorker(settings, CONFIG)
+    try:
+        run_until(second, lambda: second.stats.records >= len(gids))
+    finally:
+        second.close()
+    lake = read_rewards(REWARDS.at(settings.lake_root))
+    assert sorted(lake["generation_id"].to_list()) == gids
+    sent = Counter(f"{r.reward_version}:{r.generation_id}:{r.revision}" for r in rewards_on_topic(settings))
+    assert sorted(sent) == [f"{DEFAULT_DEFINITION.version}:{g}:0" for g in gids] and set(sent.values()) == {2}
+
+
+def test_a_batch_gathers_polls_while_the_broker_already_holds_more(settings: Settings) -> None:
+    """A fetch response can hold fewer records than a batch: the worker polls again while the broker already holds
+    more, so a batch pays its fixed costs (the Lua commit, Kafka's flush, a lake commit) once for them all."""
+    ensure_topics(settings)
+    old = utcnow() - timedelta(minutes=5)
+    producer = make_producer(settings)  # one partition: its fetch responses tell the whole backlog
+    producer.send_all([Outgoing(settings.events_topic, generation_event(f"g{i:02d}", old).to_bytes(), b"one")
+                       for i in range(24)])  # fmt: skip
+    producer.close()
+    consumer = SmallPolls(make_consumer(settings, [settings.events_topic], "g-gather"), most=5)
+    worker = SignalsWorker(settings, CONFIG.model_copy(update={"poll_max_records": 24}), consumer=consumer)
+    try:
+        run_until(worker, lambda: worker.stats.events > 0)
+    finally:
+        worker.close()
+    assert worker.stats.events == 24 and consumer.polls >= 5
+
+
 def test_reward_appears_soon_after_its_window_closes(settings: Settings) -> None:
     ensure_topics(settings)
     stop = threading.Event()
@@ -205,7 +256,7 @@ def test_a_record_line_is_a_reward_record_in_the_same_json_and_lake_row(tmp_path
     assert encode_line(line) == RewardRecord(**fields).to_bytes()
     (back,) = decode_lines(b"[" + encode_line(line) + b"]")
     assert RewardRecord.model_validate_json(encode_line(back)) == RewardRecord(**fields)
-    write_lines(str(tmp_path / "a"), [back], "a")
+    write_lines(str(tmp_path / "a"), [("a", [back])])
     write_rewards(str(tmp_path / "b"), [RewardRecord(**fields)], "b")
     assert read_rewards(str(tmp_path / "a")).to_dicts() == read_rewards(str(tmp_path / "b")).to_dicts()
 

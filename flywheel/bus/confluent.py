@@ -187,6 +187,18 @@ class ConfluentConsumer:
             out[(tp.topic, tp.partition)] = max(0, high - (position if position >= 0 else low))
         return out
 
+    def known_backlog(self) -> int:
+        parts = self._c.assignment()
+        total = 0
+        for tp in self._c.position(parts) if parts else []:
+            if tp.offset < 0:  # nothing consumed yet
+                continue
+            # cached: the high watermark of the last fetch response (negative when none came yet)
+            marks = self._c.get_watermark_offsets(tp, cached=True)
+            if marks is not None and marks[1] >= 0:
+                total += max(0, marks[1] - tp.offset)
+        return total
+
     def close(self) -> None:
         self._c.close()
 

@@ -18,7 +18,10 @@ class KafkaPythonProducer:
         self._p = KafkaProducer(
             bootstrap_servers=bootstrap.split(","),
             acks="all",
-            linger_ms=config.pop("linger_ms", 5),
+            # `send_all` flushes what it sent, so no record waits out the linger; a long one keeps the sender thread
+            # from waking up for batches that are not full while `send_all` still appends (a few % of a record's
+            # CPU).
+            linger_ms=config.pop("linger_ms", 1000),
             # `send_all` flushes what it sent, so a batch is a call's records per partition, not 16 KiB of them:
             # kafka-python's default closes a batch every ~40 records of 400 bytes, and each new batch wakes its
             # sender thread, which then drains (and fights `send` for the GIL); 256 KiB halved the cost of a
@@ -119,6 +122,14 @@ class KafkaPythonConsumer:
         ends = self._c.end_offsets(parts, timeout_ms=5000)
         # Clamped: a broker whose end offset trails the true end (the embedded Tansu may) must not read negative.
         return {(tp.topic, tp.partition): max(0, ends[tp] - self._c.position(tp, timeout_ms=5000)) for tp in parts}
+
+    def known_backlog(self) -> int:
+        total = 0
+        for tp in self._c.assignment():
+            high = self._c.highwater(tp)
+            if high is not None:  # fetched, so its position is known: `position` asks nobody
+                total += max(0, high - self._c.position(tp))
+        return total
 
     def close(self) -> None:
         self._c.close(autocommit=False)

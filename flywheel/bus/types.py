@@ -41,6 +41,16 @@ class RecordBatch:
             [r.value for r in records],
         )
 
+    @classmethod
+    def concat(cls, parts: Sequence[RecordBatch]) -> RecordBatch:
+        """The records of `parts`, in order (several polls gathered into one batch)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            [t for p in parts for t in p.topics], [n for p in parts for n in p.partitions],
+            [o for p in parts for o in p.offsets], [v for p in parts for v in p.values],
+        )  # fmt: skip
+
     def offset_range(self) -> dict[tuple[str, int], tuple[int, int]]:
         """Per (topic, partition): the batch's first offset, and the offset to commit after it (last + 1)."""
         if not self.offsets:
@@ -100,6 +110,11 @@ class Consumer(Protocol):
     def lag(self) -> dict[tuple[str, int], int]:
         """Per assigned (topic, partition): records between this consumer's position and the partition end
         (never negative). Asks the broker: call it every few seconds, not per batch."""
+
+    def known_backlog(self) -> int:
+        """Records past this consumer's position on its assigned partitions, as the last fetch responses told
+        (their high watermarks): no request, so cheap enough for every poll; a partition not fetched yet counts 0.
+        More than 0: the broker already holds records a poll would get without waiting for new ones."""
 
     def close(self) -> None: ...
 

@@ -4,8 +4,8 @@ The lake is a contract between components that never import each other: ingest w
 and `dead_letters`, signals reads events and writes `rewards`, the trainer and the deploy gate read
 them. Each `Table` is a Delta table (`flywheel.lake`) and says, for everyone:
 
-- `schema`: the columns, in order, with their polars types. Writers go through `Table.write` or
-  `Table.commit`, which refuse a frame with a missing or unknown column and cast the rest to the
+- `schema`: the columns, in order, with their polars types. Writers go through `Table.write`,
+  `Table.write_parts` or `Table.commit`, which refuse a frame with a missing or unknown column and cast the rest to the
   declared types, so no commit disagrees with another;
 - `path`: where it lives under the lake root (a local path or an `s3://` URI): `Table.at(root)`;
 - `partition_column`: the table is partitioned by the UTC date and hour of this column, stored as
@@ -65,12 +65,16 @@ def log_retention(days: int) -> str:
     return f"interval {int(days)} days"
 
 
-# Table properties set at creation. A named write's transaction (`Table.write(name=...)`) carries its time
-# and is forgotten this long after it (a signals outbox entry is flushed within seconds); a Kafka
+# Table properties set at creation. A named write's transaction (`Table.write(name=...)`, `write_parts`) carries
+# its time and is forgotten this long after it (a signals outbox entry is flushed within seconds); a Kafka
 # partition's carries none and is kept for good. The log retention is `Table.create`'s argument.
 TABLE_CONFIGURATION: dict[str, str | None] = {"delta.setTransactionRetentionDuration": "interval 7 days"}
 
 Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
+
+
+def _below(stored: int | None, version: int) -> bool:
+    return stored is None or stored < version
 
 
 class LakeSchemaError(ValueError):
@@ -239,22 +243,36 @@ class Table:
 
         Idempotent where told how: `transaction=(app_id, version)` writes only when the table's version for
         `app_id` is below `version` (a writer with a monotonic position); a `name` writes once per name within the
-        table's transaction retention (the signals worker's outbox entries, tests, tools and the simulators).
-        Racing writers of the same are settled by Delta: the loser's commit fails, it reloads, and finds the
-        commit made."""
-        if df.is_empty():
-            return None
-        df = self.conform(df)  # before the table is created: a frame that breaks the schema leaves nothing
+        table's transaction retention (tests, tools and the simulators; the signals worker's outbox entries go
+        through `write_parts`). Racing writers of the same are settled by Delta: the loser's commit fails, it
+        reloads, and finds the commit made."""
         if name is not None and transaction is None:
             transaction = (f"write:{name}", 0)
+        return self._append(location, [(transaction, df)])
+
+    def write_parts(self, location: str, parts: Sequence[tuple[str, pl.DataFrame]]) -> int | None:
+        """Append named frames in one commit, each once per name (`write`'s `name`, here several: one commit
+        pays the log's fixed cost once for all of them). A part whose name the table holds is left out, so parts
+        written once together and then again apart, or the other way round, are each in the table once.
+        Returns the version made, or None when every part was already written."""
+        return self._append(location, [((f"write:{name}", 0), df) for name, df in parts])
+
+    def _append(self, location: str, parts: Sequence[tuple[tuple[str, int] | None, pl.DataFrame]]) -> int | None:
+        """One commit of the parts not yet written (a part with a transaction: while the table's version for its
+        application id is below the part's)."""
+        # conformed before the table is created: a frame that breaks the schema leaves nothing
+        parts = [(transaction, self.conform(df)) for transaction, df in parts if not df.is_empty()]
+        if not parts:
+            return None
         for _ in range(10):
             snapshot = self.create(location)
-            if transaction is not None:
-                stored = snapshot.transaction_version(transaction[0])
-                if stored is not None and stored >= transaction[1]:
-                    return None
+            todo = [(t, df) for t, df in parts if t is None or _below(snapshot.transaction_version(t[0]), t[1])]
+            if not todo:
+                return None
+            df = todo[0][1] if len(todo) == 1 else pl.concat([df for _, df in todo])
+            transactions = dict(t for t, _ in todo if t is not None)
             try:
-                return self.commit(snapshot, df, dict([transaction]) if transaction else None, expiring=True)
+                return self.commit(snapshot, df, transactions or None, expiring=True)
             except CommitFailedError:
                 log.info("%s: a concurrent commit won; reloading and checking again", self.name)
         raise CommitFailedError(f"{self.name}: ten commits in a row lost to concurrent writers")
