@@ -80,7 +80,9 @@ def _stop_rate(policy: Policy, n: int = 60) -> float:
     return sum(g.finish_reason != "length" for g in gens) / n
 
 
-def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(tsettings: Settings, champion: str) -> None:
+def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(
+    tsettings: Settings, champion: str
+) -> None:
     registry = ModelRegistry(tsettings)
     config = TrainerConfig(learning_rate=2e-3, batch_size=8, epochs=2, kl_coef=0.05)
     v1 = load_policy(registry.fetch(champion))
@@ -95,7 +97,9 @@ def test_a_cycle_moves_the_policy_toward_the_rewarded_behaviour_and_back(tsettin
     # The gate promotes the candidate; new feedback on it now rewards the opposite.
     registry.set_alias("champion", first.version)
     opposite = lambda g: -_ends_early(g)  # noqa: E731
-    simulate_feedback(tsettings, v2, PROMPTS, opposite, model_version=first.version, n=48, seed=2, users=USERS)
+    simulate_feedback(
+        tsettings, v2, PROMPTS, opposite, model_version=first.version, n=48, seed=2, users=USERS
+    )
     second = run_cycle(tsettings, config, progress=False)
     assert second.status == "registered" and second.parent_version == first.version
     back = _stop_rate(load_policy(registry.fetch(second.version)))
@@ -173,11 +177,15 @@ def test_each_cycle_rounds_with_its_own_reproducible_draws() -> None:
                 rounding_seed(TrainerConfig(), "3", other)}) == 4  # fmt: skip
 
 
-def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(tsettings: Settings, champion: str) -> None:
+def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(
+    tsettings: Settings, champion: str
+) -> None:
     registry = ModelRegistry(tsettings)
     path = registry.fetch(champion)
     policy = load_policy(path)
-    simulate_feedback(tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=32, seed=3, users=USERS)
+    simulate_feedback(
+        tsettings, policy, PROMPTS, _ends_early, model_version=champion, n=32, seed=3, users=USERS
+    )
     kls = []
     for kl_coef in (0.0, 2.0):
         config = TrainerConfig(learning_rate=2e-3, batch_size=8, epochs=3, kl_coef=kl_coef)
@@ -195,7 +203,9 @@ def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(tsettings
     assert (len(capped.history), capped.samples_reached, capped.stopped_at) == (2, 2 * config.batch_size, "max_steps")
 
 
-def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(tsettings: Settings, champion: str) -> None:
+def test_a_crash_mid_cycle_registers_nothing_and_keeps_the_watermark(
+    tsettings: Settings, champion: str
+) -> None:
     registry = ModelRegistry(tsettings)
     simulate_feedback(tsettings, load_policy(registry.fetch(champion)), PROMPTS, _ends_early,
                       model_version=champion, n=16, seed=4, users=USERS)  # fmt: skip
@@ -399,7 +409,9 @@ def test_eligibility_consent_quarantine_scrubbing_and_latest_revision(tsettings:
     by_id = {s.generation_id: s for s in selection.samples}
     assert sorted(by_id) == ["ok", "pii-prompt"]
     assert by_id["ok"].reward == -1.0  # the latest revision wins
-    assert by_id["pii-prompt"].prompt_redacted and by_id["pii-prompt"].prompt_token_ids == [len("mail <EMAIL>\nx = ")]
+    assert by_id["pii-prompt"].prompt_redacted and by_id["pii-prompt"].prompt_token_ids == [
+        len("mail <EMAIL>\nx = ")
+    ]
     assert selection.dropped == {
         "without consent": 2, "from quarantined versions": 1, "without a generation event": 1,
         "with secrets or personal data in the completion": 1, "prompts redacted (kept)": 1,

@@ -212,18 +212,9 @@ def _train_and_register(
 
         deadline = started + config.time_budget_s if config.time_budget_s else None
         training = train_policy(
-            model,
-            samples,
-            reference,
-            config,
-            scorer,
-            policy.pad_id,
-            rank=rank,
-            world=world,
-            on_step=_on_step,
-            stop_ids=policy.stop_ids,
-            deadline=deadline,
-        )
+            model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step,
+            stop_ids=policy.stop_ids, deadline=deadline,
+        )  # fmt: skip
     history, reached = training.history, training.samples_reached
     if reached < len(samples):
         # stopped early: train_policy says why (every process agrees: its checks are all-reduced)
