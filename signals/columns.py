@@ -8,7 +8,8 @@ code per generation.
 Inputs (`FEEDBACK_SCHEMA`, `GENERATION_SCHEMA`): one row per in-window feedback event and one per
 record to score, both keyed by (`generation_id`, `revision`); a record's events are the feedback rows of
 its key. Properties stay the JSON text the lake holds (the stream serialises its dicts the same way)
-and are read with one parser (`str.json_path_match`), so a property means the same thing on both paths.
+and are read by the same code (`_parsed_properties`: each event's once), so a property means the same
+thing on both paths.
 
 What must hold: for every signal in `SIGNALS`, the value is what the per-generation reference
 (`signals.features`, through `RewardDefinition.score`) gives, absent (null) where it gives nothing;
@@ -56,10 +57,35 @@ _DECIDED = ("accepted", "rejected", "ignored")
 _IMPLICIT = ("shown", "copied", "regenerated", "followup", "edit_distance", "retention", "undone")
 
 
-def _prop(key: str, *types: str) -> pl.Expr:
-    """Property `key` of each event of `types` as text (a JSON string's content, else the JSON of the value);
-    null when absent, JSON null, or another type's (only what a signal reads is parsed: parsing is the cost)."""
-    return pl.when(_is(*types)).then(pl.col("properties")).str.json_path_match(f"$.{key}")
+# What the signals read of an event's properties, by event type: `typed_feedback` parses each event's once
+PROPERTIES: Final[dict[str, tuple[str, ...]]] = {
+    "thumbs": ("value", "comment"),
+    "accepted": ("accepted_chars", "total_chars"),
+    "undone": ("seconds_after_accept",),
+    "edited": ("edit_distance",),
+    "retained": ("seconds_after_accept", "fraction_present"),
+    "followup": ("text",),
+}
+
+
+def _parsed_properties(events: pl.DataFrame, type_: str) -> pl.DataFrame:
+    """`_row`, `_record` and, for each key of `PROPERTIES[type_]`, column `_<key>` of the events of `type_` among
+    the typed frame's rows `events`: the key's value as text (a JSON string's content, else the JSON of the
+    value), null when absent or JSON null.
+
+    The type's events are parsed in one pass for all their keys (`str.json_decode` to a struct of strings: a third
+    of the CPU time of one `json_path_match` per key, and only on the events of the type), their numbers as the
+    exact decimal of the JSON number's nearest float, which `_num` reads back as Python does. Where the type's
+    text is not all objects of plain values (a value that is an object or a list, text that is no JSON), its keys
+    are read with `json_path_match` instead, which reads such text too (numbers through its own float parse)."""
+    keys = PROPERTIES[type_]
+    rows = in_chunks(events.filter(pl.col("type") == type_).select("_row", "_record", "properties"))
+    props = pl.col("properties")
+    try:
+        parsed = rows.select(props.str.json_decode(pl.Struct({k: pl.String for k in keys}))).unnest("properties")
+    except pl.exceptions.ComputeError:
+        parsed = rows.select(props.str.json_path_match(f"$.{k}").alias(k) for k in keys)
+    return rows.drop("properties").hstack(parsed.select(pl.col(k).alias(f"_{k}") for k in keys)).rechunk()
 
 
 def in_chunks(frame: pl.DataFrame, rows: int = 16_384) -> pl.DataFrame:
@@ -136,10 +162,11 @@ def _accepted_by_then() -> list[pl.Expr]:
     return [pl.when(at_same_time).then(pl.col("ts_us")).otherwise(before).alias("_accepted_by_us")]
 
 
-def typed_feedback(feedback: pl.DataFrame) -> pl.DataFrame:
+def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
     """The feedback rows in (time, id) order per record, numbered (`_row`) and with their record's number
-    (`_record`), and the properties a signal reads on every event of its type parsed (thumbs' `value`, edits'
-    `edit_distance`); the others are read at the one event of a record a signal picks (`Pick`)."""
+    (`_record`), without their properties; and per type of `PROPERTIES`, its events' properties parsed
+    (`_parsed_properties`; thumbs' `value` lowercased). The rows carry `_vote`: a thumbs event whose value is
+    up or down (in any case)."""
     new_record = pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift(1)) for k in KEY])
     # sorted without the id first (a text sort key costs a quarter of the sort), and by it too only where two
     # events of a record share a time: both sorts are stable, so the order is the same
@@ -157,42 +184,51 @@ def typed_feedback(feedback: pl.DataFrame) -> pl.DataFrame:
     if ordered.get_column("_tie").any():
         ordered = ordered.sort("_record", "ts_us", "event_id", maintain_order=True)
     ordered = ordered.drop("_tie").with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"))
-    return (
-        in_chunks(ordered)
+    parsed = {t: _parsed_properties(ordered, t) for t in PROPERTIES}
+    parsed["thumbs"] = parsed["thumbs"].with_columns(pl.col("_value").str.to_lowercase())
+    vote = np.zeros(ordered.height, dtype=bool)
+    vote[parsed["thumbs"].filter(pl.col("_value").is_in(["up", "down"])).get_column("_row").to_numpy()] = True
+    typed = (
+        in_chunks(ordered.drop("properties"))
         .lazy()
-        .with_columns(
-            *_accepted_by_then(),
-            _prop("value", "thumbs").str.to_lowercase().alias("_value"),
-            _prop("edit_distance", "edited").alias("_edit"),
-        )
-        .with_columns(_num(pl.col("_edit")).alias("_edit"))
+        .with_columns(*_accepted_by_then(), pl.Series("_vote", vote))
         .collect(engine=ENGINE)
     )
+    return typed, parsed
 
 
 @dataclass(frozen=True)
 class Pick:
-    """Column `name` of a record: the value of `column` (with `key`: that property of it, parsed there only; with
-    `number`: read as one, `_num`) at the typed frame's row that the record's column `row` holds (`_first_row`,
-    `_last_row`); null without one."""
+    """Column `name` of a record: the value of `column` (with `number`: read as one, `_num`) at the typed frame's
+    row that the record's column `row` holds (`_first_row`, `_last_row`); null without one. With `of`, the row is
+    an event of that type and `column` one of its parsed properties (`_parsed_properties`)."""
 
     name: str
     row: str
-    column: str = "properties"
-    key: str | None = None
+    column: str
+    of: str | None = None
     number: bool = False
 
 
-def _picked(typed: pl.DataFrame, per_record: pl.DataFrame, picks: Sequence[Pick]) -> pl.DataFrame:
+def _picked(
+    typed: pl.DataFrame, parsed: dict[str, pl.DataFrame], per_record: pl.DataFrame, picks: Sequence[Pick]
+) -> pl.DataFrame:
     # gathered from one chunk: polars gathers from a column of many (`in_chunks`) several times slower
-    source = typed.select({p.column for p in picks}).rechunk()
-    gathered = in_chunks(
-        per_record.select(source.get_column(p.column).gather(per_record.get_column(p.row)).alias(p.name) for p in picks)
-    )
-    parsed = gathered.select(pl.col(p.name).str.json_path_match(f"$.{p.key}") if p.key else p.name for p in picks)
-    return per_record.hstack(
-        parsed.with_columns(_num(pl.col(p.name)).alias(p.name) for p in picks if p.number).rechunk()
-    )
+    source = typed.select({p.column for p in picks if p.of is None}).rechunk()
+
+    def pick(p: Pick) -> pl.Series:
+        rows = per_record.get_column(p.row)
+        if p.of is None:
+            return source.get_column(p.column).gather(rows).alias(p.name)
+        events = parsed[p.of]  # in row order: the row's event is found by a binary search
+        values = events.get_column(p.column)
+        if events.is_empty():  # then no record has such a row
+            return pl.repeat(None, len(rows), dtype=values.dtype, eager=True).alias(p.name)
+        at = events.get_column("_row").search_sorted(rows.fill_null(0), side="left")
+        return values.gather(at.clip(upper_bound=events.height - 1)).alias(p.name)
+
+    picked = per_record.select(pl.when(pl.col(p.row).is_not_null()).then(pick(p)).alias(p.name) for p in picks)
+    return per_record.hstack(picked.with_columns(_num(pl.col(p.name)).alias(p.name) for p in picks if p.number))
 
 
 # ---------------------------------------------------------------------- signals
@@ -228,8 +264,7 @@ def _sentiment_of(fn: Sentiment) -> Callable[[pl.Series], pl.Series]:
 
 
 def _thumbs_agg(d: RewardDefinition) -> list[pl.Expr]:
-    vote = _is("thumbs") & pl.col("_value").is_in(["up", "down"])
-    return [_last_row(vote).alias("_thumbs_row")]  # the latest vote wins
+    return [_last_row(pl.col("_vote")).alias("_thumbs_row")]  # the latest vote wins
 
 
 def _thumbs_finish(d: RewardDefinition) -> list[pl.Expr]:
@@ -284,14 +319,14 @@ def _undo_finish(d: RewardDefinition) -> list[pl.Expr]:
     ]
 
 
-def edit_sums(typed: pl.DataFrame) -> pl.LazyFrame:
-    """One row per record with `edited` events: `_edit_sum`, their distances summed in event order.
+def edit_sums(edited: pl.DataFrame) -> pl.LazyFrame:
+    """One row per record with `edited` events (`edited`: their parsed properties, `typed_feedback`): `_edit_sum`,
+    their distances summed in event order.
 
     Apart from the other aggregations (`score_frame`): a float sum's last bits depend on the order of its
     terms, and polars' streaming engine may add a record's partial sums in another one."""
-    edited = typed.lazy().filter(_is("edited"))
-    distance = pl.col("_edit").fill_null(0.0).clip(lower_bound=0.0).filter(_is("edited")).sum()
-    return edited.group_by("_record").agg(distance.alias("_edit_sum"))
+    distance = _num(pl.col("_edit_distance")).fill_null(0.0).clip(lower_bound=0.0).sum()
+    return edited.lazy().group_by("_record").agg(distance.alias("_edit_sum"))
 
 
 def _edits_finish(d: RewardDefinition) -> list[pl.Expr]:
@@ -304,24 +339,17 @@ def _edits_finish(d: RewardDefinition) -> list[pl.Expr]:
     ]
 
 
-def retention_checks(typed: pl.DataFrame) -> pl.LazyFrame:
-    """One row per record (`_record`) with `retained` checks: `retention` and `retained_<c>s`
-    (`features.retention`).
+def retention_checks(retained: pl.DataFrame) -> pl.LazyFrame:
+    """One row per record (`_record`) with `retained` checks (`retained`: their parsed properties,
+    `typed_feedback`): `retention` and `retained_<c>s` (`features.retention`).
 
     The checks are put in order of their time after the accept once, for all records (ties keep event-time
     order), so each value is a first or last within its record rather than a sort per record."""
-    props = pl.col("properties")
-    secs = _num(pl.col("_secs")).fill_null(0.0).clip(lower_bound=0.0)
-    frac = _num(pl.col("_frac")).fill_null(1.0).clip(0.0, 1.0)
+    secs = _num(pl.col("_seconds_after_accept")).fill_null(0.0).clip(lower_bound=0.0)
+    frac = _num(pl.col("_fraction_present")).fill_null(1.0).clip(0.0, 1.0)
     checks = (
-        in_chunks(typed.filter(_is("retained")).select("_record", "properties"))
-        .lazy()
-        .select(
-            "_record",
-            props.str.json_path_match("$.seconds_after_accept").alias("_secs"),
-            props.str.json_path_match("$.fraction_present").alias("_frac"),
-        )
-        .with_columns(secs.alias("_secs"), frac.alias("_frac"))  # parsed as text once: `_num` reads it thrice
+        retained.lazy()
+        .select("_record", secs.alias("_secs"), frac.alias("_frac"))
         .sort("_record", "_secs", maintain_order=True)
     )
     return checks.group_by("_record", maintain_order=True).agg(
@@ -380,7 +408,10 @@ SIGNALS: tuple[Signal, ...] = (
         _thumbs_agg,
         _thumbs_finish,
         ("thumbs", "thumbs_comment_sentiment"),
-        (Pick("_thumbs_value", "_thumbs_row", "_value"), Pick("_thumbs_comment", "_thumbs_row", key="comment")),
+        (
+            Pick("_thumbs_value", "_thumbs_row", "_value", "thumbs"),
+            Pick("_thumbs_comment", "_thumbs_row", "_comment", "thumbs"),
+        ),
     ),
     Signal(
         "decision",
@@ -390,8 +421,8 @@ SIGNALS: tuple[Signal, ...] = (
         _decision_finish,
         ("shown", "accepted", "accepted_fraction", "accepted_chars", "rejected", "ignored"),
         (
-            Pick("_total_chars", "_accept_row", key="total_chars", number=True),
-            Pick("_accepted_chars", "_accept_row", key="accepted_chars", number=True),
+            Pick("_total_chars", "_accept_row", "_total_chars", "accepted", number=True),
+            Pick("_accepted_chars", "_accept_row", "_accepted_chars", "accepted", number=True),
         ),
     ),
     Signal(
@@ -401,7 +432,7 @@ SIGNALS: tuple[Signal, ...] = (
         _undo_finish,
         ("undone", "undo_s"),
         (
-            Pick("_undo_given", "_undo_row", key="seconds_after_accept"),
+            Pick("_undo_given", "_undo_row", "_seconds_after_accept", "undone"),
             Pick("_undo_ts_us", "_undo_row", "ts_us"),
             Pick("_undo_accept_us", "_undo_row", "_accepted_by_us"),
         ),
@@ -433,7 +464,7 @@ SIGNALS: tuple[Signal, ...] = (
         _followup_agg,
         _followup_finish,
         ("followup", "followup_sentiment"),
-        (Pick("_followup_text", "_followup_row", key="text"),),
+        (Pick("_followup_text", "_followup_row", "_text", "followup"),),
     ),
     Signal(
         "dwell", "Seconds from shown to the first decision (`features.dwell`).", _dwell_agg, _dwell_finish, ("dwell_s",)
@@ -522,17 +553,17 @@ def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedbac
     d = definition
     aggs = [pl.len().alias("feedback_events"), *(e for s in SIGNALS for e in s.aggregate(d))]
     # collected once: the group-by, the picks and the retention checks read it
-    typed = typed_feedback(feedback)
+    typed, parsed = typed_feedback(feedback)
     # min, max, any and len: the streaming engine aggregates those in about half the CPU time (3M events)
     per_record = (
         typed.lazy()
         .group_by("_record")
         .agg(pl.col(*KEY).first(), *aggs)
         .collect(engine="streaming")
-        .join(edit_sums(typed).collect(engine=ENGINE), on="_record", how="left")
-        .join(retention_checks(typed).collect(engine=ENGINE), on="_record", how="left")
+        .join(edit_sums(parsed["edited"]).collect(engine=ENGINE), on="_record", how="left")
+        .join(retention_checks(parsed["retained"]).collect(engine=ENGINE), on="_record", how="left")
     )
-    per_record = _picked(typed, per_record, [p for s in SIGNALS for p in s.picks])
+    per_record = _picked(typed, parsed, per_record, [p for s in SIGNALS for p in s.picks])
     frame = (
         generations.lazy()
         .join(per_record.lazy(), on=list(KEY), how="left")
