@@ -40,6 +40,7 @@ from signals.reward import RewardDefinition
 from signals.sink import read_rewards, write_rewards
 
 _NEVER = 2**62
+_CAP_BUCKETS = 2**22
 
 
 _GENERATION_FIELDS = pl.Struct(
@@ -249,10 +250,14 @@ def plan_windows(
         candidates = candidates.filter(pl.col("properties").fill_null("{}").str.len_bytes() <= max_feedback_bytes)
     if max_feedback is not None:  # the worker's cap: the first ones of each generation, in arrival order
         # counted by the id's hash (a third faster than by its text): a generation sharing the hash of a flooded
-        # one is numbered too, and keeps its events as it has no more than the cap
+        # one is numbered too, and keeps its events as it has no more than the cap. Counted per bucket of the hash's
+        # low bits first (`np.bincount`, a fraction of a group-by's CPU time), then only the crowded buckets' hashes
         key = pl.col("generation_id").hash()
-        counts = candidates.group_by(key).agg(pl.len())
-        flooded = counts.filter(pl.col("len") > max_feedback).collect(engine=ENGINE)["generation_id"]
+        hashes = candidates.select(key).collect(engine=ENGINE).to_series().to_numpy()
+        bucket = (hashes & (_CAP_BUCKETS - 1)).astype(np.int64)
+        crowded = hashes[np.bincount(bucket, minlength=_CAP_BUCKETS)[bucket] > max_feedback]
+        distinct, counts = np.unique(crowded, return_counts=True)
+        flooded = pl.Series(distinct[counts > max_feedback], dtype=pl.UInt64)
         if len(flooded):  # numbering rows per generation costs more than counting them: only where needed
             within = key.is_in(flooded.implode())
             candidates = pl.concat([
