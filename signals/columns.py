@@ -69,9 +69,9 @@ PROPERTIES: Final[dict[str, tuple[str, ...]]] = {
 
 
 def _parsed_properties(events: pl.DataFrame, type_: str) -> pl.DataFrame:
-    """`_row`, `_record` and, for each key of `PROPERTIES[type_]`, column `_<key>` of the events of `type_` among
-    the typed frame's rows `events`: the key's value as text (a JSON string's content, else the JSON of the
-    value), null when absent or JSON null.
+    """`_row`, `_record`, `ts_us` and, for each key of `PROPERTIES[type_]`, column `_<key>` of the events of `type_`
+    among the typed frame's rows `events`: the key's value as text (a JSON string's content, else the JSON of
+    the value), null when absent or JSON null.
 
     The type's events are parsed in one pass for all their keys (`str.json_decode` to a struct of strings: a third
     of the CPU time of one `json_path_match` per key, and only on the events of the type), their numbers as the
@@ -79,7 +79,7 @@ def _parsed_properties(events: pl.DataFrame, type_: str) -> pl.DataFrame:
     text is not all objects of plain values (a value that is an object or a list, text that is no JSON), its keys
     are read with `json_path_match` instead, which reads such text too (numbers through its own float parse)."""
     keys = PROPERTIES[type_]
-    rows = in_chunks(events.filter(pl.col("type") == type_).select("_row", "_record", "properties"))
+    rows = in_chunks(events.filter(pl.col("type") == type_).select("_row", "_record", "ts_us", "properties"))
     props = pl.col("properties")
     try:
         parsed = rows.select(props.str.json_decode(pl.Struct({k: pl.String for k in keys}))).unnest("properties")
@@ -147,26 +147,23 @@ def _flag(cond: pl.Expr) -> pl.Expr:
     return pl.when(cond.any()).then(pl.lit(1.0))
 
 
-def _accepted_by_then() -> list[pl.Expr]:
-    """`_accepted_by_us`: on each row of a frame sorted by (record, time, id), the time of the record's latest
-    `accepted` event at or before the row's time (ties in time after the row included), else null.
+def _accepted_by(undone: pl.DataFrame, accepted: pl.DataFrame) -> pl.DataFrame:
+    """`undone` (parsed events, `_parsed_properties`) with `_accepted_by_us`: the time of the record's latest
+    `accepted` event (`accepted`) at or before the event's time (ties in time after it included), else null.
 
-    Fills along the whole sorted frame, kept to the row's own record by the record's number (`_record`), so it
-    is a few linear passes: the same as a filter by each record's own time inside the group-by, which costs
-    several times more."""
-    accepted = pl.col("type") == "accepted"
-    ts = pl.when(accepted).then(pl.col("ts_us"))
-    record = pl.when(accepted).then(pl.col("_record"))
-    before = pl.when(record.forward_fill() == pl.col("_record")).then(ts.forward_fill())
-    at_same_time = (record.backward_fill() == pl.col("_record")) & (ts.backward_fill() == pl.col("ts_us"))
-    return [pl.when(at_same_time).then(pl.col("ts_us")).otherwise(before).alias("_accepted_by_us")]
+    An as-of join by record of the two types' events, each in time order within a record: not a fill along every
+    event of every type."""
+    accepts = accepted.select("_record", pl.col("ts_us").alias("_accepted_by_us"))
+    return undone.join_asof(
+        accepts, left_on="ts_us", right_on="_accepted_by_us", by="_record", strategy="backward", check_sortedness=False
+    )  # sorted within each record, which is what an as-of join by record reads; polars cannot check it with `by`
 
 
 def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
     """The feedback rows in (time, id) order per record, numbered (`_row`) and with their record's number
     (`_record`), without their properties; and per type of `PROPERTIES`, its events' properties parsed
-    (`_parsed_properties`; thumbs' `value` lowercased). The rows carry `_vote`: a thumbs event whose value is
-    up or down (in any case)."""
+    (`_parsed_properties`; thumbs' `value` lowercased; undos with `_accepted_by_us`, `_accepted_by`). The rows
+    carry `_vote`: a thumbs event whose value is up or down (in any case)."""
     new_record = pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift(1)) for k in KEY])
     # sorted without the id first (a text sort key costs a quarter of the sort), and by it too only where two
     # events of a record share a time: both sorts are stable, so the order is the same
@@ -186,48 +183,37 @@ def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.D
     ordered = ordered.drop("_tie").with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"))
     parsed = {t: _parsed_properties(ordered, t) for t in PROPERTIES}
     parsed["thumbs"] = parsed["thumbs"].with_columns(pl.col("_value").str.to_lowercase())
+    parsed["undone"] = _accepted_by(parsed["undone"], parsed["accepted"])
     vote = np.zeros(ordered.height, dtype=bool)
     vote[parsed["thumbs"].filter(pl.col("_value").is_in(["up", "down"])).get_column("_row").to_numpy()] = True
-    typed = (
-        in_chunks(ordered.drop("properties"))
-        .lazy()
-        .with_columns(*_accepted_by_then(), pl.Series("_vote", vote))
-        .collect(engine=ENGINE)
-    )
-    return typed, parsed
+    return in_chunks(ordered.drop("properties").with_columns(pl.Series("_vote", vote))), parsed
 
 
 @dataclass(frozen=True)
 class Pick:
-    """Column `name` of a record: the value of `column` (with `number`: read as one, `_num`) at the typed frame's
-    row that the record's column `row` holds (`_first_row`, `_last_row`); null without one. With `of`, the row is
-    an event of that type and `column` one of its parsed properties (`_parsed_properties`)."""
+    """Column `name` of a record: the value of `column` (with `number`: read as one, `_num`) of the event of type
+    `of` at the typed frame's row that the record's column `row` holds (`_first_row`, `_last_row`), from that
+    type's parsed events (`_parsed_properties`); null without one."""
 
     name: str
     row: str
+    of: str
     column: str
-    of: str | None = None
     number: bool = False
 
 
-def _picked(
-    typed: pl.DataFrame, parsed: dict[str, pl.DataFrame], per_record: pl.DataFrame, picks: Sequence[Pick]
-) -> pl.DataFrame:
-    # gathered from one chunk: polars gathers from a column of many (`in_chunks`) several times slower
-    source = typed.select({p.column for p in picks if p.of is None}).rechunk()
-
-    def pick(p: Pick) -> pl.Series:
-        rows = per_record.get_column(p.row)
-        if p.of is None:
-            return source.get_column(p.column).gather(rows).alias(p.name)
-        events = parsed[p.of]  # in row order: the row's event is found by a binary search
-        values = events.get_column(p.column)
-        if events.is_empty():  # then no record has such a row
-            return pl.repeat(None, len(rows), dtype=values.dtype, eager=True).alias(p.name)
-        at = events.get_column("_row").search_sorted(rows.fill_null(0), side="left")
-        return values.gather(at.clip(upper_bound=events.height - 1)).alias(p.name)
-
-    picked = per_record.select(pl.when(pl.col(p.row).is_not_null()).then(pick(p)).alias(p.name) for p in picks)
+def _picked(parsed: dict[str, pl.DataFrame], per_record: pl.DataFrame, picks: Sequence[Pick]) -> pl.DataFrame:
+    columns = []
+    for of, row in dict.fromkeys((p.of, p.row) for p in picks):
+        events, rows = parsed[of], per_record.get_column(row)
+        # a type's events are in row order: a record's is found by a binary search of its row
+        at = events.get_column("_row").search_sorted(rows, side="left").clip(upper_bound=max(events.height - 1, 0))
+        for p in picks:
+            if (p.of, p.row) == (of, row):
+                values = events.get_column(p.column)
+                value = values.gather(at) if len(values) else pl.repeat(None, len(rows), dtype=values.dtype, eager=True)
+                columns.append(value.zip_with(rows.is_not_null(), pl.Series([None], dtype=values.dtype)).alias(p.name))
+    picked = pl.DataFrame(columns)
     return per_record.hstack(picked.with_columns(_num(pl.col(p.name)).alias(p.name) for p in picks if p.number))
 
 
@@ -309,7 +295,7 @@ def _undo_agg(d: RewardDefinition) -> list[pl.Expr]:
 
 def _undo_finish(d: RewardDefinition) -> list[pl.Expr]:
     given = pl.col("_undo_given")
-    # the latest accept at or before the first undo (`_accepted_by_then`)
+    # the latest accept at or before the first undo (`_accepted_by`)
     gap_us = (pl.col("_undo_ts_us") - pl.col("_undo_accept_us")).fill_null(0)
     measured = pl.when(given.is_not_null()).then(_num(given).fill_null(0.0)).otherwise(_seconds(gap_us))
     secs = pl.when(pl.col("_undo_row").is_not_null()).then(pl.max_horizontal(pl.lit(0.0), measured))
@@ -409,8 +395,8 @@ SIGNALS: tuple[Signal, ...] = (
         _thumbs_finish,
         ("thumbs", "thumbs_comment_sentiment"),
         (
-            Pick("_thumbs_value", "_thumbs_row", "_value", "thumbs"),
-            Pick("_thumbs_comment", "_thumbs_row", "_comment", "thumbs"),
+            Pick("_thumbs_value", "_thumbs_row", "thumbs", "_value"),
+            Pick("_thumbs_comment", "_thumbs_row", "thumbs", "_comment"),
         ),
     ),
     Signal(
@@ -421,8 +407,8 @@ SIGNALS: tuple[Signal, ...] = (
         _decision_finish,
         ("shown", "accepted", "accepted_fraction", "accepted_chars", "rejected", "ignored"),
         (
-            Pick("_total_chars", "_accept_row", "_total_chars", "accepted", number=True),
-            Pick("_accepted_chars", "_accept_row", "_accepted_chars", "accepted", number=True),
+            Pick("_total_chars", "_accept_row", "accepted", "_total_chars", number=True),
+            Pick("_accepted_chars", "_accept_row", "accepted", "_accepted_chars", number=True),
         ),
     ),
     Signal(
@@ -432,9 +418,9 @@ SIGNALS: tuple[Signal, ...] = (
         _undo_finish,
         ("undone", "undo_s"),
         (
-            Pick("_undo_given", "_undo_row", "_seconds_after_accept", "undone"),
-            Pick("_undo_ts_us", "_undo_row", "ts_us"),
-            Pick("_undo_accept_us", "_undo_row", "_accepted_by_us"),
+            Pick("_undo_given", "_undo_row", "undone", "_seconds_after_accept"),
+            Pick("_undo_ts_us", "_undo_row", "undone", "ts_us"),
+            Pick("_undo_accept_us", "_undo_row", "undone", "_accepted_by_us"),
         ),
     ),
     Signal(
@@ -464,7 +450,7 @@ SIGNALS: tuple[Signal, ...] = (
         _followup_agg,
         _followup_finish,
         ("followup", "followup_sentiment"),
-        (Pick("_followup_text", "_followup_row", "_text", "followup"),),
+        (Pick("_followup_text", "_followup_row", "followup", "_text"),),
     ),
     Signal(
         "dwell", "Seconds from shown to the first decision (`features.dwell`).", _dwell_agg, _dwell_finish, ("dwell_s",)
@@ -590,7 +576,7 @@ def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedbac
         .join(edit_sums(parsed["edited"]).collect(engine=ENGINE), on="_record", how="left")
         .join(retention_checks(parsed["retained"]).collect(engine=ENGINE), on="_record", how="left")
     )
-    per_record = _picked(typed, parsed, per_record, [p for s in SIGNALS for p in s.picks])
+    per_record = _picked(parsed, per_record, [p for s in SIGNALS for p in s.picks])
     frame = (
         _with_records(generations, per_record)
     ).with_columns(
