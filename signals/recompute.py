@@ -188,19 +188,17 @@ def plan_windows(
         before = pl.when(pos > 0).then(wm.shift(1))
         return wm.is_not_null() & (before.is_null() | (wm != before))
 
-    steps = (
-        pl.concat(
-            [
-                df.lazy()
-                .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
-                .filter(changes(pl.col("wm"), pl.col("first_pos")))
-                .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
-                for lane in (0, 1)
-            ]
-        )
-        .sort("wm")
-        .collect(engine=ENGINE)
-    )
+    # each partition's and lane's steps come in watermark order (of a running maximum): all that the as-of join by
+    # partition and lane reads, so they are not sorted as a whole
+    steps = pl.concat(
+        [
+            df.lazy()
+            .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
+            .filter(changes(pl.col("wm"), pl.col("first_pos")))
+            .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
+            for lane in (0, 1)
+        ]
+    ).collect(engine=ENGINE)
     idle_wm = to_us(now) - lateness_us - int(round(idle_grace_s * 1e6))
     first = (
         df.lazy()
@@ -229,7 +227,7 @@ def plan_windows(
             by=["kafka_partition", "lane"],
             strategy="forward",
             check_sortedness=False,
-        )  # sorted above; polars cannot check it with `by`
+        )  # window ends sorted above, steps in order per partition and lane; polars cannot check it with `by`
         .with_columns(
             pl.when(pl.col("first_pos").is_null())
             .then(pl.when(pl.col("window_end") <= idle_wm).then(pl.lit(_NEVER)).otherwise(None))
