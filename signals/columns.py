@@ -166,11 +166,13 @@ def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.D
     carry `_vote`: a thumbs event whose value is up or down (in any case)."""
     new_record = pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift(1)) for k in KEY])
     # sorted without the id first (a text sort key costs a quarter of the sort), and by it too only where two
-    # events of a record share a time: both sorts are stable, so the order is the same
+    # events of a record share a time, then by their order in `feedback` (`_in`): the order of a stable sort by
+    # (record, time, id), from two sorts that need not be stable (an unstable sort takes a third less CPU time)
     ordered = (
         feedback.lazy()
         .filter(pl.col("type") != "generation")
-        .sort(*KEY, "ts_us", maintain_order=True)
+        .with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_in"))
+        .sort(*KEY, "ts_us")
         .with_columns(
             pl.col("properties").fill_null("{}"),
             new_record.cum_sum().alias("_record"),
@@ -179,8 +181,8 @@ def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.D
         .collect(engine=ENGINE)
     )
     if ordered.get_column("_tie").any():
-        ordered = ordered.sort("_record", "ts_us", "event_id", maintain_order=True)
-    ordered = ordered.drop("_tie").with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"))
+        ordered = ordered.sort("_record", "ts_us", "event_id", "_in")
+    ordered = ordered.drop("_tie", "_in").with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"))
     parsed = {t: _parsed_properties(ordered, t) for t in PROPERTIES}
     parsed["thumbs"] = parsed["thumbs"].with_columns(pl.col("_value").str.to_lowercase())
     parsed["undone"] = _accepted_by(parsed["undone"], parsed["accepted"])
