@@ -8,7 +8,8 @@ code per generation.
 Inputs (`FEEDBACK_SCHEMA`, `GENERATION_SCHEMA`): one row per in-window feedback event and one per
 record to score, both keyed by (`generation_id`, `revision`); a record's events are the feedback rows of
 its key. Properties stay the JSON text the lake holds (the stream serialises its dicts the same way)
-and are read with one parser (`str.json_path_match`), so a property means the same thing on both paths.
+and are read by the same code (`_parsed_properties`: each event's once), so a property means the same
+thing on both paths.
 
 What must hold: for every signal in `SIGNALS`, the value is what the per-generation reference
 (`signals.features`, through `RewardDefinition.score`) gives, absent (null) where it gives nothing;
@@ -56,10 +57,35 @@ _DECIDED = ("accepted", "rejected", "ignored")
 _IMPLICIT = ("shown", "copied", "regenerated", "followup", "edit_distance", "retention", "undone")
 
 
-def _prop(key: str, *types: str) -> pl.Expr:
-    """Property `key` of each event of `types` as text (a JSON string's content, else the JSON of the value);
-    null when absent, JSON null, or another type's (only what a signal reads is parsed: parsing is the cost)."""
-    return pl.when(_is(*types)).then(pl.col("properties")).str.json_path_match(f"$.{key}")
+# What the signals read of an event's properties, by event type: `typed_feedback` parses each event's once
+PROPERTIES: Final[dict[str, tuple[str, ...]]] = {
+    "thumbs": ("value", "comment"),
+    "accepted": ("accepted_chars", "total_chars"),
+    "undone": ("seconds_after_accept",),
+    "edited": ("edit_distance",),
+    "retained": ("seconds_after_accept", "fraction_present"),
+    "followup": ("text",),
+}
+
+
+def _parsed_properties(events: pl.DataFrame, type_: str) -> pl.DataFrame:
+    """`_row`, `_record`, `ts_us` and, for each key of `PROPERTIES[type_]`, column `_<key>` of the events of `type_`
+    among the typed frame's rows `events`: the key's value as text (a JSON string's content, else the JSON of
+    the value), null when absent or JSON null.
+
+    The type's events are parsed in one pass for all their keys (`str.json_decode` to a struct of strings: a third
+    of the CPU time of one `json_path_match` per key, and only on the events of the type), their numbers as the
+    exact decimal of the JSON number's nearest float, which `_num` reads back as Python does. Where the type's
+    text is not all objects of plain values (a value that is an object or a list, text that is no JSON), its keys
+    are read with `json_path_match` instead, which reads such text too (numbers through its own float parse)."""
+    keys = PROPERTIES[type_]
+    rows = in_chunks(events.filter(pl.col("type") == type_).select("_row", "_record", "ts_us", "properties"))
+    props = pl.col("properties")
+    try:
+        parsed = rows.select(props.str.json_decode(pl.Struct({k: pl.String for k in keys}))).unnest("properties")
+    except pl.exceptions.ComputeError:
+        parsed = rows.select(props.str.json_path_match(f"$.{k}").alias(k) for k in keys)
+    return rows.drop("properties").hstack(parsed.select(pl.col(k).alias(f"_{k}") for k in keys)).rechunk()
 
 
 def in_chunks(frame: pl.DataFrame, rows: int = 16_384) -> pl.DataFrame:
@@ -121,32 +147,32 @@ def _flag(cond: pl.Expr) -> pl.Expr:
     return pl.when(cond.any()).then(pl.lit(1.0))
 
 
-def _accepted_by_then() -> list[pl.Expr]:
-    """`_accepted_by_us`: on each row of a frame sorted by (record, time, id), the time of the record's latest
-    `accepted` event at or before the row's time (ties in time after the row included), else null.
+def _accepted_by(undone: pl.DataFrame, accepted: pl.DataFrame) -> pl.DataFrame:
+    """`undone` (parsed events, `_parsed_properties`) with `_accepted_by_us`: the time of the record's latest
+    `accepted` event (`accepted`) at or before the event's time (ties in time after it included), else null.
 
-    Fills along the whole sorted frame, kept to the row's own record by the record's number (`_record`), so it
-    is a few linear passes: the same as a filter by each record's own time inside the group-by, which costs
-    several times more."""
-    accepted = pl.col("type") == "accepted"
-    ts = pl.when(accepted).then(pl.col("ts_us"))
-    record = pl.when(accepted).then(pl.col("_record"))
-    before = pl.when(record.forward_fill() == pl.col("_record")).then(ts.forward_fill())
-    at_same_time = (record.backward_fill() == pl.col("_record")) & (ts.backward_fill() == pl.col("ts_us"))
-    return [pl.when(at_same_time).then(pl.col("ts_us")).otherwise(before).alias("_accepted_by_us")]
+    An as-of join by record of the two types' events, each in time order within a record: not a fill along every
+    event of every type."""
+    accepts = accepted.select("_record", pl.col("ts_us").alias("_accepted_by_us"))
+    return undone.join_asof(
+        accepts, left_on="ts_us", right_on="_accepted_by_us", by="_record", strategy="backward", check_sortedness=False
+    )  # sorted within each record, which is what an as-of join by record reads; polars cannot check it with `by`
 
 
-def typed_feedback(feedback: pl.DataFrame) -> pl.DataFrame:
+def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
     """The feedback rows in (time, id) order per record, numbered (`_row`) and with their record's number
-    (`_record`), and the properties a signal reads on every event of its type parsed (thumbs' `value`, edits'
-    `edit_distance`); the others are read at the one event of a record a signal picks (`Pick`)."""
+    (`_record`), without their properties; and per type of `PROPERTIES`, its events' properties parsed
+    (`_parsed_properties`; thumbs' `value` lowercased; undos with `_accepted_by_us`, `_accepted_by`). The rows
+    carry `_vote`: a thumbs event whose value is up or down (in any case)."""
     new_record = pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift(1)) for k in KEY])
     # sorted without the id first (a text sort key costs a quarter of the sort), and by it too only where two
-    # events of a record share a time: both sorts are stable, so the order is the same
+    # events of a record share a time, then by their order in `feedback` (`_in`): the order of a stable sort by
+    # (record, time, id), from two sorts that need not be stable (an unstable sort takes a third less CPU time)
     ordered = (
         feedback.lazy()
         .filter(pl.col("type") != "generation")
-        .sort(*KEY, "ts_us", maintain_order=True)
+        .with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_in"))
+        .sort(*KEY, "ts_us")
         .with_columns(
             pl.col("properties").fill_null("{}"),
             new_record.cum_sum().alias("_record"),
@@ -155,44 +181,42 @@ def typed_feedback(feedback: pl.DataFrame) -> pl.DataFrame:
         .collect(engine=ENGINE)
     )
     if ordered.get_column("_tie").any():
-        ordered = ordered.sort("_record", "ts_us", "event_id", maintain_order=True)
-    ordered = ordered.drop("_tie").with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"))
-    return (
-        in_chunks(ordered)
-        .lazy()
-        .with_columns(
-            *_accepted_by_then(),
-            _prop("value", "thumbs").str.to_lowercase().alias("_value"),
-            _prop("edit_distance", "edited").alias("_edit"),
-        )
-        .with_columns(_num(pl.col("_edit")).alias("_edit"))
-        .collect(engine=ENGINE)
-    )
+        ordered = ordered.sort("_record", "ts_us", "event_id", "_in")
+    ordered = ordered.drop("_tie", "_in").with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"))
+    parsed = {t: _parsed_properties(ordered, t) for t in PROPERTIES}
+    parsed["thumbs"] = parsed["thumbs"].with_columns(pl.col("_value").str.to_lowercase())
+    parsed["undone"] = _accepted_by(parsed["undone"], parsed["accepted"])
+    vote = np.zeros(ordered.height, dtype=bool)
+    vote[parsed["thumbs"].filter(pl.col("_value").is_in(["up", "down"])).get_column("_row").to_numpy()] = True
+    return in_chunks(ordered.drop("properties").with_columns(pl.Series("_vote", vote))), parsed
 
 
 @dataclass(frozen=True)
 class Pick:
-    """Column `name` of a record: the value of `column` (with `key`: that property of it, parsed there only; with
-    `number`: read as one, `_num`) at the typed frame's row that the record's column `row` holds (`_first_row`,
-    `_last_row`); null without one."""
+    """Column `name` of a record: the value of `column` (with `number`: read as one, `_num`) of the event of type
+    `of` at the typed frame's row that the record's column `row` holds (`_first_row`, `_last_row`), from that
+    type's parsed events (`_parsed_properties`); null without one."""
 
     name: str
     row: str
-    column: str = "properties"
-    key: str | None = None
+    of: str
+    column: str
     number: bool = False
 
 
-def _picked(typed: pl.DataFrame, per_record: pl.DataFrame, picks: Sequence[Pick]) -> pl.DataFrame:
-    # gathered from one chunk: polars gathers from a column of many (`in_chunks`) several times slower
-    source = typed.select({p.column for p in picks}).rechunk()
-    gathered = in_chunks(
-        per_record.select(source.get_column(p.column).gather(per_record.get_column(p.row)).alias(p.name) for p in picks)
-    )
-    parsed = gathered.select(pl.col(p.name).str.json_path_match(f"$.{p.key}") if p.key else p.name for p in picks)
-    return per_record.hstack(
-        parsed.with_columns(_num(pl.col(p.name)).alias(p.name) for p in picks if p.number).rechunk()
-    )
+def _picked(parsed: dict[str, pl.DataFrame], per_record: pl.DataFrame, picks: Sequence[Pick]) -> pl.DataFrame:
+    columns = []
+    for of, row in dict.fromkeys((p.of, p.row) for p in picks):
+        events, rows = parsed[of], per_record.get_column(row)
+        # a type's events are in row order: a record's is found by a binary search of its row
+        at = events.get_column("_row").search_sorted(rows, side="left").clip(upper_bound=max(events.height - 1, 0))
+        for p in picks:
+            if (p.of, p.row) == (of, row):
+                values = events.get_column(p.column)
+                value = values.gather(at) if len(values) else pl.repeat(None, len(rows), dtype=values.dtype, eager=True)
+                columns.append(value.zip_with(rows.is_not_null(), pl.Series([None], dtype=values.dtype)).alias(p.name))
+    picked = pl.DataFrame(columns)
+    return per_record.hstack(picked.with_columns(_num(pl.col(p.name)).alias(p.name) for p in picks if p.number))
 
 
 # ---------------------------------------------------------------------- signals
@@ -228,8 +252,7 @@ def _sentiment_of(fn: Sentiment) -> Callable[[pl.Series], pl.Series]:
 
 
 def _thumbs_agg(d: RewardDefinition) -> list[pl.Expr]:
-    vote = _is("thumbs") & pl.col("_value").is_in(["up", "down"])
-    return [_last_row(vote).alias("_thumbs_row")]  # the latest vote wins
+    return [_last_row(pl.col("_vote")).alias("_thumbs_row")]  # the latest vote wins
 
 
 def _thumbs_finish(d: RewardDefinition) -> list[pl.Expr]:
@@ -274,7 +297,7 @@ def _undo_agg(d: RewardDefinition) -> list[pl.Expr]:
 
 def _undo_finish(d: RewardDefinition) -> list[pl.Expr]:
     given = pl.col("_undo_given")
-    # the latest accept at or before the first undo (`_accepted_by_then`)
+    # the latest accept at or before the first undo (`_accepted_by`)
     gap_us = (pl.col("_undo_ts_us") - pl.col("_undo_accept_us")).fill_null(0)
     measured = pl.when(given.is_not_null()).then(_num(given).fill_null(0.0)).otherwise(_seconds(gap_us))
     secs = pl.when(pl.col("_undo_row").is_not_null()).then(pl.max_horizontal(pl.lit(0.0), measured))
@@ -284,14 +307,14 @@ def _undo_finish(d: RewardDefinition) -> list[pl.Expr]:
     ]
 
 
-def edit_sums(typed: pl.DataFrame) -> pl.LazyFrame:
-    """One row per record with `edited` events: `_edit_sum`, their distances summed in event order.
+def edit_sums(edited: pl.DataFrame) -> pl.LazyFrame:
+    """One row per record with `edited` events (`edited`: their parsed properties, `typed_feedback`): `_edit_sum`,
+    their distances summed in event order.
 
     Apart from the other aggregations (`score_frame`): a float sum's last bits depend on the order of its
     terms, and polars' streaming engine may add a record's partial sums in another one."""
-    edited = typed.lazy().filter(_is("edited"))
-    distance = pl.col("_edit").fill_null(0.0).clip(lower_bound=0.0).filter(_is("edited")).sum()
-    return edited.group_by("_record").agg(distance.alias("_edit_sum"))
+    distance = _num(pl.col("_edit_distance")).fill_null(0.0).clip(lower_bound=0.0).sum()
+    return edited.lazy().group_by("_record").agg(distance.alias("_edit_sum"))
 
 
 def _edits_finish(d: RewardDefinition) -> list[pl.Expr]:
@@ -304,24 +327,17 @@ def _edits_finish(d: RewardDefinition) -> list[pl.Expr]:
     ]
 
 
-def retention_checks(typed: pl.DataFrame) -> pl.LazyFrame:
-    """One row per record (`_record`) with `retained` checks: `retention` and `retained_<c>s`
-    (`features.retention`).
+def retention_checks(retained: pl.DataFrame) -> pl.LazyFrame:
+    """One row per record (`_record`) with `retained` checks (`retained`: their parsed properties,
+    `typed_feedback`): `retention` and `retained_<c>s` (`features.retention`).
 
     The checks are put in order of their time after the accept once, for all records (ties keep event-time
     order), so each value is a first or last within its record rather than a sort per record."""
-    props = pl.col("properties")
-    secs = _num(pl.col("_secs")).fill_null(0.0).clip(lower_bound=0.0)
-    frac = _num(pl.col("_frac")).fill_null(1.0).clip(0.0, 1.0)
+    secs = _num(pl.col("_seconds_after_accept")).fill_null(0.0).clip(lower_bound=0.0)
+    frac = _num(pl.col("_fraction_present")).fill_null(1.0).clip(0.0, 1.0)
     checks = (
-        in_chunks(typed.filter(_is("retained")).select("_record", "properties"))
-        .lazy()
-        .select(
-            "_record",
-            props.str.json_path_match("$.seconds_after_accept").alias("_secs"),
-            props.str.json_path_match("$.fraction_present").alias("_frac"),
-        )
-        .with_columns(secs.alias("_secs"), frac.alias("_frac"))  # parsed as text once: `_num` reads it thrice
+        retained.lazy()
+        .select("_record", secs.alias("_secs"), frac.alias("_frac"))
         .sort("_record", "_secs", maintain_order=True)
     )
     return checks.group_by("_record", maintain_order=True).agg(
@@ -380,7 +396,10 @@ SIGNALS: tuple[Signal, ...] = (
         _thumbs_agg,
         _thumbs_finish,
         ("thumbs", "thumbs_comment_sentiment"),
-        (Pick("_thumbs_value", "_thumbs_row", "_value"), Pick("_thumbs_comment", "_thumbs_row", key="comment")),
+        (
+            Pick("_thumbs_value", "_thumbs_row", "thumbs", "_value"),
+            Pick("_thumbs_comment", "_thumbs_row", "thumbs", "_comment"),
+        ),
     ),
     Signal(
         "decision",
@@ -390,8 +409,8 @@ SIGNALS: tuple[Signal, ...] = (
         _decision_finish,
         ("shown", "accepted", "accepted_fraction", "accepted_chars", "rejected", "ignored"),
         (
-            Pick("_total_chars", "_accept_row", key="total_chars", number=True),
-            Pick("_accepted_chars", "_accept_row", key="accepted_chars", number=True),
+            Pick("_total_chars", "_accept_row", "accepted", "_total_chars", number=True),
+            Pick("_accepted_chars", "_accept_row", "accepted", "_accepted_chars", number=True),
         ),
     ),
     Signal(
@@ -401,9 +420,9 @@ SIGNALS: tuple[Signal, ...] = (
         _undo_finish,
         ("undone", "undo_s"),
         (
-            Pick("_undo_given", "_undo_row", key="seconds_after_accept"),
-            Pick("_undo_ts_us", "_undo_row", "ts_us"),
-            Pick("_undo_accept_us", "_undo_row", "_accepted_by_us"),
+            Pick("_undo_given", "_undo_row", "undone", "_seconds_after_accept"),
+            Pick("_undo_ts_us", "_undo_row", "undone", "ts_us"),
+            Pick("_undo_accept_us", "_undo_row", "undone", "_accepted_by_us"),
         ),
     ),
     Signal(
@@ -433,7 +452,7 @@ SIGNALS: tuple[Signal, ...] = (
         _followup_agg,
         _followup_finish,
         ("followup", "followup_sentiment"),
-        (Pick("_followup_text", "_followup_row", key="text"),),
+        (Pick("_followup_text", "_followup_row", "followup", "_text"),),
     ),
     Signal(
         "dwell", "Seconds from shown to the first decision (`features.dwell`).", _dwell_agg, _dwell_finish, ("dwell_s",)
@@ -515,6 +534,33 @@ def _satisfaction(d: RewardDefinition) -> list[pl.Expr]:
     ]
 
 
+_PACKED_REVISION_BITS = 24
+
+
+def _with_records(generations: pl.DataFrame, per_record: pl.DataFrame) -> pl.LazyFrame:
+    """`generations` left-joined with their records' columns (`per_record`, by `KEY`), in their order.
+
+    Where every id is an integer that leaves room for the revision (the recompute's row numbers), joined on the
+    two packed into one integer (`_key`): a third less CPU time than a join on the two columns."""
+    keys = pl.concat([generations.select(KEY), per_record.select(KEY)])
+    gid, revision = keys.get_column(KEY[0]), keys.get_column(KEY[1])
+    packable = (
+        gid.dtype.is_integer()
+        and not keys.is_empty()
+        and not keys.null_count().sum_horizontal().item()
+        and 0 <= gid.min() <= gid.max() < 2 ** (62 - _PACKED_REVISION_BITS)  # type: ignore[operator]
+        and 0 <= revision.min() <= revision.max() < 2**_PACKED_REVISION_BITS  # type: ignore[operator]
+    )
+    if not packable:
+        return generations.lazy().join(per_record.lazy(), on=list(KEY), how="left", maintain_order="left")
+    packed = (pl.col(KEY[0]).cast(pl.Int64) * 2**_PACKED_REVISION_BITS + pl.col(KEY[1])).alias("_key")
+    return (
+        generations.lazy()
+        .with_columns(packed)
+        .join(per_record.lazy().with_columns(packed).drop(KEY), on="_key", how="left", maintain_order="left")
+    )
+
+
 def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedback: pl.DataFrame) -> pl.DataFrame:
     """`generations` (one row per record to score, `GENERATION_SCHEMA` and any other columns) with every
     signal column, `reward`, `confidence` and `label_source` added; `feedback` holds each record's
@@ -522,20 +568,19 @@ def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedbac
     d = definition
     aggs = [pl.len().alias("feedback_events"), *(e for s in SIGNALS for e in s.aggregate(d))]
     # collected once: the group-by, the picks and the retention checks read it
-    typed = typed_feedback(feedback)
+    typed, parsed = typed_feedback(feedback)
     # min, max, any and len: the streaming engine aggregates those in about half the CPU time (3M events)
     per_record = (
         typed.lazy()
         .group_by("_record")
         .agg(pl.col(*KEY).first(), *aggs)
         .collect(engine="streaming")
-        .join(edit_sums(typed).collect(engine=ENGINE), on="_record", how="left")
-        .join(retention_checks(typed).collect(engine=ENGINE), on="_record", how="left")
+        .join(edit_sums(parsed["edited"]).collect(engine=ENGINE), on="_record", how="left")
+        .join(retention_checks(parsed["retained"]).collect(engine=ENGINE), on="_record", how="left")
     )
-    per_record = _picked(typed, per_record, [p for s in SIGNALS for p in s.picks])
+    per_record = _picked(parsed, per_record, [p for s in SIGNALS for p in s.picks])
     frame = (
-        generations.lazy()
-        .join(per_record.lazy(), on=list(KEY), how="left")
+        _with_records(generations, per_record)
     ).with_columns(
         pl.col("feedback_events").fill_null(0).cast(pl.Float64),
         pl.when((pl.col("finish_reason") == "declined") | (pl.col("completion_chars") == 0))
