@@ -208,8 +208,7 @@ def own_samples(
 ) -> OwnSamples:
     """Fit the reward model on `logged` (their champion log-probs `reference`), then sample and score.
 
-    Only samples with a shown or declined completion the model can read are used: text-only ones are tokenised
-    by the policy like the rest. Falls back to the logged samples, saying why, when the cross-validated
+    Falls back to the logged samples, saying why, when the cross-validated
     correlation is not `config.reward_model_min_z` standard errors above zero, or there are too few rewards to
     cross-validate.
     """
