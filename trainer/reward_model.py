@@ -130,17 +130,11 @@ def fit_reward_model(features: np.ndarray, rewards: np.ndarray, *, folds: int = 
 
 def completion_features(policy: Policy, samples: Sequence[Sample], logprobs: Sequence[Sequence[float]]) -> np.ndarray:
     """`text_features` of each sample's completion (`logprobs`: the champion's, for its mean log-prob)."""
-    stop_ids = set(policy.stop_ids)
     rows = []
     for s, lp in zip(samples, logprobs, strict=True):
         ids = s.completion_token_ids
         text = str(policy.tokenizer.decode(ids, skip_special_tokens=True))
-        if len(ids) == 1 and ids[0] in stop_ids:
-            finish = "declined"
-        elif ids and (ids[-1] in stop_ids or "\n" in text):
-            finish = "stop"
-        else:
-            finish = "length"
+        finish = policy.finish_reason(ids) if ids else "length"
         rows.append(text_features(text, finish, float(np.mean(lp)) if len(lp) else 0.0, len(ids)))
     return np.stack(rows)
 

@@ -280,16 +280,19 @@ class Policy:
         self._sample(rows)
         return [r.chosen for r in rows]
 
-    def _result(self, row: _Row, logprobs: list[float]) -> Generation:
-        last = row.chosen[-1]
+    def finish_reason(self, token_ids: Sequence[int], *, cut_by_stop: bool = False) -> FinishReason:
+        """Why a completion of these chosen ids ended: "declined" (end-of-text first), "stop" (end-of-text, the
+        end of its line, or `cut_by_stop`: a stop sequence) or "length" (its max_tokens)."""
+        last = token_ids[-1]
         stopped = last in self.stop_ids
-        finish: FinishReason
-        if stopped and len(row.chosen) == 1:
-            finish = "declined"
-        elif stopped or row.shown is not None or self._ends_line(last):
-            finish = "stop"
-        else:
-            finish = "length"
+        if stopped and len(token_ids) == 1:
+            return "declined"
+        if stopped or cut_by_stop or self._ends_line(last):
+            return "stop"
+        return "length"
+
+    def _result(self, row: _Row, logprobs: list[float]) -> Generation:
+        finish = self.finish_reason(row.chosen, cut_by_stop=row.shown is not None)
         return Generation(
             prompt_token_ids=row.prompt_ids,
             completion_token_ids=row.chosen,
