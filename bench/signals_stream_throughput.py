@@ -17,6 +17,7 @@ median ratio is printed: on a shared machine one pass of each can land in differ
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import tempfile
 import time
@@ -39,6 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--generations", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=1, help="ingest then signals, this many times (median ratio)")
+    ap.add_argument("--poll-max-records", type=int, default=SignalsConfig().poll_max_records,
+                    help="the signals worker's batch (default: the product's)")  # fmt: skip
     args = ap.parse_args()
     if args.generations < 10_000:
         ap.error("--generations must be at least 10000: each worker's first batch (10,000 events) is not timed")
@@ -66,13 +69,16 @@ def main() -> None:
             n = len(events)
 
             try:
-                rounds = [_round(settings, Path(tmp), f"{tag}-{k}", n, args.generations) for k in range(args.rounds)]
+                rounds = [_round(settings, Path(tmp), f"{tag}-{k}", n, args.generations, args.poll_max_records)
+                          for k in range(args.rounds)]  # fmt: skip
             finally:
                 delete_prefix(redis_client(settings), settings.redis_prefix)  # the workers' window state
         finally:
             broker.terminate()
             broker.wait(timeout=10)
-    print(f"{n:,} events ({args.generations:,} generations), one topic")
+    print(f"{n:,} events ({args.generations:,} generations), one topic; the signals worker's batch "
+          f"{args.poll_max_records:,} events, the ingest worker's "
+          f"{inspect.signature(IngestWorker).parameters['batch_size'].default:,}")
     for k, (ingest_rate, signals_rate, timed_records) in enumerate(rounds):
         print(f"round {k + 1}: ingest worker {ingest_rate:,.0f} events/s, signals worker {signals_rate:,.0f} events/s "
               f"({timed_records:,} records in the timed part): {signals_rate / ingest_rate:.2f}")  # fmt: skip
@@ -81,7 +87,7 @@ def main() -> None:
     print(f"ratio signals/ingest: {statistics.median(ratios):.2f} (median of {len(ratios)}; {spread})")
 
 
-def _round(settings: Settings, tmp: Path, tag: str, n: int, generations: int) -> tuple[float, float, int]:
+def _round(settings: Settings, tmp: Path, tag: str, n: int, generations: int, batch: int) -> tuple[float, float, int]:
     """(ingest events/s, signals events/s, records sent in the signals worker's timed part): each worker reads the
     whole topic with a consumer group, a lake and (signals) a Redis prefix of its own."""
     ingest = IngestWorker(settings.model_copy(update={"data_dir": tmp / f"ingest-{tag}"}), group_id=f"i-{tag}")
@@ -97,7 +103,7 @@ def _round(settings: Settings, tmp: Path, tag: str, n: int, generations: int) ->
     own = settings.model_copy(
         update={"data_dir": tmp / f"signals-{tag}", "redis_prefix": f"{settings.redis_prefix}{tag}:"}
     )
-    worker = SignalsWorker(own, SignalsConfig(group_id=f"s-{tag}", poll_max_records=10_000))
+    worker = SignalsWorker(own, SignalsConfig(group_id=f"s-{tag}", poll_max_records=batch))
     while worker.stats.events == 0:
         worker.run_once()
     first, t = worker.stats.events, time.perf_counter()

@@ -625,3 +625,20 @@ def signal_names(definition: RewardDefinition) -> tuple[str, ...]:
 def signals_of(row: dict[str, object], names: Sequence[str]) -> dict[str, float]:
     """A record's `signals`: the observed (non-null) ones of `row`."""
     return {n: float(row[n]) for n in names if row[n] is not None}  # type: ignore[arg-type]
+
+
+def signals_column(frame: pl.DataFrame, names: Sequence[str]) -> list[dict[str, float]]:
+    """`signals_of` of each row of `frame`, read column by column: a record observes a few of its signals, so
+    only the non-null cells are visited (where a row dict per record read every column of it)."""
+    out: list[dict[str, float]] = [{} for _ in range(frame.height)]
+    for n in names:  # in `names`' order, so each dict's keys are in `signals_of`'s
+        column = frame.get_column(n)
+        if not column.null_count():
+            values = column.cast(pl.Float64).to_list()
+            for d, v in zip(out, values, strict=True):
+                d[n] = v
+        elif column.null_count() < frame.height:
+            seen = column.is_not_null()
+            for k, v in zip(seen.arg_true().to_list(), column.filter(seen).cast(pl.Float64).to_list(), strict=True):
+                out[k][n] = v
+    return out

@@ -91,12 +91,9 @@ def decode_batch(batch: RecordBatch, window_us: int) -> tuple[list[StreamEvent],
     texts = valid["properties"]
     # The lake's compact JSON objects, so one array of them decodes in one call.
     properties = _PROPERTIES_LIST.decode(("[" + texts.str.join(",").item() + "]").encode())
-    events = [
-        StreamEvent(eid, typ, gid, uid, ts, rec, props, chars, part, i)
-        for (eid, typ, gid, uid, ts, rec, _, part, _, i), props, chars in zip(
-            valid.iter_rows(), properties, texts.str.len_chars().to_list(), strict=True
-        )
-    ]
+    columns = valid.select("event_id", "type", "generation_id", "user_id", "ts_us", "received_us").get_columns()
+    rest = texts.str.len_chars(), valid.get_column("kafka_partition"), valid.get_column("_i")
+    events = list(map(StreamEvent, *(c.to_list() for c in columns), properties, *(c.to_list() for c in rest)))
     return events, skipped
 
 

@@ -93,7 +93,7 @@ from flywheel.ops.deps import describe
 from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
 from signals import metrics
-from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame, signal_names, signals_of
+from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame, signal_names, signals_column
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore, UnknownRewardVersion
 from signals.events import FeedbackEvent, GenerationInfo, StreamEvent, decode_batch, from_us, properties_bytes, to_us
@@ -199,17 +199,18 @@ def score_closed(closed: list[_Closed]) -> list[tuple[int, RecordLine]]:
             },
             schema=FEEDBACK_SCHEMA,
         )
-        names = signal_names(definition)
         scored = score_frame(definition, gens, feedback)
         _check_scored(scored)
-        for row in scored.iter_rows(named=True):
-            c = closed[row["revision"]]
-            out[row["revision"]] = (c.partition, RecordLine(
+        columns = scored.select("revision", "reward", "confidence", "label_source").get_columns()
+        rows = zip(*(col.to_list() for col in columns), signals_column(scored, signal_names(definition)), strict=True)
+        for i, reward, confidence, label_source, signals in rows:
+            c = closed[i]
+            out[i] = (c.partition, RecordLine(
                 generation_id=c.gen.generation_id, reward_version=definition.version, revision=c.revision,
-                reward=row["reward"], confidence=row["confidence"], label_source=row["label_source"],
-                signals=signals_of(row, names), user_id=c.gen.user_id, model_version=c.gen.model_version,
-                arm=c.gen.arm, experiment=c.gen.experiment, window_start=from_us(c.gen.ts_us),
-                window_end=from_us(c.window_end_us), late_events=c.late, emitted_at=emitted_at,
+                reward=reward, confidence=confidence, label_source=label_source, signals=signals,
+                user_id=c.gen.user_id, model_version=c.gen.model_version, arm=c.gen.arm, experiment=c.gen.experiment,
+                window_start=from_us(c.gen.ts_us), window_end=from_us(c.window_end_us), late_events=c.late,
+                emitted_at=emitted_at,
             ))  # fmt: skip
     return [out[i] for i in range(len(closed))]
 

@@ -18,7 +18,15 @@ import numpy as np
 import polars as pl
 import pytest
 
-from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, SIGNALS, score_frame, signal_names, signals_of
+from signals.columns import (
+    FEEDBACK_SCHEMA,
+    GENERATION_SCHEMA,
+    SIGNALS,
+    score_frame,
+    signal_names,
+    signals_column,
+    signals_of,
+)
 from signals.events import FeedbackEvent, GenerationInfo
 from signals.logistic import LogisticModel
 from signals.reward import DEFAULT_DEFINITION, RewardDefinition
@@ -132,10 +140,13 @@ def test_records_match_the_per_generation_reference(kind: str) -> None:
     cases = _generations(rng, sorted({t for types in FOCUS.values() for t in types}), n=300)
     cases.append((GenerationInfo("empty", ts_us=0, completion_chars=0), []))
     names = signal_names(definition)
-    for row in score_frame(definition, *_frames(cases)).iter_rows(named=True):
+    scored = score_frame(definition, *_frames(cases))
+    by_column = signals_column(scored, names)  # the streaming worker's reading of the same frame
+    for row, column_wise in zip(scored.iter_rows(named=True), by_column, strict=True):
         gen, events = next(c for c in cases if c[0].generation_id == row["generation_id"])
         want = definition.score(gen, events)
         got = signals_of(row, names)
+        assert list(column_wise.items()) == list(got.items())
         assert got.keys() == want.signals.keys(), (events, got, want.signals)
         assert all(_same(got[k], want.signals[k]) for k in got), (events, got, want.signals)
         assert row["label_source"] == want.label_source
