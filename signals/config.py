@@ -20,7 +20,7 @@ class SignalsConfig(BaseSettings):
         ge=1,
         description="Largest batch: a poll, then more polls while the broker already holds more (never waiting for "
         "new events, so a live stream's batch is what has arrived). A batch pays fixed costs once (the Redis "
-        "commit, Kafka's flush, a lake commit); at 2,000 the worker read about 0.6 of what it reads at 10,000, "
+        "commit, Kafka's flush, a lake commit); at 2,000 the worker read about 0.7 of what it reads at 10,000, "
         "the ingest worker's batch (bench/signals_stream_throughput.py).",
     )
     poll_timeout_s: float = Field(default=0.2, gt=0)

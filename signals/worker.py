@@ -516,7 +516,6 @@ class SignalsWorker:
         self._active: tuple[float, dict[str, RewardDefinition]] | None = None
         self._warned: set[str] = set()
         self._last_refit = time.monotonic()
-        self._windows: dict[int, tuple[RewardDefinition, int]] = {}
 
     @property
     def consumer(self) -> Consumer:
@@ -583,13 +582,7 @@ class SignalsWorker:
         return active[surface]
 
     def window_us(self, definition: RewardDefinition) -> int:
-        # per definition object (a version's is immutable), so not recomputed for each generation
-        key = id(definition)
-        cached = self._windows.get(key)
-        if cached is None or cached[0] is not definition:
-            us = int(round(definition.window(self.settings.window_for(definition.surface)) * 1e6))
-            cached = self._windows[key] = (definition, us)
-        return cached[1]
+        return int(round(definition.window(self.settings.window_for(definition.surface)) * 1e6))
 
     def max_window_us(self) -> int:
         """The longest window of any active definition: feedback whose generation has not come by then is orphan."""
