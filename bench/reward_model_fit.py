@@ -7,7 +7,8 @@ out-of-fold predictions are compared with the ground truth the rewards are noisy
 expected reward of each completion (shown x (p_accept - 0.25)). "cv r (rewards)" is what a cycle can see and
 report; "cv r (truth)" is what matters, and only a simulator knows it.
 
-The product's feature set was chosen on the tuning populations (length, style); the others are reported.
+The product's feature set was chosen on the tuning populations (length, style); the others are reported. The last
+two sets (the policy's hidden states, which see the prompt) were tried, not adopted: see its results file.
 
     python bench/reward_model_fit.py --model DIR --cache DIR [--populations length,style,brackets] [--samples 800]
 """
@@ -39,6 +40,23 @@ def hashed_class_bigrams(text: str, buckets: int = 256) -> np.ndarray:
     for a, b in zip(classes, classes[1:], strict=False):
         out[zlib.crc32((a + b).encode()) % buckets] += 1
     return np.log1p(out)
+
+
+def policy_hidden_states(policy, samples) -> np.ndarray:  # noqa: ANN001 - Policy, Sequence[Sample]
+    """The policy's own representation of each sample, seeing its prompt: the last layer's hidden state averaged over
+    the completion's tokens, and at its last token (the prompt's last token for a declined one)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([[*s.prompt_token_ids, *s.completion_token_ids]], device=policy.device)
+            hidden = policy.model(ids, output_hidden_states=True).hidden_states[-1][0]
+            # the state that predicts each completion token is the one before it
+            start = len(s.prompt_token_ids) - 1
+            span = hidden[start : max(start + 1, hidden.shape[0] - 1)]
+            out.append(torch.cat([span.mean(0), hidden[-1]]).float().cpu().numpy())
+    return np.stack(out)
 
 
 def out_of_fold(features: np.ndarray, rewards: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
@@ -93,6 +111,9 @@ def main() -> None:
         texts = [str(policy.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True)) for s in samples]
         rewards = np.array([s.reward for s in samples])
         truth = np.array([r["shown"] * (r["p_accept"] - 0.25) for r in rows])
+        hidden = policy_hidden_states(policy, samples)
+        variants["plus the policy's hidden states"] = lambda x, _, h=hidden: np.concatenate([x, h], axis=1)
+        variants["the policy's hidden states alone"] = lambda x, _, h=hidden: h
         for name, make in variants.items():
             predicted, cv_r = out_of_fold(make(base, texts).astype(float), rewards, args.seed)
             print(f"| {pop.name} | {name} | {len(rewards)} | {cv_r:.3f} | {np.corrcoef(predicted, truth)[0, 1]:.3f} |",
