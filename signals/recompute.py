@@ -179,7 +179,7 @@ def plan_windows(
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(Generations of `surface` to emit with their window; in-window feedback with late_rank: 0 on
     time, k: k-th late). Both carry `gen_idx`, a generation's row in the first: an integer key, which
-    sorts, joins and groups several times faster than the id's text.
+    sorts, joins and groups several times faster than the id's text. The feedback's on-time rows come first.
 
     The rows are planned on their numbers in `events` (`_ev`) and integer columns; the text of the rows kept
     (ids, properties) is gathered once at the end: a gather of 10M properties takes most of a second."""
@@ -274,12 +274,14 @@ def plan_windows(
             rank[rows] = pl.DataFrame({"g": idx[rows]}).select(pl.int_range(pl.len()).over("g")).to_series()
             keep = keep & pl.Series(rank < max_feedback)
     feedback = feedback.filter(keep & (pl.col("ts_us") <= pl.col("window_end")))
-    # only the (few) late events need numbering, in arrival order (the rows'); the rest are rank 0
-    late = np.flatnonzero((feedback.get_column("pos") >= feedback.get_column("close_pos")).to_numpy())
+    # only the (few) late events need numbering, in arrival order (the rows'); the rest are rank 0, and come first
+    is_late = (feedback.get_column("pos") >= feedback.get_column("close_pos")).to_numpy()
+    late = np.flatnonzero(is_late)
+    feedback = feedback.select("_ev", "gen_idx", "ts_us")[np.concatenate([np.flatnonzero(~is_late), late])]
     rank = np.zeros(feedback.height, dtype=np.int64)
     if len(late):
-        by = pl.DataFrame({"g": feedback.get_column("gen_idx").gather(late)})
-        rank[late] = by.select(pl.int_range(1, pl.len() + 1).over("g")).to_series()
+        by = feedback.select(pl.col("gen_idx").alias("g")).tail(len(late))
+        rank[-len(late) :] = by.select(pl.int_range(1, pl.len() + 1).over("g")).to_series()
     at = feedback.get_column("_ev")
     feedback = feedback.select(
         "gen_idx",
@@ -341,8 +343,12 @@ def recompute_scores(
         )
         first = gens.with_columns(pl.lit(0, pl.Int64).alias("revision"))
         records = pl.concat([first, revised]).with_columns(pl.col("revision").alias("late_events"))
+        on_time = int((feedback.get_column("late_rank") == 0).sum())
+        head = feedback.head(on_time)  # `plan_windows` puts them first: a slice, no copy of their text
+        if head.get_column("late_rank").max() != 0:
+            head = feedback.filter(pl.col("late_rank") == 0)
         rows = pl.concat([
-            feedback.filter(pl.col("late_rank") == 0).with_columns(pl.lit(0, pl.Int64).alias("revision")),
+            head.with_columns(pl.lit(0, pl.Int64).alias("revision")),
             feedback.join(revised.select("generation_id", "revision"), on="generation_id")
             .filter(pl.col("late_rank") <= pl.col("revision")),
         ])  # fmt: skip
