@@ -281,13 +281,9 @@ def plan_windows(
     if len(late):
         by = feedback.select(pl.col("gen_idx").alias("g")).tail(len(late))
         rank[-len(late) :] = by.select(pl.int_range(1, pl.len() + 1).over("g")).to_series()
-    at = feedback.get_column("_ev")
-    feedback = feedback.select(
-        "gen_idx",
-        *(events.get_column(c).gather(at) for c in ("event_id", "type")),
-        "ts_us",
-        events.get_column("properties").gather(at),
-        pl.Series("late_rank", rank),
+    text = events.select("event_id", "type", "properties").gather(feedback.get_column("_ev"))  # columns in parallel
+    feedback = pl.concat([feedback, text, pl.DataFrame({"late_rank": rank})], how="horizontal").select(
+        "gen_idx", "event_id", "type", "ts_us", "properties", "late_rank"
     )
     return gens, feedback
 
