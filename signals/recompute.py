@@ -104,24 +104,64 @@ def _is_sorted(frame: pl.DataFrame, *by: str) -> bool:
     return bool(frame.select(after.slice(1).all()).item())
 
 
-def _first_copies(events: pl.DataFrame) -> pl.Series:
-    """True on the first row of each event (`EVENTS.key`), in frame order.
+def _firsts(values: pl.Series) -> pl.Series:
+    """True on the first row of each value of `values`, in order (`is_first_distinct`).
 
-    Found by sorting the key's 64-bit hash, not with a hash set of the key (at 10M events a sort of the hashes
-    takes about a quarter of the CPU time of `is_first_distinct` on the ids' text): a row whose hash no other row
-    has is a first; only the rows that share a hash (the copies, and any collision) are compared by the key
-    itself, in frame order."""
-    key = list(EVENTS.key)
-    values = events.get_column(key[0]) if len(key) == 1 else events.select(pl.struct(key)).to_series()
+    Found from the values' 64-bit hashes, not with a hash set of the values: a row whose hash no other row has is a
+    first; only the rows that share a hash (the copies, and any collision) are compared by value, in order. The
+    shared hashes are read off the hashes sorted (`np.sort`: at 10M events a tenth of the CPU time of polars'
+    `arg_sort`, a twentieth of `is_first_distinct` on the ids' text)."""
     hashes = values.hash()
-    order = hashes.arg_sort()
-    ranked = hashes.gather(order)
-    same = ranked == ranked.shift(1)  # shares its hash with the row before it in hash order
-    shared = order.filter((same | same.shift(-1)).fill_null(False)).sort()
-    firsts = pl.Series("first", np.ones(events.height, dtype=bool))
-    if len(shared):
+    ranked = np.sort(hashes.to_numpy())
+    shared_hashes = np.unique(ranked[1:][ranked[1:] == ranked[:-1]])
+    firsts = pl.Series("first", np.ones(len(values), dtype=bool))
+    if len(shared_hashes):
+        shared = hashes.is_in(pl.Series(shared_hashes, dtype=pl.UInt64).implode()).arg_true()
         firsts.scatter(shared, values.gather(shared).is_first_distinct())
     return firsts
+
+
+def _first_copies(events: pl.DataFrame) -> pl.Series:
+    """True on the first row of each event (`EVENTS.key`), in frame order (`_firsts`)."""
+    key = list(EVENTS.key)
+    return _firsts(events.get_column(key[0]) if len(key) == 1 else events.select(pl.struct(key)).to_series())
+
+
+def _closing_rows(
+    df: pl.DataFrame, starts: list[int], gens: pl.DataFrame, lanes: tuple[str, ...]
+) -> pl.Series:
+    """Per row of `gens` (`kafka_partition`, `lane`, `window_end`): the first row of its partition in `df` (which
+    holds each partition's rows as one slice, `starts`, with its position `pos`) at which the watermark of its
+    lane (`df`'s column `lanes[lane]`, never going down along a partition) reaches `window_end`; else null.
+
+    A binary search of each partition's watermarks (`np.searchsorted`), not an as-of join of the watermark's steps:
+    no frame of the steps, no grouping by partition and lane."""
+    out = np.full(gens.height, -1, dtype=np.int64)
+    part = df.get_column("kafka_partition")
+    slices = {part[a]: (a, b) for a, b in zip(starts, starts[1:], strict=False) if part[a] is not None}
+    if not slices:
+        return pl.Series("close", [None] * gens.height, dtype=pl.Int64)
+    gen_part, gen_lane = gens.get_column("kafka_partition"), gens.get_column("lane")
+    window_end = gens.get_column("window_end")
+    known = (gen_part.is_not_null() & gen_lane.is_not_null() & window_end.is_not_null()).to_numpy()
+    ends = window_end.fill_null(0).to_numpy()
+    # the gens of each (partition, lane), grouped once by a sort of their partition's slice and lane
+    slice_of = gen_part.replace_strict(list(slices), list(range(len(slices))), default=None, return_dtype=pl.Int64)
+    code = np.where(known, (slice_of * len(lanes) + gen_lane.cast(pl.Int64)).fill_null(-1).to_numpy(), -1)
+    order = np.argsort(code, kind="stable")
+    bounds = np.searchsorted(code[order], np.arange(len(slices) * len(lanes) + 1) - 0.5)
+    for i, (a, b) in enumerate(slices.values()):
+        for lane, column in enumerate(lanes):
+            rows = order[bounds[i * len(lanes) + lane] : bounds[i * len(lanes) + lane + 1]]
+            if not len(rows):
+                continue
+            wm = df.get_column(column).slice(a, b - a)
+            valid = np.flatnonzero(wm.is_not_null().to_numpy())  # positions in the partition with a watermark
+            at = np.searchsorted(wm.drop_nulls().to_numpy(), ends[rows], side="left")
+            found = at < len(valid)
+            out[rows[found]] = valid[at[found]]
+    rows_at = pl.Series("close", out)
+    return rows_at.to_frame().select(pl.when(rows_at >= 0).then(rows_at)).to_series()
 
 
 def plan_windows(
@@ -138,26 +178,29 @@ def plan_windows(
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(Generations of `surface` to emit with their window; in-window feedback with late_rank: 0 on
     time, k: k-th late). Both carry `gen_idx`, a generation's row in the first: an integer key, which
-    sorts, joins and groups several times faster than the id's text."""
+    sorts, joins and groups several times faster than the id's text. The feedback's on-time rows come first.
+
+    The rows are planned on their numbers in `events` (`_ev`) and integer columns; the text of the rows kept
+    (ids, properties) is gathered once at the end: a gather of 10M properties takes most of a second."""
     window_us = int(round(window_s * 1e6))
     lateness_us = int(round(lateness_s * 1e6))
     backfill_after_us = int(round(backfill_after_s * 1e6))
     lane_order = ["kafka_partition", "kafka_offset"]
     if not _is_sorted(events, *lane_order):  # the lake's rows mostly come in that order already
         events = events.sort(*lane_order)
+    size = pl.col("properties").str.len_bytes().fill_null(2)  # of the text, "{}" where null
     df = (
         events.lazy()
-        .filter(_first_copies(events))  # the first copy of each event counts
         .select(
-            "event_id",
+            pl.int_range(pl.len(), dtype=pl.UInt32).alias("_ev"),
             "type",
             "generation_id",
-            "user_id",
-            "properties",
             "kafka_partition",
             pl.col("ts").dt.epoch("us").alias("ts_us"),
             pl.col("received_at").dt.epoch("us").alias("received_us"),
+            *([] if max_feedback_bytes is None else [(size <= max_feedback_bytes).alias("_fits")]),
         )
+        .filter(_first_copies(events))  # the first copy of each event counts
         .with_columns(
             # the worker's clock: arrival, never past the wall clock (`signals.worker.event_clock_us`)
             pl.min_horizontal("received_us", pl.lit(to_us(now))).alias("clock"),
@@ -179,108 +222,69 @@ def plan_windows(
         )
         for a, b in zip(starts, starts[1:], strict=False)
     ]
-    df = df.hstack(pl.concat(pl.collect_all(running, engine=ENGINE)))
-
-    # per lane, the first row of each partition at which its watermark reaches a value
-    # (a watermark never goes down along a partition: the first row of a value is where it changes)
-    def changes(wm: pl.Expr, pos: pl.Expr) -> pl.Expr:
-        # the frame is in partition order: the row before is of the same partition unless `pos` is 0
-        before = pl.when(pos > 0).then(wm.shift(1))
-        return wm.is_not_null() & (before.is_null() | (wm != before))
-
-    # each partition's and lane's steps come in watermark order (of a running maximum): all that the as-of join by
-    # partition and lane reads, so they are not sorted as a whole
-    steps = pl.concat(
-        [
-            df.lazy()
-            .select("kafka_partition", pl.col(f"wm{lane}").alias("wm"), pl.col("pos").alias("first_pos"))
-            .filter(changes(pl.col("wm"), pl.col("first_pos")))
-            .with_columns(pl.lit(lane, pl.Int8).alias("lane"))
-            for lane in (0, 1)
-        ]
-    ).collect(engine=ENGINE)
+    df = df.hstack(pl.concat(pl.collect_all(running, engine=ENGINE), rechunk=True))
     idle_wm = to_us(now) - lateness_us - int(round(idle_grace_s * 1e6))
-    first = (
-        df.lazy()
-        .filter(pl.col("type") == "generation")
-        .select("generation_id", "user_id", "ts_us", "kafka_partition", "pos", "lane", "properties")
-        .unique("generation_id", keep="first", maintain_order=True)
-        .collect(engine=ENGINE)
+    is_generation = df.get_column("type") == "generation"
+    first = df.filter(is_generation).select("_ev", "generation_id", "ts_us", "kafka_partition", "pos", "lane")
+    first = first.filter(_firsts(first.get_column("generation_id")))
+    first = first.with_columns((pl.col("ts_us") + window_us).alias("window_end"))
+    fields = generation_fields(events.get_column("properties").gather(first.get_column("_ev")))
+    mine = first.hstack(fields).filter(pl.col("surface") == surface)
+    mine = mine.gather(mine.get_column("window_end").arg_sort())  # the order of the records
+    mine = mine.with_columns(_closing_rows(df, starts, mine, ("wm0", "wm1")).alias("close_pos"))
+    close_pos = (
+        pl.when(pl.col("close_pos").is_null())
+        .then(pl.when(pl.col("window_end") <= idle_wm).then(pl.lit(_NEVER)).otherwise(None))
+        .otherwise(pl.max_horizontal("close_pos", "pos"))
+        .alias("close_pos")
     )
-    gens = (
-        first.select(
-            "generation_id",
-            "user_id",
-            "ts_us",
-            "kafka_partition",
-            pl.col("pos").alias("gen_pos"),
-            (pl.col("ts_us") + window_us).alias("window_end"),
-            "lane",
-        )
-        .hstack(generation_fields(first["properties"]))
-        .filter(pl.col("surface") == surface)
-        .sort("window_end")
-        .join_asof(
-            steps,
-            left_on="window_end",
-            right_on="wm",
-            by=["kafka_partition", "lane"],
-            strategy="forward",
-            check_sortedness=False,
-        )  # window ends sorted above, steps in order per partition and lane; polars cannot check it with `by`
-        .with_columns(
-            pl.when(pl.col("first_pos").is_null())
-            .then(pl.when(pl.col("window_end") <= idle_wm).then(pl.lit(_NEVER)).otherwise(None))
-            .otherwise(pl.max_horizontal("first_pos", "gen_pos"))
-            .alias("close_pos")
-        )
-        .filter(pl.col("close_pos").is_not_null())
-        .drop("wm", "first_pos", "lane")
-        .with_row_index("gen_idx")
-    )
-    # one plan from here to the join, so only the rows and columns that reach it are copied
-    candidates = (
-        df.lazy()
-        .filter(pl.col("type") != "generation")
-        .select("event_id", "type", "generation_id", "properties", "kafka_partition", "ts_us", "pos")
-    )
+    mine = mine.with_columns(close_pos).filter(pl.col("close_pos").is_not_null())
+    gens = mine.select(
+        "generation_id",
+        events.get_column("user_id").gather(mine.get_column("_ev")),
+        "ts_us",
+        "kafka_partition",
+        pl.col("pos").alias("gen_pos"),
+        "window_end",
+        *fields.columns,
+        "close_pos",
+    ).with_row_index("gen_idx")
+    candidates = df.filter(~is_generation)
     if max_feedback_bytes is not None:
-        candidates = candidates.filter(pl.col("properties").fill_null("{}").str.len_bytes() <= max_feedback_bytes)
+        candidates = candidates.filter("_fits")
+    # each candidate's generation, by its id alone (keeping the candidates' order, which is arrival order per
+    # partition): the cap counts a generation's events in every partition
+    feedback = candidates.lazy().select("_ev", "generation_id", "kafka_partition", "ts_us", "pos").join(
+        gens.lazy().select(
+            "generation_id", pl.col("kafka_partition").alias("_gen_partition"), "window_end", "close_pos", "gen_idx"
+        ),
+        on="generation_id",
+        how="inner",
+        maintain_order="left",
+    ).collect(engine=ENGINE)  # fmt: skip
+    keep = pl.col("kafka_partition") == pl.col("_gen_partition")
     if max_feedback is not None:  # the worker's cap: the first ones of each generation, in arrival order
-        # counted by the id's hash (a third faster than by its text): a generation sharing the hash of a flooded
-        # one is numbered too, and keeps its events as it has no more than the cap. Counted per bucket of the hash's
-        # low bits first (`np.bincount`, a fraction of a group-by's CPU time), then only the crowded buckets' hashes
-        key = pl.col("generation_id").hash()
-        hashes = candidates.select(key).collect(engine=ENGINE).to_series().to_numpy()
-        bucket = (hashes & (_CAP_BUCKETS - 1)).astype(np.int64)
-        crowded = hashes[np.bincount(bucket, minlength=_CAP_BUCKETS)[bucket] > max_feedback]
-        distinct, counts = np.unique(crowded, return_counts=True)
-        flooded = pl.Series(distinct[counts > max_feedback], dtype=pl.UInt64)
-        if len(flooded):  # numbering rows per generation costs more than counting them: only where needed
-            within = key.is_in(flooded.implode())
-            candidates = pl.concat([
-                candidates.filter(~within),
-                candidates.filter(within).filter(pl.int_range(pl.len()).over("generation_id") < max_feedback),
-            ])  # fmt: skip
-    feedback = (
-        candidates.join(
-            gens.lazy().select("generation_id", "kafka_partition", "window_end", "close_pos", "gen_idx"),
-            on=["generation_id", "kafka_partition"],
-            how="inner",
-        )
-        .filter(pl.col("ts_us") <= pl.col("window_end"))
-        .drop("generation_id", "window_end")
-        .collect(engine=ENGINE)
+        idx = feedback.get_column("gen_idx").to_numpy()
+        counts = np.bincount(idx, minlength=gens.height)
+        flooded = counts[idx] > max_feedback  # numbering a generation's rows costs more than counting them
+        if flooded.any():
+            rank = np.zeros(len(idx), dtype=np.int64)
+            rows = np.flatnonzero(flooded)
+            rank[rows] = pl.DataFrame({"g": idx[rows]}).select(pl.int_range(pl.len()).over("g")).to_series()
+            keep = keep & pl.Series(rank < max_feedback)
+    feedback = feedback.filter(keep & (pl.col("ts_us") <= pl.col("window_end")))
+    # only the (few) late events need numbering, in arrival order (the rows'); the rest are rank 0, and come first
+    is_late = (feedback.get_column("pos") >= feedback.get_column("close_pos")).to_numpy()
+    late = np.flatnonzero(is_late)
+    feedback = feedback.select("_ev", "gen_idx", "ts_us")[np.concatenate([np.flatnonzero(~is_late), late])]
+    rank = np.zeros(feedback.height, dtype=np.int64)
+    if len(late):
+        by = feedback.select(pl.col("gen_idx").alias("g")).tail(len(late))
+        rank[-len(late) :] = by.select(pl.int_range(1, pl.len() + 1).over("g")).to_series()
+    text = events.select("event_id", "type", "properties").gather(feedback.get_column("_ev"))  # columns in parallel
+    feedback = pl.concat([feedback, text, pl.DataFrame({"late_rank": rank})], how="horizontal").select(
+        "gen_idx", "event_id", "type", "ts_us", "properties", "late_rank"
     )
-    columns = ("gen_idx", "event_id", "type", "ts_us", "properties", "late_rank")
-    late = pl.col("pos") >= pl.col("close_pos")
-    # only the (few) late events need numbering, in arrival order; the rest are rank 0 in any order
-    feedback = pl.concat([
-        feedback.filter(~late).with_columns(pl.lit(0, pl.Int64).alias("late_rank")).select(columns),
-        feedback.filter(late).sort("kafka_partition", "pos")
-        .with_columns((pl.int_range(pl.len()).over("gen_idx") + 1).cast(pl.Int64).alias("late_rank"))
-        .select(columns),
-    ])  # fmt: skip
     return gens, feedback
 
 
@@ -334,8 +338,12 @@ def recompute_scores(
         )
         first = gens.with_columns(pl.lit(0, pl.Int64).alias("revision"))
         records = pl.concat([first, revised]).with_columns(pl.col("revision").alias("late_events"))
+        on_time = int((feedback.get_column("late_rank") == 0).sum())
+        head = feedback.head(on_time)  # `plan_windows` puts them first: a slice, no copy of their text
+        if head.get_column("late_rank").max() != 0:
+            head = feedback.filter(pl.col("late_rank") == 0)
         rows = pl.concat([
-            feedback.filter(pl.col("late_rank") == 0).with_columns(pl.lit(0, pl.Int64).alias("revision")),
+            head.with_columns(pl.lit(0, pl.Int64).alias("revision")),
             feedback.join(revised.select("generation_id", "revision"), on="generation_id")
             .filter(pl.col("late_rank") <= pl.col("revision")),
         ])  # fmt: skip
