@@ -35,7 +35,8 @@ def make_client(settings: Settings, versions: dict[str, str]) -> tuple[TestClien
     ensure_topics(settings)
     store = TrafficSplitStore(redis_client(settings), settings)
     pool = PolicyPool(store.get, versions.__getitem__)
-    app = create_app(pool, make_producer(settings), settings.events_topic, refresh_interval_s=0.2,
+    producer = make_producer(settings)  # closed with the app (its lifespan), not left running after the test
+    app = create_app(pool, producer, settings.events_topic, refresh_interval_s=0.2, on_shutdown=producer.close,
                      signing_key=settings.serving_key.get_secret_value())
     return TestClient(app), store, pool
 

@@ -110,7 +110,8 @@ def make_app(settings: Settings, tiny_model_dir: Path, **batching: Any) -> TestC
     store = TrafficSplitStore(redis_client(settings), settings)
     store.put(TrafficSplit(champion_version="1", experiment="exp"))
     pool = PolicyPool(store.get, lambda _: str(tiny_model_dir))
-    app = create_app(pool, make_producer(settings), settings.events_topic,
+    producer = make_producer(settings)  # closed with the app (its lifespan), not left running after the test
+    app = create_app(pool, producer, settings.events_topic, on_shutdown=producer.close,
                      signing_key=settings.serving_key.get_secret_value(), **batching)  # fmt: skip
     return TestClient(app)
 

@@ -32,7 +32,8 @@ def client(settings: Settings, tiny_model_dir: Path) -> Iterator[TestClient]:
     store = TrafficSplitStore(redis_client(settings), settings)
     store.put(TrafficSplit(champion_version="1"))
     pool = PolicyPool(store.get, lambda _: str(tiny_model_dir))
-    app = create_app(pool, make_producer(settings), settings.events_topic,
+    producer = make_producer(settings)  # closed with the app (its lifespan), not left running after the test
+    app = create_app(pool, producer, settings.events_topic, on_shutdown=producer.close,
                      signing_key=settings.serving_key.get_secret_value(), max_body_bytes=8192)  # fmt: skip
     with TestClient(app) as c:
         yield c

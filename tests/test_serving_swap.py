@@ -53,7 +53,8 @@ def _setup(settings: Settings, tiny_model_dir: Path, tmp_path: Path):  # type: i
     redis = redis_client(settings)
     store = TrafficSplitStore(redis, settings)
     pool = PolicyPool(store.get, source)
-    app = create_app(pool, make_producer(settings), settings.events_topic, refresh_interval_s=30.0,
+    producer = make_producer(settings)  # closed with the app (its lifespan), not left running after the test
+    app = create_app(pool, producer, settings.events_topic, refresh_interval_s=30.0, on_shutdown=producer.close,
                      signing_key=settings.serving_key.get_secret_value())  # fmt: skip
     return registry, store, pool, TestClient(app), v1, v2, fetches
 

@@ -65,8 +65,9 @@ def test_forged_and_tampered_generations_never_become_samples(settings: Settings
     store = TrafficSplitStore(redis_client(settings), settings)
     store.put(TrafficSplit(champion_version="1"))
     key = settings.serving_key.get_secret_value()
-    serving = create_serving(PolicyPool(store.get, lambda _: str(tiny_model_dir)), make_producer(settings),
-                             settings.events_topic, signing_key=key)  # fmt: skip
+    producer = make_producer(settings)  # closed with the app (its lifespan), not left running after the test
+    serving = create_serving(PolicyPool(store.get, lambda _: str(tiny_model_dir)), producer,
+                             settings.events_topic, signing_key=key, on_shutdown=producer.close)  # fmt: skip
     with TestClient(serving) as client, TestClient(create_collector(settings)) as collector:
         real = client.post("/v1/completions", json={"prompt": "def f(x):\n", "user": "alice", "max_tokens": 4,
                                                     "seed": 7}).json()["id"]  # fmt: skip
