@@ -304,9 +304,8 @@ class _Batch:
         if e.event_id in st.seen:
             self.count("duplicate")
             return
-        # `event_lane` and `event_clock_us`, inline (per event)
-        lane = 1 if e.received_us - e.ts_us > self.w.backfill_after_us else 0
-        self.advance(p, 0, min(e.received_us, self.now_us) - self.w.lateness_us)
+        lane = event_lane(e, self.w.backfill_after_us)
+        self.advance(p, 0, event_clock_us(e, self.now_us) - self.w.lateness_us)
         if lane:
             self.advance(p, 1, e.ts_us - self.w.lateness_us)
         if e.type != EventType.GENERATION and not self._within_bounds(e, st):
