@@ -49,3 +49,46 @@ def test_known_backlog_is_what_the_last_fetch_left_past_the_position(settings: S
         assert taken == 50 and consumer.known_backlog() == 0
     finally:
         consumer.close()
+
+
+def test_batch_murmur2_is_kafkas_key_hash_at_every_length():
+    """`flywheel.bus.murmur2` hashes a batch of keys with numpy; kafka-python's pure-Python murmur2 (the Java
+    client's) is the reference, for keys of every length up to 40 bytes and every byte value."""
+    import random
+
+    from kafka.partitioner.default import murmur2 as reference
+
+    from flywheel.bus.murmur2 import key_partitions, murmur2
+
+    rng = random.Random(7)
+    keys = [bytes(rng.randrange(256) for _ in range(n % 41)) for n in range(2000)]
+    assert murmur2(keys).tolist() == [reference(k) & 0xFFFFFFFF for k in keys]
+    assert key_partitions(keys, [5, 3, 4]) == [[3, 4, 5][(reference(k) & 0x7FFFFFFF) % 3] for k in keys]
+    assert murmur2([]).tolist() == []
+
+
+def test_kafka_python_producer_puts_each_key_where_the_default_partitioner_does(settings: Settings) -> None:
+    """The producer partitions a batch's keys itself (one numpy pass): each record still lands in the partition
+    kafka-python's default partitioner picks for its key, and keyless records still go somewhere."""
+    from kafka.partitioner.default import murmur2 as reference
+
+    ensure_topics(settings)
+    keys = [f"gen-{i:05d}".encode() for i in range(200)] + [b"", b"x" * 37]
+    producer = make_producer(settings)
+    try:
+        messages = [Outgoing(settings.events_topic, k, key=k) for k in keys]
+        producer.send_all([*messages, Outgoing(settings.events_topic, b"no key")])
+    finally:
+        producer.close()
+    consumer = make_consumer(settings, [settings.events_topic], "g-partitions")
+    landed: dict[bytes, int] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while len(landed) < len(keys) + 1 and time.monotonic() < deadline:
+            batch = consumer.poll_columns(500, 0.5)
+            landed.update(zip(batch.values, batch.partitions, strict=True))
+    finally:
+        consumer.close()
+    n = settings.topic_partitions
+    assert {k: landed[k] for k in keys} == {k: (reference(k) & 0x7FFFFFFF) % n for k in keys}
+    assert b"no key" in landed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from flywheel.bus.murmur2 import key_partitions
 from flywheel.bus.types import BrokerUnavailable, Outgoing, Record, RecordBatch
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,8 @@ class KafkaPythonProducer:
         from kafka import KafkaProducer
 
         max_block_ms = config.pop("max_block_ms", 10_000)
+        # keys are partitioned a batch at a time (`flywheel.bus.murmur2`) unless a partitioner of one's own is set
+        self._own_partitioner = "partitioner" in config
         self._p = KafkaProducer(
             bootstrap_servers=bootstrap.split(","),
             acks="all",
@@ -38,14 +41,33 @@ class KafkaPythonProducer:
         from kafka.errors import KafkaError
 
         try:
+            partitions = self._partitions(messages)
             futures = [
-                self._p.send(m.topic, value=m.value, key=m.key, headers=list(m.headers) or None) for m in messages
+                self._p.send(m.topic, value=m.value, key=m.key, headers=list(m.headers) or None, partition=p)
+                for m, p in zip(messages, partitions, strict=True)
             ]
             self._p.flush(timeout=timeout_s)
             for f in futures:
                 f.get(timeout=timeout_s)
         except KafkaError as exc:
             raise BrokerUnavailable(f"Kafka did not acknowledge: {exc}") from exc
+
+    def _partitions(self, messages: Sequence[Outgoing]) -> list[int | None]:
+        """Each keyed message's partition, as the default partitioner would pick it, found for the whole batch at
+        once; None (the client picks) for a message without a key, or for all with a partitioner of one's own."""
+        chosen: list[int | None] = [None] * len(messages)
+        if self._own_partitioner:
+            return chosen
+        by_topic: dict[str, list[int]] = {}
+        for i, m in enumerate(messages):
+            if m.key is not None:
+                by_topic.setdefault(m.topic, []).append(i)
+        for topic, rows in by_topic.items():
+            # waits for the topic's metadata, as `send` would
+            parts = key_partitions([messages[i].key or b"" for i in rows], sorted(self._p.partitions_for(topic)))
+            for i, part in zip(rows, parts, strict=True):
+                chosen[i] = part
+        return chosen
 
     def close(self) -> None:
         self._p.close(timeout=5)
