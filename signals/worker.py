@@ -43,12 +43,7 @@ ids are already seen, so nothing counts twice) and first flushes any outbox left
 behind. A flush sends every assigned partition's entries together: one Kafka send, one lake
 commit in which each entry is written once by its name (idempotent); a crash between
 Kafka's acknowledgement and the pop can repeat a Kafka message, which carries a
-`record_id` header for consumers to drop it. While the broker already holds more than a batch,
-the worker overlaps its waits with work: the next batch is polled while Redis runs the script
-(and is read again with this one should the script fail), and a batch's flush runs in a thread
-while the next batch is processed (the flushes stay one at a time, in order; a failed one is
-raised by the next `run_once`, its entries left for the next flush). With no backlog each step
-waits for the one before, so a `run_once` that returns has sent its batch's records.
+`record_id` header for consumers to drop it.
 
 Outages: Kafka (at start too), Redis and MLflow are waited out (`flywheel.ops.run_loop`: one log
 line when one goes down, one when it is back); a batch that failed half-way is read again from its
@@ -66,7 +61,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar, get_args
@@ -523,8 +518,6 @@ class SignalsWorker:
         self._last_refit = time.monotonic()
         self._ahead: RecordBatch | None = None  # the next batch, read while Redis ran the last one's commit
         self._committer: ThreadPoolExecutor | None = None
-        self._flusher: ThreadPoolExecutor | None = None
-        self._flushing: Future[int] | None = None  # the last batch's flush, sent while the next one is processed
 
     @property
     def consumer(self) -> Consumer:
@@ -620,7 +613,7 @@ class SignalsWorker:
             return self._run_once()
 
     def _run_once(self) -> int:
-        sent = 0 if self._ahead is not None else self._settle() + self.flush_outbox()
+        sent = self.flush_outbox()
         records, self._ahead = self._ahead or self._poll(), None
         assigned = self.consumer.assignment()
         if assigned != self._assigned:
@@ -630,7 +623,7 @@ class SignalsWorker:
         if not len(records):
             if time.monotonic() - self._last_data >= self.config.idle_after_s:
                 self._tick_idle()
-            return sent + self._settle() + self.flush_outbox()
+            return sent + self.flush_outbox()
         self._last_data = time.monotonic()
         try:
             self._process(records)
@@ -642,24 +635,7 @@ class SignalsWorker:
             ahead, self._ahead = self._ahead, None
             self._rewind(records if ahead is None else RecordBatch.concat([records, ahead]))
             raise
-        sent += self._settle()
-        if self._ahead is None:
-            return sent + self.flush_outbox()
-        # The stream is ahead of us: this batch's records go to Kafka and the lake while the next batch, read
-        # already, is processed (their waits on the broker's acknowledgement and the lake's write overlap its work).
-        if self._flusher is None:
-            self._flusher = ThreadPoolExecutor(1, thread_name_prefix="signals-flush")
-        self._flushing = self._flusher.submit(self.flush_outbox, self._partitions())
-        return sent
-
-    def _settle(self) -> int:
-        """Wait for the flush sent to the background by the last `run_once`; its records sent (its error raised: the
-        entries stay in the outbox, and the next flush sends them)."""
-        flushing, self._flushing = self._flushing, None
-        return 0 if flushing is None else flushing.result()
-
-    def _partitions(self) -> list[int]:
-        return sorted(p for topic, p in self.consumer.assignment() if topic == self.settings.events_topic)
+        return sent + self.flush_outbox()
 
     def _poll(self) -> RecordBatch:
         """A poll, then more while the batch is below `poll_max_records` and the broker already holds more records
@@ -705,14 +681,9 @@ class SignalsWorker:
             self.close()
 
     def close(self) -> None:
-        try:
-            self._settle()
-        except Exception:  # noqa: BLE001 - its entries stay in the outbox for the next worker
-            log.warning("the last flush failed; its records stay in the outbox", exc_info=True)
-        for pool in (self._committer, self._flusher):
-            if pool is not None:
-                pool.shutdown()
-        self._committer = self._flusher = None
+        if self._committer is not None:
+            self._committer.shutdown()
+            self._committer = None
         for part in (self._consumer, self._producer):
             if part is None:
                 continue
@@ -773,8 +744,7 @@ class SignalsWorker:
                 self._committer = ThreadPoolExecutor(1, thread_name_prefix="signals-commit")
             pending = self._committer.submit(self.store.commit, plan)
             try:
-                ahead = self._poll()
-                self._ahead = ahead if len(ahead) else None
+                self._ahead = self._poll()
             finally:
                 queued = pending.result()
         else:
@@ -783,12 +753,12 @@ class SignalsWorker:
         if queued != n:
             log.warning("%d of %d records were already emitted (markers set); not sending them again", n - queued, n)
 
-    def flush_outbox(self, partitions: list[int] | None = None) -> int:
+    def flush_outbox(self) -> int:
         """Send committed records to Kafka and the lake; pop the entries only after both succeeded. The entries of
-        every assigned partition (or of `partitions`, for a flush that runs beside the consumer's thread) go
-        together: one send, one lake commit (each entry in it once, by its name), one pop; so a batch pays Kafka's
-        flush and the lake's commit once, not once a partition."""
-        found = self.store.outbox_entries(self.keys, self._partitions() if partitions is None else partitions)
+        every assigned partition go together: one send, one lake commit (each entry in it once, by its name), one
+        pop; so a batch pays Kafka's flush and the lake's commit once, not once a partition."""
+        mine = sorted(p for topic, p in self.consumer.assignment() if topic == self.settings.events_topic)
+        found = self.store.outbox_entries(self.keys, mine)
         if not found:
             return 0
         named: list[tuple[str, list[bytes]]] = []

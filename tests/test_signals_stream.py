@@ -222,45 +222,6 @@ def test_a_commit_that_fails_while_the_next_batch_is_read_ahead_loses_and_double
     assert all(r.reward == 0.75 for r in rewards_on_topic(settings))
 
 
-def test_a_flush_that_fails_beside_the_next_batch_leaves_its_records_for_the_next_one(settings: Settings) -> None:
-    """With the next batch read ahead, a batch's records go to Kafka and the lake from a background thread while
-    that batch is processed. A send that fails there is raised by the next `run_once`; the entries stay in the
-    outbox, and the worker going on sends every record once."""
-    from flywheel.bus import BrokerUnavailable
-
-    ensure_topics(settings)
-    old, now = utcnow() - timedelta(minutes=5), utcnow()
-    gids = [f"g{i:02d}" for i in range(30)]
-    producer = make_producer(settings)
-    # received now, timed five minutes ago: each window closes as its batch is read
-    events = [e for g in gids for e in (generation_event(g, old, received_at=now),
-                                        feedback_event(g, "accepted", old, received_at=now))]  # fmt: skip
-    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), b"one") for e in events])
-    producer.close()
-    consumer = SmallPolls(make_consumer(settings, [settings.events_topic], "g-flush"), most=5)
-    worker = SignalsWorker(settings, CONFIG.model_copy(update={"poll_max_records": 10}), consumer=consumer)
-    send_all, threads = worker.producer.send_all, []
-
-    def fails_in_the_background_once(messages: list[Outgoing], timeout_s: float = 10.0) -> None:
-        threads.append(threading.current_thread().name)
-        if threads[-1].startswith("signals-flush") and threads.count(threads[-1]) == 1:
-            raise BrokerUnavailable("Kafka went away mid-flush")
-        send_all(messages, timeout_s)
-
-    worker.producer.send_all = fails_in_the_background_once  # type: ignore[method-assign]
-    try:
-        with pytest.raises(BrokerUnavailable):
-            run_until(worker, lambda: False)
-        run_until(worker, lambda: worker.stats.records + worker.stats.revisions >= 2 * len(gids))
-    finally:
-        worker.close()
-    assert sum(t.startswith("signals-flush") for t in threads) >= 2, "the failed flush and its retry ran beside a batch"
-    # each generation: revision 0 as its window closed on arrival, revision 1 with its accept (late by then)
-    sent = Counter((r.generation_id, r.revision) for r in rewards_on_topic(settings))
-    assert sorted(sent) == [(g, rev) for g in gids for rev in (0, 1)] and set(sent.values()) == {1}
-    assert read_rewards(REWARDS.at(settings.lake_root)).height == 2 * len(gids)
-
-
 def test_reward_appears_soon_after_its_window_closes(settings: Settings) -> None:
     ensure_topics(settings)
     stop = threading.Event()
