@@ -61,7 +61,6 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar, get_args
@@ -516,8 +515,6 @@ class SignalsWorker:
         self._active: tuple[float, dict[str, RewardDefinition]] | None = None
         self._warned: set[str] = set()
         self._last_refit = time.monotonic()
-        self._ahead: RecordBatch | None = None  # the next batch, read while Redis ran the last one's commit
-        self._committer: ThreadPoolExecutor | None = None
 
     @property
     def consumer(self) -> Consumer:
@@ -614,7 +611,7 @@ class SignalsWorker:
 
     def _run_once(self) -> int:
         sent = self.flush_outbox()
-        records, self._ahead = self._ahead or self._poll(), None
+        records = self._poll()
         assigned = self.consumer.assignment()
         if assigned != self._assigned:
             # a fresh assignment has not fetched anything yet: an empty poll now does not mean a quiet stream
@@ -630,10 +627,8 @@ class SignalsWorker:
             self.consumer.commit(records.next_offsets())
         except BaseException:
             # Not committed: read the batch again on the next poll instead of going past it (a Redis
-            # outage mid-batch must not skip events; their ids make the second read count nothing twice), and
-            # the one read ahead after it.
-            ahead, self._ahead = self._ahead, None
-            self._rewind(records if ahead is None else RecordBatch.concat([records, ahead]))
+            # outage mid-batch must not skip events; their ids make the second read count nothing twice).
+            self._rewind(records)
             raise
         return sent + self.flush_outbox()
 
@@ -681,9 +676,6 @@ class SignalsWorker:
             self.close()
 
     def close(self) -> None:
-        if self._committer is not None:
-            self._committer.shutdown()
-            self._committer = None
         for part in (self._consumer, self._producer):
             if part is None:
                 continue
@@ -713,7 +705,7 @@ class SignalsWorker:
         batch = _Batch(self, *self.store.load(self.keys, bounds, {e.generation_id for e in events}), records)
         for e in events:  # (partition, offset) order
             batch.add(e)
-        self._commit(batch, read_ahead=True)
+        self._commit(batch)
 
     def _tick_idle(self) -> None:
         if not self._repaired:
@@ -731,24 +723,11 @@ class SignalsWorker:
             batch.advance(p, lane, wm, hold=lane == 1)
         self._commit(batch)
 
-    def _commit(self, batch: _Batch, *, read_ahead: bool = False) -> None:
-        """Commit `batch`'s plan in Redis. `read_ahead` (a polled batch) and the broker already holding more: the
-        next batch is polled while Redis runs the script (on its own core: a tenth of a batch's time at 10,000
-        events, which the poll's parsing then fills); it is processed by the next `run_once`, after this batch's
-        offsets are committed, and read again with this one should the commit fail."""
+    def _commit(self, batch: _Batch) -> None:
         plan = batch.finish()
         if batch.dead:  # before the commit: a crash in between re-reads them, so a letter may repeat, never vanish
             self.producer.send_all([d.outgoing(self.settings.dead_letter_topic) for d in batch.dead], timeout_s=30)
-        if read_ahead and self.consumer.known_backlog() > 0:
-            if self._committer is None:
-                self._committer = ThreadPoolExecutor(1, thread_name_prefix="signals-commit")
-            pending = self._committer.submit(self.store.commit, plan)
-            try:
-                self._ahead = self._poll()
-            finally:
-                queued = pending.result()
-        else:
-            queued = self.store.commit(plan)
+        queued = self.store.commit(plan)
         n = sum(len(v) for v in batch.emitted.values())
         if queued != n:
             log.warning("%d of %d records were already emitted (markers set); not sending them again", n - queued, n)
