@@ -66,27 +66,44 @@ PROPERTIES: Final[dict[str, tuple[str, ...]]] = {
     "retained": ("seconds_after_accept", "fraction_present"),
     "followup": ("text",),
 }
+# The keys of those that the signals read as numbers (`_num`): parsed to floats, not text
+NUMBERS: Final = frozenset(
+    {"accepted_chars", "total_chars", "seconds_after_accept", "fraction_present", "edit_distance"}
+)
 
 
 def _parsed_properties(events: pl.DataFrame, type_: str, properties: pl.Series) -> pl.DataFrame:
     """`_row`, `_record`, `ts_us` and, for each key of `PROPERTIES[type_]`, column `_<key>` of the events of `type_`
     among the typed frame's rows `events` (`_in`: each one's row in `properties`, their JSON text): the key's value
-    as text (a JSON string's content, else the JSON of the value), null when absent or JSON null.
+    as text (a JSON string's content, else the JSON of the value), null when absent or JSON null; for a key of
+    `NUMBERS`, the value as a number instead (`_num` of that text), and `_<key>_given`: whether it is there and not
+    JSON null (a value `_num` cannot read is given, yet no number).
 
-    The type's events are parsed in one pass for all their keys (`str.json_decode` to a struct of strings: a third
-    of the CPU time of one `json_path_match` per key, and only on the events of the type), their numbers as the
-    exact decimal of the JSON number's nearest float, which `_num` reads back as Python does. Where the type's
-    text is not all objects of plain values (a value that is an object or a list, text that is no JSON), its keys
-    are read with `json_path_match` instead, which reads such text too (numbers through its own float parse)."""
+    The type's events are parsed in one pass for all their keys (`str.json_decode` to a struct: a third of the CPU
+    time of one `json_path_match` per key, and only on the events of the type). Numbers are decoded to floats where
+    every value of them is a JSON number or boolean (what `_num` reads of their text, to the bit: the text of a
+    JSON number is the exact decimal of the float the parser reads): half the CPU time of decoding them to text
+    and reading that back. Else (a numeric string) the type is decoded to text, and where its text is not all
+    objects of plain values (a value that is an object or a list, text that is no JSON), its keys are read with
+    `json_path_match`, which reads such text too (numbers through its own float parse)."""
     keys = PROPERTIES[type_]
+    numbers = [k for k in keys if k in NUMBERS]
     rows = events.filter(pl.col("type") == type_).select("_row", "_record", "ts_us", "_in")
     text = in_chunks(properties.gather(rows.get_column("_in")).fill_null("{}").alias("properties").to_frame())
     props = pl.col("properties")
     try:
-        parsed = text.select(props.str.json_decode(pl.Struct({k: pl.String for k in keys}))).unnest("properties")
+        typed = pl.Struct({k: pl.Float64 if k in NUMBERS else pl.String for k in keys})
+        parsed = text.select(props.str.json_decode(typed)).unnest("properties")
+        value: dict[str, pl.Expr] = {k: pl.when(pl.col(k).is_finite()).then(pl.col(k)) for k in numbers}
     except pl.exceptions.ComputeError:
-        parsed = text.select(props.str.json_path_match(f"$.{k}").alias(k) for k in keys)
-    return rows.drop("_in").hstack(parsed.select(pl.col(k).alias(f"_{k}") for k in keys)).rechunk()
+        try:
+            parsed = text.select(props.str.json_decode(pl.Struct({k: pl.String for k in keys}))).unnest("properties")
+        except pl.exceptions.ComputeError:
+            parsed = text.select(props.str.json_path_match(f"$.{k}").alias(k) for k in keys)
+        value = {k: _num(pl.col(k)) for k in numbers}
+    columns = [value.get(k, pl.col(k)).alias(f"_{k}") for k in keys]
+    given = [pl.col(k).is_not_null().alias(f"_{k}_given") for k in numbers]
+    return rows.drop("_in").hstack(parsed.select(*columns, *given)).rechunk()
 
 
 def in_chunks(frame: pl.DataFrame, rows: int = 16_384) -> pl.DataFrame:
@@ -215,15 +232,14 @@ def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.D
 
 @dataclass(frozen=True)
 class Pick:
-    """Column `name` of a record: the value of `column` (with `number`: read as one, `_num`) of the event of type
-    `of` at the typed frame's row that the record's column `row` holds (`_first_row`, `_last_row`), from that
-    type's parsed events (`_parsed_properties`); null without one."""
+    """Column `name` of a record: the value of `column` of the event of type `of` at the typed frame's row that the
+    record's column `row` holds (`_first_row`, `_last_row`), from that type's parsed events (`_parsed_properties`);
+    null without one."""
 
     name: str
     row: str
     of: str
     column: str
-    number: bool = False
 
 
 def _picked(parsed: dict[str, pl.DataFrame], per_record: pl.DataFrame, picks: Sequence[Pick]) -> pl.DataFrame:
@@ -237,8 +253,7 @@ def _picked(parsed: dict[str, pl.DataFrame], per_record: pl.DataFrame, picks: Se
                 values = events.get_column(p.column)
                 value = values.gather(at) if len(values) else pl.repeat(None, len(rows), dtype=values.dtype, eager=True)
                 columns.append(value.zip_with(rows.is_not_null(), pl.Series([None], dtype=values.dtype)).alias(p.name))
-    picked = pl.DataFrame(columns)
-    return per_record.hstack(picked.with_columns(_num(pl.col(p.name)).alias(p.name) for p in picks if p.number))
+    return per_record.hstack(columns)
 
 
 # ---------------------------------------------------------------------- signals
@@ -318,10 +333,10 @@ def _undo_agg(d: RewardDefinition) -> list[pl.Expr]:
 
 
 def _undo_finish(d: RewardDefinition) -> list[pl.Expr]:
-    given = pl.col("_undo_given")
     # the latest accept at or before the first undo (`_accepted_by`)
     gap_us = (pl.col("_undo_ts_us") - pl.col("_undo_accept_us")).fill_null(0)
-    measured = pl.when(given.is_not_null()).then(_num(given).fill_null(0.0)).otherwise(_seconds(gap_us))
+    given = pl.col("_undo_given").fill_null(False)  # a given value that is no number counts as 0 s
+    measured = pl.when(given).then(pl.col("_undo_secs").fill_null(0.0)).otherwise(_seconds(gap_us))
     secs = pl.when(pl.col("_undo_row").is_not_null()).then(pl.max_horizontal(pl.lit(0.0), measured))
     return [
         pl.when(secs <= d.undo_window_s).then(1.0).when(secs.is_not_null()).then(0.5).alias("undone"),
@@ -335,7 +350,7 @@ def edit_sums(edited: pl.DataFrame) -> pl.LazyFrame:
 
     Apart from the other aggregations (`score_frame`): a float sum's last bits depend on the order of its
     terms, and polars' streaming engine may add a record's partial sums in another one."""
-    distance = _num(pl.col("_edit_distance")).fill_null(0.0).clip(lower_bound=0.0).sum()
+    distance = pl.col("_edit_distance").fill_null(0.0).clip(lower_bound=0.0).sum()
     return edited.lazy().group_by("_record").agg(distance.alias("_edit_sum"))
 
 
@@ -355,8 +370,8 @@ def retention_checks(retained: pl.DataFrame) -> pl.LazyFrame:
 
     The checks are put in order of their time after the accept once, for all records (ties keep event-time
     order), so each value is a first or last within its record rather than a sort per record."""
-    secs = _num(pl.col("_seconds_after_accept")).fill_null(0.0).clip(lower_bound=0.0)
-    frac = _num(pl.col("_fraction_present")).fill_null(1.0).clip(0.0, 1.0)
+    secs = pl.col("_seconds_after_accept").fill_null(0.0).clip(lower_bound=0.0)
+    frac = pl.col("_fraction_present").fill_null(1.0).clip(0.0, 1.0)
     checks = (
         retained.lazy()
         .select("_record", secs.alias("_secs"), frac.alias("_frac"))
@@ -431,8 +446,8 @@ SIGNALS: tuple[Signal, ...] = (
         _decision_finish,
         ("shown", "accepted", "accepted_fraction", "accepted_chars", "rejected", "ignored"),
         (
-            Pick("_total_chars", "_accept_row", "accepted", "_total_chars", number=True),
-            Pick("_accepted_chars", "_accept_row", "accepted", "_accepted_chars", number=True),
+            Pick("_total_chars", "_accept_row", "accepted", "_total_chars"),
+            Pick("_accepted_chars", "_accept_row", "accepted", "_accepted_chars"),
         ),
     ),
     Signal(
@@ -442,7 +457,8 @@ SIGNALS: tuple[Signal, ...] = (
         _undo_finish,
         ("undone", "undo_s"),
         (
-            Pick("_undo_given", "_undo_row", "undone", "_seconds_after_accept"),
+            Pick("_undo_given", "_undo_row", "undone", "_seconds_after_accept_given"),
+            Pick("_undo_secs", "_undo_row", "undone", "_seconds_after_accept"),
             Pick("_undo_ts_us", "_undo_row", "undone", "ts_us"),
             Pick("_undo_accept_us", "_undo_row", "undone", "_accepted_by_us"),
         ),
