@@ -88,7 +88,7 @@ def _parsed_properties(events: pl.DataFrame, type_: str, properties: pl.Series) 
     `json_path_match`, which reads such text too (numbers through its own float parse)."""
     keys = PROPERTIES[type_]
     numbers = [k for k in keys if k in NUMBERS]
-    rows = events.filter(pl.col("type") == type_).select("_row", "_record", "ts_us", "_in")
+    rows = events.select("_row", "_record", "ts_us", "_in").filter(events.get_column("type") == type_)  # 4 columns
     text = in_chunks(properties.gather(rows.get_column("_in")).fill_null("{}").alias("properties").to_frame())
     props = pl.col("properties")
     try:
@@ -222,7 +222,10 @@ def typed_feedback(feedback: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, pl.D
         ids = feedback.get_column("event_id").gather(ordered.get_column("_in"))
         ordered = ordered.with_columns(ids).sort("_record", "ts_us", "event_id", "_in").drop("event_id")
     ordered = ordered.drop("_tie").with_columns(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_row"))
-    parsed = {t: _parsed_properties(ordered, t, feedback.get_column("properties")) for t in PROPERTIES}
+    # in one chunk: a gather of strings from a column of several (the recompute's on-time rows and its revisions)
+    # takes ten times the CPU time (10M events: 1.6 s against 0.1 s, and 0.2 s to rechunk)
+    properties = feedback.get_column("properties").rechunk()
+    parsed = {t: _parsed_properties(ordered, t, properties) for t in PROPERTIES}
     parsed["thumbs"] = parsed["thumbs"].with_columns(pl.col("_value").str.to_lowercase())
     parsed["undone"] = _accepted_by(parsed["undone"], parsed["accepted"])
     vote = np.zeros(ordered.height, dtype=bool)
