@@ -578,11 +578,30 @@ def _satisfaction(d: RewardDefinition) -> list[pl.Expr]:
 _PACKED_REVISION_BITS = 24
 
 
+def _found(rows: np.ndarray) -> pl.Series:
+    """`rows` as the indices of a gather: null (a row of nulls) where negative (none found)."""
+    return pl.Series("row", rows).to_frame().select(pl.when(pl.col("row") >= 0).then(pl.col("row"))).to_series()
+
+
+def _by_record(per_record: pl.DataFrame, other: pl.DataFrame) -> pl.DataFrame:
+    """`per_record` with the columns of `other` (a row for some of its records), matched on `_record`; null for
+    the records `other` has no row for.
+
+    Matched through a table indexed by the record numbers (small integers, `typed_feedback`), not a hash join: for
+    the retention checks of 10M events a third of the CPU time."""
+    mine, theirs = (f.get_column("_record").cast(pl.Int64).to_numpy() for f in (per_record, other))
+    slot = np.full(max(mine.max(initial=0), theirs.max(initial=0)) + 1, -1, dtype=np.int64)
+    slot[theirs] = np.arange(len(theirs))
+    return per_record.hstack(other.drop("_record").gather(_found(slot[mine])))
+
+
 def _with_records(generations: pl.DataFrame, per_record: pl.DataFrame) -> pl.LazyFrame:
     """`generations` left-joined with their records' columns (`per_record`, by `KEY`), in their order.
 
-    Where every id is an integer that leaves room for the revision (the recompute's row numbers), joined on the
-    two packed into one integer (`_key`): a third less CPU time than a join on the two columns."""
+    Where every id is an integer that leaves room for the revision (the recompute's row numbers), matched on the
+    two packed into one integer: where `per_record` is in the order of those (`score_frame` sorts it), by a binary
+    search of them and a gather, which then reads `per_record` mostly in order (at 10M events half the CPU time of
+    a join on the packed integer, itself a third less than a join on the two columns); else joined on it."""
     keys = pl.concat([generations.select(KEY), per_record.select(KEY)])
     gid, revision = keys.get_column(KEY[0]), keys.get_column(KEY[1])
     packable = (
@@ -595,6 +614,12 @@ def _with_records(generations: pl.DataFrame, per_record: pl.DataFrame) -> pl.Laz
     if not packable:
         return generations.lazy().join(per_record.lazy(), on=list(KEY), how="left", maintain_order="left")
     packed = (pl.col(KEY[0]).cast(pl.Int64) * 2**_PACKED_REVISION_BITS + pl.col(KEY[1])).alias("_key")
+    keys = per_record.select(packed).to_series().to_numpy()
+    if len(keys) and (keys[1:] > keys[:-1]).all():
+        wanted = generations.select(packed).to_series().to_numpy()
+        at = np.searchsorted(keys, wanted).clip(max=len(keys) - 1)
+        rows = _found(np.where(keys[at] == wanted, at, -1))
+        return generations.hstack(per_record.drop(KEY).gather(rows)).lazy()
     return (
         generations.lazy()
         .with_columns(packed)
@@ -610,15 +635,13 @@ def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedbac
     aggs = [pl.len().alias("feedback_events"), *(e for s in SIGNALS for e in s.aggregate(d))]
     # collected once: the group-by, the picks and the retention checks read it
     typed, parsed = typed_feedback(feedback)
-    # min, max, any and len: the streaming engine aggregates those in about half the CPU time (3M events)
-    per_record = (
-        typed.lazy()
-        .group_by("_record")
-        .agg(pl.col(*KEY).first(), *aggs)
-        .collect(engine="streaming")
-        .join(edit_sums(parsed["edited"]).collect(engine=ENGINE), on="_record", how="left")
-        .join(retention_checks(parsed["retained"]).collect(engine=ENGINE), on="_record", how="left")
-    )
+    # min, max, any and len: the streaming engine aggregates those in about half the CPU time (3M events); its
+    # groups come in no order: sorted by record number, which is `KEY`'s order (`typed_feedback`), so that the picks
+    # and `_with_records` read the records in order
+    per_record = typed.lazy().group_by("_record").agg(pl.col(*KEY).first(), *aggs).collect(engine="streaming")
+    per_record = per_record.sort("_record")
+    per_record = _by_record(per_record, edit_sums(parsed["edited"]).collect(engine=ENGINE))
+    per_record = _by_record(per_record, retention_checks(parsed["retained"]).collect(engine=ENGINE))
     per_record = _picked(parsed, per_record, [p for s in SIGNALS for p in s.picks])
     frame = (
         _with_records(generations, per_record)
