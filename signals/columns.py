@@ -614,11 +614,11 @@ def _with_records(generations: pl.DataFrame, per_record: pl.DataFrame) -> pl.Laz
     if not packable:
         return generations.lazy().join(per_record.lazy(), on=list(KEY), how="left", maintain_order="left")
     packed = (pl.col(KEY[0]).cast(pl.Int64) * 2**_PACKED_REVISION_BITS + pl.col(KEY[1])).alias("_key")
-    keys = per_record.select(packed).to_series().to_numpy()
-    if len(keys) and (keys[1:] > keys[:-1]).all():
+    ordered = per_record.select(packed).to_series().to_numpy()
+    if len(ordered) and (ordered[1:] > ordered[:-1]).all():
         wanted = generations.select(packed).to_series().to_numpy()
-        at = np.searchsorted(keys, wanted).clip(max=len(keys) - 1)
-        rows = _found(np.where(keys[at] == wanted, at, -1))
+        at = np.searchsorted(ordered, wanted).clip(max=len(ordered) - 1)
+        rows = _found(np.where(ordered[at] == wanted, at, -1))
         return generations.hstack(per_record.drop(KEY).gather(rows)).lazy()
     return (
         generations.lazy()
