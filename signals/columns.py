@@ -638,8 +638,12 @@ def score_frame(definition: RewardDefinition, generations: pl.DataFrame, feedbac
     # min, max, any and len: the streaming engine aggregates those in about half the CPU time (3M events); its
     # groups come in no order: sorted by record number, which is `KEY`'s order (`typed_feedback`), so that the picks
     # and `_with_records` read the records in order
-    per_record = typed.lazy().group_by("_record").agg(pl.col(*KEY).first(), *aggs).collect(engine="streaming")
-    per_record = per_record.sort("_record")
+    per_record = typed.lazy().group_by("_record").agg(*aggs).collect(engine="streaming").sort("_record")
+    # each record's key from its first row (`typed` holds each record's rows together, in record order), not
+    # aggregated: a fifth of the group-by's CPU time
+    record = typed.get_column("_record")
+    keys = typed.select(*KEY).filter(record.ne_missing(record.shift(1)))
+    per_record = per_record.hstack(keys).select("_record", *KEY, pl.exclude("_record", *KEY))
     per_record = _by_record(per_record, edit_sums(parsed["edited"]).collect(engine=ENGINE))
     per_record = _by_record(per_record, retention_checks(parsed["retained"]).collect(engine=ENGINE))
     per_record = _picked(parsed, per_record, [p for s in SIGNALS for p in s.picks])
