@@ -67,11 +67,14 @@ def test_batch_murmur2_is_kafkas_key_hash_at_every_length():
     assert murmur2([]).tolist() == []
 
 
-def test_kafka_python_producer_puts_each_key_where_the_default_partitioner_does(settings: Settings) -> None:
-    """The producer partitions a batch's keys itself (one numpy pass): each record still lands in the partition
-    kafka-python's default partitioner picks for its key, and keyless records still go somewhere."""
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])
+def test_each_client_puts_each_key_where_kafkas_default_partitioner_does(settings: Settings, client: str) -> None:
+    """Both clients partition keys as Kafka's default (Java) partitioner does, kafka-python's producer with its own
+    batch of numpy (`flywheel.bus.murmur2`), librdkafka set to `murmur2_random`: a generation's events land in one
+    partition whichever client wrote them. Keyless records still go somewhere."""
     from kafka.partitioner.default import murmur2 as reference
 
+    settings = settings.model_copy(update={"kafka_client": client})
     ensure_topics(settings)
     keys = [f"gen-{i:05d}".encode() for i in range(200)] + [b"", b"x" * 37]
     producer = make_producer(settings)
@@ -80,7 +83,7 @@ def test_kafka_python_producer_puts_each_key_where_the_default_partitioner_does(
         producer.send_all([*messages, Outgoing(settings.events_topic, b"no key")])
     finally:
         producer.close()
-    consumer = make_consumer(settings, [settings.events_topic], "g-partitions")
+    consumer = make_consumer(settings, [settings.events_topic], f"g-partitions-{client}")
     landed: dict[bytes, int] = {}
     try:
         deadline = time.monotonic() + 30

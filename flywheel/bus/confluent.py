@@ -52,6 +52,9 @@ class ConfluentProducer:
                 "enable.idempotence": False,  # the embedded broker does not hand out producer ids
                 "linger.ms": 5,
                 "message.timeout.ms": 10_000,
+                # Kafka's default key partitioning (the Java client's and kafka-python's), not librdkafka's CRC32:
+                # a generation's events land in one partition whichever client wrote them
+                "partitioner": "murmur2_random",
                 **_librdkafka_config(config),
             }
         )
