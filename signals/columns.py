@@ -690,16 +690,12 @@ def signal_names(definition: RewardDefinition) -> tuple[str, ...]:
     return (*SIGNAL_COLUMNS, "p_satisfied") if definition.satisfaction is not None else SIGNAL_COLUMNS
 
 
-def signals_of(row: dict[str, object], names: Sequence[str]) -> dict[str, float]:
-    """A record's `signals`: the observed (non-null) ones of `row`."""
-    return {n: float(row[n]) for n in names if row[n] is not None}  # type: ignore[arg-type]
-
-
 def signals_column(frame: pl.DataFrame, names: Sequence[str]) -> list[dict[str, float]]:
-    """`signals_of` of each row of `frame`, read column by column: a record observes a few of its signals, so
-    only the non-null cells are visited (where a row dict per record read every column of it)."""
+    """Each record's `signals` (a row of `frame`): its observed (non-null) signals of `names`, as floats, in that
+    order. Read column by column: a record observes a few of its signals, so only the non-null cells are visited
+    (where a row dict per record read every column of it)."""
     out: list[dict[str, float]] = [{} for _ in range(frame.height)]
-    for n in names:  # in `names`' order, so each dict's keys are in `signals_of`'s
+    for n in names:  # in `names`' order, so each dict's keys are too
         column = frame.get_column(n)
         if not column.null_count():
             values = column.cast(pl.Float64).to_list()

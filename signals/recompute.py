@@ -32,7 +32,7 @@ from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.tables import EVENTS, REWARDS, rewards_frame
 from flywheel.reward_versions import DEFAULT_SURFACE
 from flywheel.settings import Settings
-from signals.columns import ENGINE, in_chunks, score_frame, signal_names, signals_of
+from signals.columns import ENGINE, in_chunks, score_frame, signal_names, signals_column
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.events import from_us, to_us
@@ -379,7 +379,8 @@ def recompute_records(
     scored = recompute_scores(settings, definition, events, config=config, now=now, final_only=final_only)
     if scored.is_empty():
         return []
-    names = signal_names(definition)
+    ordered = scored.sort("window_end", "generation_id", "revision")
+    signals = signals_column(ordered, signal_names(definition))  # as the streaming worker reads them
     return [
         RewardRecord(
             generation_id=row["generation_id"],
@@ -388,7 +389,7 @@ def recompute_records(
             reward=row["reward"],
             confidence=row["confidence"],
             label_source=row["label_source"],
-            signals=signals_of(row, names),
+            signals=row_signals,
             user_id=row["user_id"],
             model_version=row["model_version"],
             arm=row["arm"],
@@ -398,7 +399,7 @@ def recompute_records(
             late_events=row["late_events"],
             emitted_at=now,
         )
-        for row in scored.sort("window_end", "generation_id", "revision").iter_rows(named=True)
+        for row, row_signals in zip(ordered.iter_rows(named=True), signals, strict=True)
     ]
 
 

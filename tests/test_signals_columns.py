@@ -25,7 +25,6 @@ from signals.columns import (
     score_frame,
     signal_names,
     signals_column,
-    signals_of,
 )
 from signals.events import FeedbackEvent, GenerationInfo
 from signals.logistic import LogisticModel
@@ -100,6 +99,11 @@ def _frames(cases: list[Case]) -> tuple[pl.DataFrame, pl.DataFrame]:
         schema=FEEDBACK_SCHEMA,
     )  # fmt: skip
     return gens, feedback
+
+
+def signals_of(row: dict[str, object], names: tuple[str, ...]) -> dict[str, float]:
+    """The naive reading of a record's `signals` from its row: the observed (non-null) ones, in `names`' order."""
+    return {n: float(row[n]) for n in names if row[n] is not None}  # type: ignore[arg-type]
 
 
 def _same(a: float | None, b: float | None) -> bool:
