@@ -10,7 +10,8 @@ column-wise in polars (times in plain UTC RFC 3339 with at most microseconds, pr
 already in the lake's JSON spelling), and each type's properties against the contract's table
 (flywheel/event_properties.py: one msgspec decode per type of the whole batch's properties, into a
 struct derived from the table; a text it does not take is judged by the contract's own check, and
-refused ones go on to pydantic for the reason). Whatever that plain path does not take goes to
+refused ones go on to pydantic for the reason; a `generation` event's into a struct of `GenerationRecord`'s
+names, one per generation, so they no longer all go to pydantic). Whatever that plain path does not take goes to
 `Event.from_bytes`, which either accepts it or refuses it with today's reason. So the
 plain path never refuses anything itself, and the row it builds is the one pydantic would
 have built (tests/test_ingest_fast_validate.py checks both on edge cases).
@@ -36,10 +37,19 @@ from flywheel.contract import (
     SUPPORTED_SCHEMA_VERSIONS,
     Event,
     EventType,
+    GenerationRecord,
     InvalidEvent,
     check_properties,
 )
-from flywheel.event_properties import FEEDBACK_PROPERTIES, Prop, normalised, properties_of, property_problems
+from flywheel.event_properties import (
+    ARMS,
+    FEEDBACK_PROPERTIES,
+    FINISH_REASONS,
+    Prop,
+    normalised,
+    properties_of,
+    property_problems,
+)
 from flywheel.lake.tables import EVENTS, rows_frame
 
 # (event_id, type, schema_version, generation_id, user_id, session_id, ts, received_at (both as
@@ -47,8 +57,7 @@ from flywheel.lake.tables import EVENTS, rows_frame
 #  properties as JSON, kafka_topic, kafka_partition, kafka_offset): the order of EVENTS.schema.
 LakeRow = tuple[str, str, int, str, str, str, int, int, str, str, str, int, int]
 
-# `generation` events also need their GenerationRecord checked: pydantic does that.
-_FAST_TYPES = frozenset(t.value for t in EventType) - {EventType.GENERATION.value}
+_FAST_TYPES = frozenset(t.value for t in EventType)
 
 # The properties column holds `json.dumps(properties, separators=(",", ":"))`.
 _encode_properties = compact_json_encoder()
@@ -221,10 +230,60 @@ def _struct_type(prop: Prop) -> Any:
     return base
 
 
-_PROPERTY_DECODERS = {
-    t: (msgspec.json.Decoder(list[_property_struct(t)]), msgspec.json.Decoder(_property_struct(t)))  # type: ignore[misc]
-    for t in FEEDBACK_PROPERTIES
+class _GenerationProperties(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """A `generation` event's properties in the form `Event` stores exactly as sent: only `GenerationRecord`'s
+    names, each of its exact JSON type, `arm` and `finish_reason` already the contract's values (no mapping by
+    `generation_properties`), no `null` but for the three token fields. Anything else (a product's own names,
+    another API's finish reason, a number where text belongs) goes to pydantic, which maps it or says why not.
+    What `GenerationRecord._aligned` asks of the token fields is checked on the decoded struct
+    (`_misaligned`)."""
+
+    prompt: str
+    completion: str
+    model_version: str
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    behaviour_logprobs: list[float] | None = None
+    experiment: str = ""
+    arm: Literal[ARMS] = "champion"  # type: ignore[valid-type]  # the contract's tuple
+    product_arm: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # pydantic's `$` is the end of the text; Python's also matches before a final newline, hence `\Z`.
+    surface: Annotated[str, msgspec.Meta(pattern=r"\A(?:[a-z0-9][a-z0-9._-]{0,63})?\Z")] = ""
+    latency_ms: float = 0.0
+    finish_reason: Literal[FINISH_REASONS] = "stop"  # type: ignore[valid-type]  # the contract's tuple
+    provider_finish_reason: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    temperature: float = 1.0
+    signature: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+
+assert set(_GenerationProperties.__struct_fields__) == set(GenerationRecord.model_fields), "keep them in step"
+
+
+def _misaligned(props: Any) -> bool:
+    """What `GenerationRecord` refuses of token fields: all three or none, and one log-prob a completion token."""
+    tokens = (props.prompt_token_ids, props.completion_token_ids, props.behaviour_logprobs)
+    given = sum(t is not None for t in tokens)
+    if given not in (0, 3):
+        return True
+    return given == 3 and len(props.behaviour_logprobs) != len(props.completion_token_ids)
+
+
+def _more_taken_than_shown(props: Any) -> bool:
+    taken, total = props.accepted_chars, props.total_chars
+    return taken is not None and total is not None and taken > total
+
+
+_GENERATION = EventType.GENERATION.value
+_STRUCTS: dict[str, type[msgspec.Struct]] = {
+    **{t: _property_struct(t) for t in FEEDBACK_PROPERTIES},
+    _GENERATION: _GenerationProperties,
 }
+_PROPERTY_DECODERS = {
+    t: (msgspec.json.Decoder(list[s]), msgspec.json.Decoder(s))  # type: ignore[valid-type]  # built at import time
+    for t, s in _STRUCTS.items()
+}
+# What a type's struct cannot say: relations between its properties.
+_CROSS_CHECKS = {"accepted": _more_taken_than_shown, _GENERATION: _misaligned}
 # An empty object fits every type without a required property.
 _EMPTY_FITS = frozenset(t for t, spec in FEEDBACK_PROPERTIES.items() if not any(p.required for p in spec.values()))
 
@@ -250,24 +309,23 @@ def _property_misfits(frame: pl.DataFrame) -> list[int]:
                     checked.append(True)
                 except _UNDECODABLE:
                     decoded.append(None)
+                    if event_type == _GENERATION:  # pydantic maps it (an alias, a product's arm) or refuses it
+                        checked.append(False)
+                        continue
                     props = _PROPERTIES_DECODER.decode(text)
                     # One that is stored otherwise than sent (`normalised`: a text cut, an alias) goes to pydantic too.
                     checked.append(
                         not property_problems(str(event_type), props) and normalised(str(event_type), props) is None
                     )
         rows = group["_i"].to_list()
+        cross = _CROSS_CHECKS.get(str(event_type))
         for k, props in enumerate(decoded):
             if props is None:
                 if checked is not None and not checked[k]:
                     misfits.append(rows[k])
-            elif event_type == "accepted" and _more_taken_than_shown(props):
+            elif cross is not None and cross(props):
                 misfits.append(rows[k])
     return misfits
-
-
-def _more_taken_than_shown(props: Any) -> bool:
-    taken, total = props.accepted_chars, props.total_chars
-    return taken is not None and total is not None and taken > total
 
 
 def _is_utf8(text: bytes) -> bool:
@@ -341,15 +399,17 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
         canonical = canonical & ~_repeat_a_key(df["properties"].set(~canonical, "{}"))
         if not canonical.all():
             rewritten: list[str | None] = []
-            for text, ok in zip(df["properties"].to_list(), canonical.to_list(), strict=True):
+            generation = (df["type"] == _GENERATION).to_list()
+            for text, ok, gen in zip(df["properties"].to_list(), canonical.to_list(), generation, strict=True):
                 if ok:
                     rewritten.append(text)
                     continue
                 try:
                     decoded = _PROPERTIES_DECODER.decode(text)
                     # msgspec takes no NaN, Infinity or lone surrogate; only the depth is left to check, and a
-                    # text with fewer brackets than the limit cannot be deeper than it.
-                    if text.count("[") + text.count("{") > MAX_PROPERTIES_DEPTH:
+                    # text with fewer brackets than the limit cannot be deeper than it. A generation's is checked
+                    # by its struct (`_property_misfits`: two levels), and a prompt of code holds many brackets.
+                    if not gen and text.count("[") + text.count("{") > MAX_PROPERTIES_DEPTH:
                         check_properties(decoded)
                     rewritten.append(properties_json(decoded))
                 except _UNDECODABLE:  # not an object, or not storable: pydantic says why
