@@ -7,6 +7,11 @@ timed from their first record, so the group join is not counted. Each round runs
 consumer groups; the summary is the median ratio over the rounds (the machine is shared and noisy).
 
     python bench/ingest_pipeline.py [--events N] [--rounds R] [--clients kafka-python,confluent]
+                                    [--feedback-per-generation K]
+
+The topic holds `accepted` events only, unless `--feedback-per-generation K`: then a generation event as
+serving writes it (a code prompt of ~300 characters and 80 tokens, 30 completion tokens with their log-probs,
+signed) before every K feedback events, as a product's stream carries them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from prometheus_client import REGISTRY
 
 from flywheel.bus import Consumer, Outgoing, Record, RecordBatch, ensure_topics, make_consumer
 from flywheel.bus.confluent import ConfluentProducer
-from flywheel.contract import Event
+from flywheel.contract import Event, GenerationRecord
 from flywheel.settings import Settings
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port, redis_answers, start_broker
@@ -57,25 +62,52 @@ class TimedConsumer:
         return getattr(self.inner, name)
 
 
-def fill(settings: Settings, n: int) -> int:
+def fill(settings: Settings, n: int, feedback_per_generation: int = 0) -> int:
+    """Fill the events topic with `n` events; returns their mean size in bytes."""
     producer = ConfluentProducer(settings.kafka_bootstrap_servers, **{"linger.ms": 20})
     size = 0
+    gid = uuid.uuid4().hex
     for start in range(0, n, 20_000):
         batch = []
         for i in range(start, min(n, start + 20_000)):
-            e = Event(
-                type="accepted",
-                generation_id=uuid.uuid4().hex,
-                user_id=f"user-{i % 1000}",
-                session_id=f"s-{i % 97}",
-                properties={"accepted_chars": i % 40},
-            )
+            if feedback_per_generation and i % (feedback_per_generation + 1) == 0:
+                gid = uuid.uuid4().hex
+                e = _generation(gid, f"user-{i % 1000}", i)
+            else:
+                e = Event(
+                    type="accepted",
+                    generation_id=gid if feedback_per_generation else uuid.uuid4().hex,
+                    user_id=f"user-{i % 1000}",
+                    session_id=f"s-{i % 97}",
+                    properties={"accepted_chars": i % 40},
+                )
             raw = e.to_bytes()
-            size = len(raw)
+            size += len(raw)
             batch.append(Outgoing(settings.events_topic, raw, key=e.generation_id.encode()))
         producer.send_all(batch, timeout_s=60)
     producer.close()
-    return size
+    return size // max(n, 1)
+
+
+def _generation(generation_id: str, user_id: str, i: int) -> Event:
+    """A generation event of serving's shape and typical size (the tiny model's prompts are shorter)."""
+    record = GenerationRecord(
+        prompt=f"def handler_{i}(request):\n    " + "payload = request.json()[\"items\"]\n    " * 7,
+        prompt_token_ids=[(i * 7 + k) % 50_000 for k in range(80)],
+        completion="return [item for item in payload if item]\n",
+        completion_token_ids=[(i * 13 + k) % 50_000 for k in range(30)],
+        behaviour_logprobs=[-0.25 - (k % 7) / 10 for k in range(30)],
+        model_version="v12",
+        experiment="rollout-v12",
+        arm="champion",
+        latency_ms=41.5,
+        temperature=0.8,
+        signature="ab" * 32,
+    )
+    return Event(
+        type="generation", generation_id=generation_id, user_id=user_id, source="serving",
+        properties=record.model_dump(),
+    )  # fmt: skip
 
 
 def rate(timed: TimedConsumer, done_at: float) -> float:
@@ -130,6 +162,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10_000)
     parser.add_argument("--clients", default="kafka-python,confluent")
     parser.add_argument("--rounds", type=int, default=3, help="Raw-then-pipeline rounds per client.")
+    parser.add_argument("--feedback-per-generation", type=int, default=0,
+                        help="a generation event before every K feedback events (0: feedback only)")  # fmt: skip
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     port = free_port()
@@ -153,9 +187,10 @@ def main() -> None:
     )
     try:
         ensure_topics(settings)
-        size = fill(settings, args.events)
+        size = fill(settings, args.events, args.feedback_per_generation)
         gc.freeze()  # as the service does at start-up (both sides of the ratio run after it)
-        print(f"{args.events} events of {size} bytes in {settings.topic_partitions} partitions")
+        mix = f", a generation before every {args.feedback_per_generation}" if args.feedback_per_generation else ""
+        print(f"{args.events} events of {size} bytes on average{mix}, in {settings.topic_partitions} partitions")
         for client in args.clients.split(","):
             ratios = []
             for round_no in range(args.rounds):
