@@ -195,6 +195,7 @@ class ClosedLoop:
         self.signals = SignalsWorker(self.settings, signals)
         self.outcomes: list[Outcome] = []
         self.records: list[CycleRecord] = []
+        self._evaluated: dict[str, dict[str, Truth]] = {}
         self.base_eval = self.evaluate(self.base)
 
     @contextmanager
@@ -204,11 +205,29 @@ class ClosedLoop:
         self.serving = TestClient(self.serving_app)
         self.collector = TestClient(create_collector(self.settings))
         try:
+            self._join_groups()
             with self.serving, self.collector:
                 yield self
         finally:
             self.ingest.close()
             self.signals.close()
+
+    def _join_groups(self, timeout_s: float = 120.0) -> None:
+        """Both workers' consumers in their groups before the first request. A join completes only while its
+        consumer polls, and the embedded broker answers a join after about 3 s: within the signals worker's
+        0.2-s polls, taken in turn with ingest's, it took 10 to 30 s of the first round (measured), every
+        run. One-second polls here, in turn, join both in about 5 s. Whatever a poll read is sought back, so the
+        workers still read every event themselves."""
+        self.ingest.connect()
+        consumers = [self.ingest._consumer, self.signals.consumer]
+        deadline = time.monotonic() + timeout_s
+        while (waiting := [c for c in consumers if c is not None and not c.assignment()]) and (
+            time.monotonic() < deadline
+        ):
+            for consumer in waiting:
+                read = consumer.poll_columns(1, 1.0)
+                for (topic, partition), offset in read.first_offsets().items():
+                    consumer.seek(topic, partition, offset)
 
     # ---- traffic ---------------------------------------------------------------------------
 
@@ -353,10 +372,15 @@ class ClosedLoop:
     # ---- the independent measurement -------------------------------------------------------
 
     def evaluate(self, version: str) -> dict[str, Truth]:
-        """Ground truth of `version` per population on the fixed evaluation contexts (fixed seeds, no events)."""
-        policy = load_policy(self.registry.fetch(version))
-        return evaluate_policy(policy, self.populations, self.eval_contexts, self.plan.max_tokens,
-                               self.plan.eval_repeats)  # fmt: skip
+        """Ground truth of `version` per population on the fixed evaluation contexts (fixed seeds, no events).
+
+        Kept per version: a registered version's weights never change and the seeds are fixed, so a second
+        evaluation (a cycle's champion after it, mostly the one evaluated before) would repeat the first."""
+        if version not in self._evaluated:
+            policy = load_policy(self.registry.fetch(version))
+            self._evaluated[version] = evaluate_policy(policy, self.populations, self.eval_contexts,
+                                                       self.plan.max_tokens, self.plan.eval_repeats)  # fmt: skip
+        return self._evaluated[version]
 
 
 def evaluate_policy(policy: Policy, populations: list[Population], contexts: ContextPool, max_tokens: int = 16,
