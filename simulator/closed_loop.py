@@ -205,29 +205,11 @@ class ClosedLoop:
         self.serving = TestClient(self.serving_app)
         self.collector = TestClient(create_collector(self.settings))
         try:
-            self._join_groups()
             with self.serving, self.collector:
                 yield self
         finally:
             self.ingest.close()
             self.signals.close()
-
-    def _join_groups(self, timeout_s: float = 120.0) -> None:
-        """Both workers' consumers in their groups before the first request. A join completes only while its
-        consumer polls, and the embedded broker answers a join after about 3 s: within the signals worker's
-        0.2-s polls, taken in turn with ingest's, it took 10 to 30 s of the first round (measured), every
-        run. One-second polls here, in turn, join both in about 5 s. Whatever a poll read is sought back, so the
-        workers still read every event themselves."""
-        self.ingest.connect()
-        consumers = [self.ingest._consumer, self.signals.consumer]
-        deadline = time.monotonic() + timeout_s
-        while (waiting := [c for c in consumers if c is not None and not c.assignment()]) and (
-            time.monotonic() < deadline
-        ):
-            for consumer in waiting:
-                read = consumer.poll_columns(1, 1.0)
-                for (topic, partition), offset in read.first_offsets().items():
-                    consumer.seek(topic, partition, offset)
 
     # ---- traffic ---------------------------------------------------------------------------
 
