@@ -195,6 +195,7 @@ class ClosedLoop:
         self.signals = SignalsWorker(self.settings, signals)
         self.outcomes: list[Outcome] = []
         self.records: list[CycleRecord] = []
+        self._evaluated: dict[str, dict[str, Truth]] = {}
         self.base_eval = self.evaluate(self.base)
 
     @contextmanager
@@ -353,10 +354,15 @@ class ClosedLoop:
     # ---- the independent measurement -------------------------------------------------------
 
     def evaluate(self, version: str) -> dict[str, Truth]:
-        """Ground truth of `version` per population on the fixed evaluation contexts (fixed seeds, no events)."""
-        policy = load_policy(self.registry.fetch(version))
-        return evaluate_policy(policy, self.populations, self.eval_contexts, self.plan.max_tokens,
-                               self.plan.eval_repeats)  # fmt: skip
+        """Ground truth of `version` per population on the fixed evaluation contexts (fixed seeds, no events).
+
+        Kept per version: a registered version's weights never change and the seeds are fixed, so a second
+        evaluation (a cycle's champion after it, mostly the one evaluated before) would repeat the first."""
+        if version not in self._evaluated:
+            policy = load_policy(self.registry.fetch(version))
+            self._evaluated[version] = evaluate_policy(policy, self.populations, self.eval_contexts,
+                                                       self.plan.max_tokens, self.plan.eval_repeats)  # fmt: skip
+        return self._evaluated[version]
 
 
 def evaluate_policy(policy: Policy, populations: list[Population], contexts: ContextPool, max_tokens: int = 16,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -39,22 +41,42 @@ def test_up_serves_simulated_users_and_lands_their_events_in_the_lake(
         "FLYWHEEL_SIGNALS_METRICS_PORT": str(free_port()),
         "FLYWHEEL_REWARD_WINDOW_S": "2",
     }
+    out, err = tmp_path / "up.out", tmp_path / "up.err"
+    counts: dict[str, int] = {}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "launcher", "up", "--duration", "20", "--users", "2", "--no-auto-approve"],
-            env=env, capture_output=True, text=True, timeout=400,
-        )
+        # Stopped as soon as ingest has landed both kinds of event, as a deployment stops it (SIGTERM), instead of
+        # after a fixed run: the events land seconds after the components are ready, and `--duration` only
+        # bounds a run that never gets there.
+        with out.open("w") as stdout, err.open("w") as stderr:
+            args = ["up", "--duration", "120", "--users", "2", "--no-auto-approve"]
+            proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], env=env, stdout=stdout, stderr=stderr)
+            try:
+                while proc.poll() is None and not (counts.get("generation", 0) and counts.get("shown", 0)):
+                    time.sleep(0.5)
+                    counts = event_counts(data_dir)
+                proc.send_signal(signal.SIGTERM)
+                returncode = proc.wait(timeout=120)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
     finally:
         client = redis.Redis.from_url(redis_url)
         keys = list(client.scan_iter(match=f"{env['FLYWHEEL_REDIS_PREFIX']}*"))
         if keys:
             client.delete(*keys)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"dashboard: http://127.0.0.1:{env['FLYWHEEL_GATE_PORT']}/" in proc.stdout
-    events = EVENTS.scan(EVENTS.at(data_dir / "lake"))
-    assert events is not None, "ingest wrote nothing to the lake"
-    counts = dict(events.group_by("type").agg(pl.len()).collect().iter_rows())
+    stdout_text = out.read_text()
+    assert returncode == 0, stdout_text[-3000:] + err.read_text()[-3000:]
+    assert f"dashboard: http://127.0.0.1:{env['FLYWHEEL_GATE_PORT']}/" in stdout_text
     assert counts.get("generation", 0) > 0 and counts.get("shown", 0) > 0, counts
+    assert event_counts(data_dir).keys() >= {"generation", "shown"}, "the lake holds them after the stop"
+
+
+def event_counts(data_dir: Path) -> dict[str, int]:
+    """Events in `flywheel up`'s lake by type (none yet: empty)."""
+    events = EVENTS.scan(EVENTS.at(data_dir / "lake"))
+    if events is None:
+        return {}
+    return dict(events.group_by("type").agg(pl.len()).collect().iter_rows())
 
 
 def test_a_split_left_in_redis_by_another_registry_is_reset_to_the_champion(
