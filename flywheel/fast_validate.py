@@ -10,8 +10,9 @@ column-wise in polars (times in plain UTC RFC 3339 with at most microseconds, pr
 already in the lake's JSON spelling), and each type's properties against the contract's table
 (flywheel/event_properties.py: one msgspec decode per type of the whole batch's properties, into a
 struct derived from the table; a text it does not take is judged by the contract's own check, and
-refused ones go on to pydantic for the reason; a `generation` event's into a struct of `GenerationRecord`'s
-names, one per generation, so they no longer all go to pydantic). Whatever that plain path does not take goes to
+refused ones go on to pydantic for the reason; `generation` events' properties likewise, into a struct of
+`GenerationRecord`'s names, so serving's generations no longer go to pydantic one by one). Whatever that plain
+path does not take goes to
 `Event.from_bytes`, which either accepts it or refuses it with today's reason. So the
 plain path never refuses anything itself, and the row it builds is the one pydantic would
 have built (tests/test_ingest_fast_validate.py checks both on edge cases).
