@@ -51,6 +51,24 @@ def test_known_backlog_is_what_the_last_fetch_left_past_the_position(settings: S
         consumer.close()
 
 
+def test_a_kafka_python_consumer_that_works_between_polls_joins_its_group(settings: Settings) -> None:
+    """kafka-python ends a group join only inside a poll, and the coordinator answers a join after its rebalance
+    delay (3 s): a worker that polls for a second and then works for a second had every answer land between
+    polls, and rejoined for as long as it ran (before: not assigned after 60 s). Now a poll of a consumer with no
+    partitions goes on until the join ends."""
+    ensure_topics(settings)
+    consumer = make_consumer(settings, [settings.events_topic], "g-gaps")
+    try:
+        started, polls = time.monotonic(), 0
+        while not consumer.assignment() and polls < 3:
+            consumer.poll_columns(100, 1.0)
+            polls += 1
+            time.sleep(1.0)  # the worker's own work between polls
+        assert consumer.assignment(), f"not assigned after {polls} polls, {time.monotonic() - started:.0f} s"
+    finally:
+        consumer.close()
+
+
 def test_batch_murmur2_is_kafkas_key_hash_at_every_length():
     """`flywheel.bus.murmur2` hashes a batch of keys with numpy; kafka-python's pure-Python murmur2 (the Java
     client's) is the reference, for keys of every length up to 40 bytes and every byte value."""

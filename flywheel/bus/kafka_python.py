@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from typing import Any
 
 from flywheel.bus.murmur2 import key_partitions
 from flywheel.bus.types import BrokerUnavailable, Outgoing, Record, RecordBatch
 
 log = logging.getLogger(__name__)
+
+
+# How long a poll goes on while a consumer has no partitions: past a coordinator's rebalance delay (3 s by default).
+_JOIN_POLL_S = 5.0
 
 
 class KafkaPythonProducer:
@@ -100,8 +106,26 @@ class KafkaPythonConsumer:
         )
         self._c.subscribe(list(topics), listener=_Listener())
 
+    def _poll(self, max_records: int, timeout_s: float) -> dict[Any, list[Any]]:
+        """One poll of `timeout_s`; while nothing is assigned, polls back to back until the group join ends.
+
+        kafka-python completes a join only inside a poll: a JoinGroup answer that arrives between polls (the
+        caller at work, or asleep) is taken by its heartbeat thread, and the next poll starts the join over. The
+        coordinator holds that answer for its rebalance delay (3 s by default, the embedded broker's too), so a
+        caller polling 0.2 s at a time between other work could rejoin again and again: a worker's start took
+        25 s, or never ended when its polls and gaps kept time with the delay (tests/test_bus.py). Until
+        partitions are assigned there is nothing to read, so the polls go on, for `_JOIN_POLL_S` at most."""
+        timeout_ms = int(timeout_s * 1000)
+        if self._c.assignment():
+            return self._c.poll(timeout_ms=timeout_ms, max_records=max_records)
+        deadline = time.monotonic() + max(timeout_s, _JOIN_POLL_S)
+        while True:
+            polled = self._c.poll(timeout_ms=max(timeout_ms, 100), max_records=max_records)
+            if polled or self._c.assignment() or time.monotonic() >= deadline:
+                return polled
+
     def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
-        polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        polled = self._poll(max_records, timeout_s)
         out: list[Record] = []
         for msgs in polled.values():
             for m in msgs:
@@ -109,7 +133,7 @@ class KafkaPythonConsumer:
         return out
 
     def poll_columns(self, max_records: int = 500, timeout_s: float = 1.0) -> RecordBatch:
-        polled = self._c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        polled = self._poll(max_records, timeout_s)
         msgs = [m for batch in polled.values() for m in batch]
         return RecordBatch(
             [m.topic for m in msgs], [m.partition for m in msgs], [m.offset for m in msgs], [m.value for m in msgs]
