@@ -268,21 +268,32 @@ class GenerationRecord(BaseModel):
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationRecord:
-        tokens = (self.prompt_token_ids, self.completion_token_ids, self.behaviour_logprobs)
-        given = sum(t is not None for t in tokens)
-        if given not in (0, 3):
-            raise ValueError(
-                "prompt_token_ids, completion_token_ids and behaviour_logprobs come together: all three (a"
-                " sample of Flywheel's own policy) or none (text only, e.g. from your own inference server)"
-            )
-        if self.behaviour_logprobs is not None and len(self.behaviour_logprobs) != len(self.completion_token_ids or []):
-            raise ValueError("behaviour_logprobs must have one entry per completion token")
+        problem = token_fields_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @property
     def text_only(self) -> bool:
         """No token ids or log-probs: usable for training only as text (see the class doc)."""
         return self.completion_token_ids is None
+
+
+def token_fields_problem(record: Any) -> str | None:
+    """What is wrong with the token fields of `record` (a `GenerationRecord`, or anything with its three token
+    attributes, as the batch validator's struct), or None: they come all three or none, and one log-prob a
+    completion token."""
+    tokens = (record.prompt_token_ids, record.completion_token_ids, record.behaviour_logprobs)
+    given = sum(t is not None for t in tokens)
+    if given not in (0, 3):
+        return (
+            "prompt_token_ids, completion_token_ids and behaviour_logprobs come together: all three (a"
+            " sample of Flywheel's own policy) or none (text only, e.g. from your own inference server)"
+        )
+    logprobs = record.behaviour_logprobs
+    if logprobs is not None and len(logprobs) != len(record.completion_token_ids or []):
+        return "behaviour_logprobs must have one entry per completion token"
+    return None
 
 
 _GENERATION_NAMES = tuple(GenerationRecord.model_fields)

@@ -41,6 +41,7 @@ from flywheel.contract import (
     GenerationRecord,
     InvalidEvent,
     check_properties,
+    token_fields_problem,
 )
 from flywheel.event_properties import (
     ARMS,
@@ -236,8 +237,8 @@ class _GenerationProperties(msgspec.Struct, forbid_unknown_fields=True, gc=False
     names, each of its exact JSON type, `arm` and `finish_reason` already the contract's values (no mapping by
     `generation_properties`), no `null` but for the three token fields. Anything else (a product's own names,
     another API's finish reason, a number where text belongs) goes to pydantic, which maps it or says why not.
-    What `GenerationRecord._aligned` asks of the token fields is checked on the decoded struct
-    (`_misaligned`)."""
+    What `GenerationRecord` asks of the token fields together is checked on the decoded struct
+    (`contract.token_fields_problem`, its own check)."""
 
     prompt: str
     completion: str
@@ -261,12 +262,7 @@ assert set(_GenerationProperties.__struct_fields__) == set(GenerationRecord.mode
 
 
 def _misaligned(props: Any) -> bool:
-    """What `GenerationRecord` refuses of token fields: all three or none, and one log-prob a completion token."""
-    tokens = (props.prompt_token_ids, props.completion_token_ids, props.behaviour_logprobs)
-    given = sum(t is not None for t in tokens)
-    if given not in (0, 3):
-        return True
-    return given == 3 and len(props.behaviour_logprobs) != len(props.completion_token_ids)
+    return token_fields_problem(props) is not None
 
 
 def _more_taken_than_shown(props: Any) -> bool:
