@@ -18,6 +18,12 @@ each phase.
 
 from __future__ import annotations
 
+from flywheel.allocator import keep_freed_pages
+
+# polars' allocator as the `flywheel` command sets it (`flywheel.allocator`), before polars loads: the recompute and
+# the bare group-by both run with it
+keep_freed_pages()
+
 import argparse
 import resource
 import time
