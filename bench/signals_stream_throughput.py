@@ -8,9 +8,16 @@ windows with the column expressions, records to Kafka and the lake). Each is tim
 batch to the batch holding the topic's last event, records of every window closed by then sent (the group join is
 not counted, nor the signals worker's idle wait that closes the windows still open at the end of the topic).
 
-    python bench/signals_stream_throughput.py [--generations 20000] [--rounds 3]
+    python bench/signals_stream_throughput.py [--generations 20000] [--rounds 3] [--floor]
 
-With `--rounds`, the two drain the topic in turns (ingest, signals, ingest, ...), each with fresh groups, and the
+With `--floor`, each round also drains the topic with (c) the signals worker's floor: the worker with its window
+rules and scoring taken out (`_FloorWorker`), keeping what its contract asks of any rules: the same poll and
+validation (an event is taken exactly when ingest takes it), each generation's state (its generation, feedback
+and event ids) in Redis by the same Lua commit, one record per generation on the rewards topic (one Kafka message
+a record, kafka-python's `send` by default) and in the lake, through the same outbox. Its ratio over ingest is the
+most the signals worker could reach with any window logic and scoring, however cheap.
+
+With `--rounds`, the workers drain the topic in turns (ingest, signals, ingest, ...), each with fresh groups, and the
 median ratio is printed: on a shared machine one pass of each can land in different moments of load. Beside it, the
 same ratio by this process's CPU time (events per CPU-second, client threads included), which load moves far less:
 the signals worker also waits on Redis, the broker and the lake, so where a core is free its wall ratio can exceed
@@ -25,17 +32,21 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
-from flywheel.bus import Outgoing, ensure_topics, make_producer
+from flywheel.bus import Outgoing, RecordBatch, ensure_topics, make_producer
 from flywheel.connections import delete_prefix, redis_client
-from flywheel.contract import utcnow
+from flywheel.contract import EventType, utcnow
 from flywheel.settings import Settings
 from ingest.worker import IngestWorker
 from launcher.embedded import free_port, start_broker
 from signals.config import SignalsConfig
+from signals.events import FeedbackEvent, GenerationInfo, decode_batch, from_us
+from signals.sink import RecordLine, encode_line
+from signals.state import CommitPlan, GenState
 from signals.worker import SignalsWorker
 from simulator.telemetry import feedback_event, generation_event
 
@@ -44,6 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--generations", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=1, help="ingest then signals, this many times (median ratio)")
+    ap.add_argument("--floor", action="store_true", help="also drain with the floor worker (no rules, no scoring)")
     ap.add_argument("--poll-max-records", type=int, default=SignalsConfig().poll_max_records,
                     help="the signals worker's batch (default: the product's)")  # fmt: skip
     args = ap.parse_args()
@@ -73,8 +85,8 @@ def main() -> None:
             n = len(events)
 
             try:
-                rounds = [_round(settings, Path(tmp), f"{tag}-{k}", n, args.generations, args.poll_max_records)
-                          for k in range(args.rounds)]  # fmt: skip
+                rounds = [_round(settings, Path(tmp), f"{tag}-{k}", n, args.generations, args.poll_max_records,
+                                 args.floor) for k in range(args.rounds)]  # fmt: skip
             finally:
                 delete_prefix(redis_client(settings), settings.redis_prefix)  # the workers' window state
         finally:
@@ -87,8 +99,16 @@ def main() -> None:
         print(f"round {k + 1}: ingest worker {r.ingest:,.0f} events/s, signals worker {r.signals:,.0f} events/s "
               f"({r.timed_records:,} records in the timed part): {r.signals / r.ingest:.2f}; per CPU-second "
               f"{r.ingest_cpu:,.0f} and {r.signals_cpu:,.0f}: {r.signals_cpu / r.ingest_cpu:.2f}")  # fmt: skip
-    for what, ratios in (("ratio signals/ingest", sorted(r.signals / r.ingest for r in rounds)),
-                         ("by CPU time", sorted(r.signals_cpu / r.ingest_cpu for r in rounds))):  # fmt: skip
+        if r.floor is not None:
+            print(f"         floor worker {r.floor[0]:,.0f} events/s: {r.floor[0] / r.ingest:.2f} of ingest's; "
+                  f"per CPU-second {r.floor[1]:,.0f}: {r.floor[1] / r.ingest_cpu:.2f}")  # fmt: skip
+    ratios_of = [("ratio signals/ingest", sorted(r.signals / r.ingest for r in rounds)),
+                 ("by CPU time", sorted(r.signals_cpu / r.ingest_cpu for r in rounds))]  # fmt: skip
+    floored = [(r.floor, r) for r in rounds if r.floor is not None]
+    if floored:
+        ratios_of += [("floor/ingest", sorted(f[0] / r.ingest for f, r in floored)),
+                      ("floor/ingest by CPU time", sorted(f[1] / r.ingest_cpu for f, r in floored))]  # fmt: skip
+    for what, ratios in ratios_of:
         print(f"{what}: {statistics.median(ratios):.2f} (median of {len(ratios)}; {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
@@ -101,9 +121,10 @@ class Round(NamedTuple):
     timed_records: int
     ingest_cpu: float
     signals_cpu: float
+    floor: tuple[float, float] | None  # the floor worker's events/s of wall and of CPU time (`--floor`)
 
 
-def _round(settings: Settings, tmp: Path, tag: str, n: int, generations: int, batch: int) -> Round:
+def _round(settings: Settings, tmp: Path, tag: str, n: int, generations: int, batch: int, floor: bool) -> Round:
     """Each worker reads the whole topic with a consumer group, a lake and (signals) a Redis prefix of its own."""
     ingest = IngestWorker(settings.model_copy(update={"data_dir": tmp / f"ingest-{tag}"}), group_id=f"i-{tag}")
     polled = 0
@@ -116,10 +137,19 @@ def _round(settings: Settings, tmp: Path, tag: str, n: int, generations: int, ba
     ingest_cpu = (n - first) / (time.process_time() - cpu)
     ingest.close()
 
+    signals_rate, signals_cpu, timed_records = _drain(SignalsWorker, settings, tmp, tag, n, generations, batch)
+    floor_rates = _drain(_FloorWorker, settings, tmp, f"{tag}f", n, generations, batch)[:2] if floor else None
+    return Round(ingest_rate, signals_rate, timed_records, ingest_cpu, signals_cpu, floor_rates)
+
+
+def _drain(
+    kind: type[SignalsWorker], settings: Settings, tmp: Path, tag: str, n: int, generations: int, batch: int
+) -> tuple[float, float, int]:
+    """A signals worker of `kind` drains the topic: its events/s of wall and CPU time, and records sent while timed."""
     own = settings.model_copy(
         update={"data_dir": tmp / f"signals-{tag}", "redis_prefix": f"{settings.redis_prefix}{tag}:"}
     )
-    worker = SignalsWorker(own, SignalsConfig(group_id=f"s-{tag}", poll_max_records=batch))
+    worker = kind(own, SignalsConfig(group_id=f"s-{tag}", poll_max_records=batch))
     while worker.stats.events == 0:
         worker.run_once()
     first, t, cpu = worker.stats.events, time.perf_counter(), time.process_time()
@@ -133,7 +163,44 @@ def _round(settings: Settings, tmp: Path, tag: str, n: int, generations: int, ba
     while worker.stats.records < generations:
         worker.run_once()
     worker.close()
-    return Round(ingest_rate, signals_rate, timed_records, ingest_cpu, signals_cpu)
+    return signals_rate, signals_cpu, timed_records
+
+
+class _FloorWorker(SignalsWorker):
+    """The signals worker less its window rules and scoring: each batch's events validated as the worker's are,
+    each generation's state (generation, feedback, event ids) written by the same Lua commit, and one record per
+    generation event, a fixed reward with the signals such a window gives, sent on through the same outbox (one
+    Kafka message a record, a lake row). No state is read back, no watermark kept, no window closed: what it
+    costs, any rules cost at least."""
+
+    _SIGNALS = {"declined": 0.0, "feedback_events": 2.0, "shown": 1.0, "accepted": 1.0, "accepted_fraction": 0.6,
+                "accepted_chars": 12.0, "dwell_s": 0.3}  # fmt: skip
+
+    def _process(self, records: RecordBatch) -> None:
+        events, _ = decode_batch(records, self.max_window_us())
+        self.stats.events += len(events)
+        states: dict[str, GenState] = {}
+        lines: dict[int, list[RecordLine]] = defaultdict(list)
+        now = utcnow()
+        for e in events:
+            st = states.get(e.generation_id) or states.setdefault(e.generation_id, GenState(partition=e.partition))
+            st.seen.add(e.event_id)
+            if e.type != EventType.GENERATION:
+                st.events.append(FeedbackEvent(e.event_id, e.type, e.ts_us, e.properties))
+                continue
+            g = st.gen = GenerationInfo.from_properties(e.generation_id, e.ts_us, e.user_id, e.properties)
+            lines[e.partition].append(RecordLine(
+                generation_id=g.generation_id, reward_version="builtin-v1", revision=0, reward=0.45, confidence=0.5,
+                label_source="implicit", signals=dict(self._SIGNALS), user_id=g.user_id, model_version=g.model_version,
+                arm=g.arm, experiment=g.experiment, window_start=from_us(g.ts_us),
+                window_end=from_us(g.ts_us + 2_000_000), late_events=0, emitted_at=now,
+            ))  # fmt: skip
+        plan, ttl = CommitPlan(), int(self.config.state_ttl_s)
+        plan.states = [(self.keys.gen(gid), st.to_json(), ttl) for gid, st in states.items()]
+        for p, batch in lines.items():
+            pairs = [(self.keys.marker(r.reward_version, r.generation_id, 0), encode_line(r).decode()) for r in batch]
+            plan.outbox.append((self.keys.outbox(p), f"{p}-{uuid.uuid4().hex}", ttl, pairs))
+        self.store.commit(plan)
 
 
 if __name__ == "__main__":
