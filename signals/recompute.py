@@ -322,7 +322,7 @@ def recompute_scores(
         return pl.DataFrame()
     gens, feedback = plan_windows(
         events,
-        window_s=definition.window(settings.window_for(definition.surface)),
+        window_s=window_s(settings, definition),
         lateness_s=settings.allowed_lateness_s,
         idle_grace_s=config.idle_grace_s,
         now=now or utcnow(),
@@ -432,14 +432,22 @@ def parity(settings: Settings, version: str) -> dict[str, int]:
     """How the lake's records of `version` (what the stream wrote) compare with the recompute's, per generation's
     final record: same revision and reward (`agree`), another revision (`revision_differs`), same revision but
     another reward (`reward_differs`), a generation only one side has (`only_stream`, `only_recompute`).
-    Revisions count: a replay that gave a default and then revisions differs from one final record."""
-    recomputed = rewards_frame(recompute_records(settings, _definition(settings, version)))
+    Revisions count: a replay that gave a default and then revisions differs from one final record.
+
+    `window_differs`: the lake's final records whose window is not the one these `settings` give the version (the
+    stream ran with others, as `flywheel up` runs with 60-s windows): the recompute then closes other windows, or
+    none yet, and the rest of the comparison says little (`window_s` is theirs)."""
+    definition = _definition(settings, version)
+    recomputed = rewards_frame(recompute_records(settings, definition))
     lake = read_rewards(REWARDS.at(settings.lake_root)).filter(pl.col("reward_version") == version)
 
     def finals(df: pl.DataFrame) -> pl.DataFrame:
-        return df.sort("revision").group_by("generation_id").agg(pl.col("revision", "reward").last())
+        window_us = (pl.col("window_end") - pl.col("window_start")).dt.total_microseconds()
+        return df.sort("revision").group_by("generation_id").agg(pl.col("revision", "reward").last(),
+                                                                 window_us.last().alias("window_us"))  # fmt: skip
 
-    both = finals(lake).join(finals(recomputed), on="generation_id", how="full", suffix="_recompute")
+    stream = finals(lake)
+    both = stream.join(finals(recomputed), on="generation_id", how="full", suffix="_recompute")
     stream_only = both["generation_id_recompute"].is_null()
     recompute_only = both["generation_id"].is_null()
     matched = both.filter(~stream_only & ~recompute_only)
@@ -452,4 +460,10 @@ def parity(settings: Settings, version: str) -> dict[str, int]:
         "reward_differs": int((same_revision & ~same_reward).sum()),
         "only_stream": int(stream_only.sum()),
         "only_recompute": int(recompute_only.sum()),
+        "window_differs": int((stream["window_us"] != int(round(window_s(settings, definition) * 1e6))).sum()),
     }
+
+
+def window_s(settings: Settings, definition: RewardDefinition) -> float:
+    """The window `settings` give `definition`'s generations (the worker's and the recompute's)."""
+    return definition.window(settings.window_for(definition.surface))

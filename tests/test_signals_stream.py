@@ -81,7 +81,7 @@ def test_stream_and_batch_agree_on_history_with_late_and_duplicate_events(settin
     # coalesced or not, a generation's final revision is the number of its late events on both paths
     n = len(hist.generation_ids)
     assert parity(settings, "rules-v1") == {"generations": n, "agree": n, "revision_differs": 0, "reward_differs": 0,
-                                            "only_stream": 0, "only_recompute": 0}  # fmt: skip
+                                            "only_stream": 0, "only_recompute": 0, "window_differs": 0}  # fmt: skip
 
 
 def test_worker_restarted_mid_window_loses_nothing_and_duplicates_nothing(settings: Settings) -> None:
@@ -233,8 +233,11 @@ def test_history_replayed_into_an_idle_worker_gives_one_final_record_per_generat
     assert set(map(comparable, streamed)) == set(map(comparable, batch))
     n = len(hist.generation_ids)
     assert parity(settings, "rules-v1") == {"generations": n, "agree": n, "revision_differs": 0, "reward_differs": 0,
-                                            "only_stream": 0, "only_recompute": 0}  # fmt: skip
+                                            "only_stream": 0, "only_recompute": 0, "window_differs": 0}  # fmt: skip
     # a revision the recompute does not make is a disagreement, even with the same reward
+    # checked with another window than the stream's (as after `flywheel up`, whose windows are 60 s): it says so
+    other = parity(settings.model_copy(update={"reward_window_s": settings.reward_window_s * 8}), "rules-v1")
+    assert other["window_differs"] == n
     write_rewards(REWARDS.at(settings.lake_root), [streamed[0].model_copy(update={"revision": 1})], "extra")
     assert parity(settings, "rules-v1")["revision_differs"] == 1
 
