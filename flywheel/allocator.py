@@ -6,8 +6,8 @@ ask for fresh pages the next time, each one first touched through a page fault. 
 frames of hundreds of megabytes many times a second: in a recompute of 10M feedback events
 (`bench/signals_recompute.py`) on a 2-core machine, half of the process's CPU time was the kernel's (5.2M minor page
 faults; 51 s of system time beside 56 s of user time) and the recompute took 17.9-20.0 s. With freed pages kept for
-30 s before they go back, the next frame reuses them: 11.1 s, for 0.7 GiB more peak memory (6.3 GiB against 5.6). A
-process that stays idle gives them back after the 30 s.
+30 s before they go back, the next frame reuses them: 10.1-11.1 s, for 0.7-0.8 GiB more peak memory (6.3-6.4 GiB
+against 5.6). A process that stays idle gives them back after the 30 s.
 
 jemalloc reads its settings once, at its first allocation, from `_RJEM_MALLOC_CONF`, which polars' import extends
 with what the variable already holds (a later setting wins): `keep_freed_pages` sets it when nothing has loaded

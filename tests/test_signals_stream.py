@@ -234,10 +234,10 @@ def test_history_replayed_into_an_idle_worker_gives_one_final_record_per_generat
     n = len(hist.generation_ids)
     assert parity(settings, "rules-v1") == {"generations": n, "agree": n, "revision_differs": 0, "reward_differs": 0,
                                             "only_stream": 0, "only_recompute": 0, "window_differs": 0}  # fmt: skip
-    # a revision the recompute does not make is a disagreement, even with the same reward
     # checked with another window than the stream's (as after `flywheel up`, whose windows are 60 s): it says so
     other = parity(settings.model_copy(update={"reward_window_s": settings.reward_window_s * 8}), "rules-v1")
     assert other["window_differs"] == n
+    # a revision the recompute does not make is a disagreement, even with the same reward
     write_rewards(REWARDS.at(settings.lake_root), [streamed[0].model_copy(update={"revision": 1})], "extra")
     assert parity(settings, "rules-v1")["revision_differs"] == 1
 
