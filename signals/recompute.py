@@ -436,7 +436,7 @@ def parity(settings: Settings, version: str) -> dict[str, int]:
 
     `window_differs`: the lake's final records whose window is not the one these `settings` give the version (the
     stream ran with others, as `flywheel up` runs with 60-s windows): the recompute then closes other windows, or
-    none yet, and the rest of the comparison says little (`window_s` is theirs)."""
+    none yet, and the rest of the comparison says little (`window_s` gives these settings' window)."""
     definition = _definition(settings, version)
     recomputed = rewards_frame(recompute_records(settings, definition))
     lake = read_rewards(REWARDS.at(settings.lake_root)).filter(pl.col("reward_version") == version)
