@@ -71,7 +71,8 @@ def trainer_config(args: argparse.Namespace) -> TrainerConfig:
     """`flywheel up`'s trainer configuration (launcher/up.py), with only the fields a flag names overridden."""
     flags = {"learning_rate": args.lr, "epochs": args.epochs, "max_samples": args.max_samples,
              "time_budget_s": args.time_budget, "ope_holdout_share": args.ope_holdout, "baseline": args.baseline,
-             "abstain_coef": args.abstain_coef, "target_kl": args.target_kl}  # fmt: skip
+             "abstain_coef": args.abstain_coef, "target_kl": args.target_kl,
+             "own_samples": args.own_samples}  # fmt: skip
     return demo_trainer_config(seed=args.seed, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -89,7 +90,7 @@ def settings_used(args: argparse.Namespace, pops: list[Population]) -> list[str]
     base = TrainerConfig()
     changed = {k: v for k, v in trainer.to_dict().items() if v != getattr(base, k) and k != "seed"}
     names = ("lr", "epochs", "max_samples", "time_budget", "ope_holdout", "baseline", "abstain_coef",
-             "target_kl", "max_duration", "margin")  # fmt: skip
+             "target_kl", "own_samples", "max_duration", "margin")  # fmt: skip
     overridden = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
     demo_rollout = sorted(k.removeprefix("FLYWHEEL_ROLLOUT_").lower() for k in DEMO_ROLLOUT_ENV)
     tuning = {p.name for p in tuning_populations()}
@@ -271,6 +272,8 @@ def main() -> None:
                     help=f"TrainerConfig.abstain_coef (flywheel up: {product.abstain_coef})")
     ap.add_argument("--target-kl", type=float,
                     help=f"TrainerConfig.target_kl, nats (flywheel up: {product.target_kl})")
+    ap.add_argument("--own-samples", type=int,
+                    help=f"TrainerConfig.own_samples, 0: the logged samples (flywheel up: {product.own_samples})")
     ap.add_argument("--max-duration", type=float,
                     help=f"RolloutConfig.max_duration_s (flywheel up: {demo.max_duration_s:.0f})")
     ap.add_argument("--margin", type=float,

@@ -339,7 +339,8 @@ def test_a_cycle_on_its_own_samples_learns_what_the_logged_rewards_prefer(tsetti
     result = run_cycle(tsettings, config, progress=False)
     assert result.status == "registered" and result.sample_count == 48  # the logged data behind it
     assert "trained on 40 of 40 own samples; left out: none;" in result.reason
-    assert "40 own samples (4 a prompt) scored by a reward model fitted on 48 logged rewards" in result.reason
+    assert ("40 own samples (4 a prompt, of all 10 distinct prompts) scored by a reward model fitted on all 48"
+            " logged rewards") in result.reason  # fmt: skip
     metrics = MlflowClient(tsettings.resolved_mlflow_uri).get_run(result.run_id).data.metrics
     assert metrics["own_samples"] == 4 * len(PROMPTS) and metrics["reward_model_cv_corr"] > 0.2
     assert metrics["samples_eligible"] == 48 and metrics["samples_trained"] == 4 * len(PROMPTS)

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import numpy as np
 
 from trainer.data import Sample
-from trainer.reward_model import fit_reward_model, group_advantages, text_features
+from trainer.reward_model import distinct_prompts, fit_reward_model, group_advantages, text_features
 
 WORDS = ["x", "value", "name", "items", "count", "self.data", "path", "0", "1", "None"]
 
@@ -49,3 +49,21 @@ def test_advantages_are_scores_less_their_prompts_mean() -> None:
     samples = [Sample(f"g{i}", "u", prompt, [7], [], 0.0, "1", at)
                for i, prompt in enumerate([[1, 2], [3], [1, 2], [3]])]  # fmt: skip
     assert group_advantages(samples, np.array([1.0, 3.0, 2.0, 6.0])) == [-0.5, -1.5, 0.5, 1.5]
+
+
+def test_own_samples_are_drawn_for_at_most_own_max_prompts_prompts_a_seeded_uniform_choice() -> None:
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    # 30 distinct prompts, each served twice: the first sample of each prompt stands for it
+    samples = [Sample(f"g{i}", "u", [i % 30], [7], [], 0.0, "1", at) for i in range(60)]
+    every = distinct_prompts(samples, 0, seed=0)
+    assert list(every) == [(i,) for i in range(30)] and [s.generation_id for s in every.values()][:2] == ["g0", "g1"]
+    assert distinct_prompts(samples, 30, seed=0) == every  # a cap the traffic does not reach changes nothing
+    ten = distinct_prompts(samples, 10, seed=0)
+    assert len(ten) == 10 and set(ten) < set(every) and list(ten) == sorted(ten)  # still in order of appearance
+    assert distinct_prompts(samples, 10, seed=0) == ten  # seeded
+    # uniform: over many seeds every prompt is chosen about a third of the time
+    counts = {p: 0 for p in every}
+    for seed in range(600):
+        for p in distinct_prompts(samples, 10, seed=seed):
+            counts[p] += 1
+    assert all(150 < c < 250 for c in counts.values()), counts

@@ -81,6 +81,9 @@ class TrainerConfig:
             its penalty cross-validated), then `own_samples` fresh completions (at most `own_max_tokens`
             tokens) of each logged prompt are sampled from the champion and scored by it; each sample's
             reward is its score minus its prompt group's mean. On-policy, so `pg`'s ratio starts at 1.
+        own_max_prompts: sample own completions of at most this many distinct logged prompts, a seeded uniform
+            choice of them (0 = every prompt), so a cycle's sampling costs the same however much traffic it
+            had; every logged reward still fits the reward model, and the note says how many were sampled.
         reward_model_min_z: how many standard errors from zero the reward model's cross-validated correlation
             with the logged rewards must be (r x sqrt(rows): about 1 when the text says nothing of the reward)
             for the cycle to train on own samples; under it, it trains on the logged samples and says so.
@@ -129,6 +132,7 @@ class TrainerConfig:
     replay_fraction: float = 0.0
     own_samples: int = 0
     own_max_tokens: int = 16
+    own_max_prompts: int = 512
     reward_model_min_z: float = 2.0
     require_consent: bool = True
     consent_property: str = "training_consent"
@@ -193,8 +197,8 @@ class TrainerConfig:
             errors.append(f"target_kl={self.target_kl}: must be >= 0 nats (0 = no early stop)")
         if not 0.0 <= self.replay_fraction <= 1.0:
             errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
-        if self.own_samples < 0 or self.own_max_tokens < 1:
-            errors.append("own_samples must be >= 0 (0 = off) and own_max_tokens >= 1")
+        if self.own_samples < 0 or self.own_max_tokens < 1 or self.own_max_prompts < 0:
+            errors.append("own_samples and own_max_prompts must be >= 0 (0 = off / all) and own_max_tokens >= 1")
         if self.reward_model_min_z < 0:
             errors.append(f"reward_model_min_z={self.reward_model_min_z}: must be >= 0 standard errors")
         if self.require_consent and not self.consent_property.strip():

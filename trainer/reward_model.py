@@ -139,17 +139,34 @@ def completion_features(policy: Policy, samples: Sequence[Sample], logprobs: Seq
     return np.stack(rows)
 
 
-@torch.no_grad()
-def sample_own(
-    policy: Policy, samples: Sequence[Sample], per_prompt: int, max_tokens: int, seed: int, batch: int = 64
-) -> list[Sample]:
-    """`per_prompt` fresh completions of each distinct logged prompt from `policy`, seeded, rewards unset (0).
-
-    Behaviour log-probs are left empty: the caller sets them to the champion's, which these samples are from.
-    """
+def distinct_prompts(samples: Sequence[Sample], at_most: int, seed: int) -> dict[tuple[int, ...], Sample]:
+    """The first logged sample of each distinct prompt, in order of first appearance; when there are more than
+    `at_most` (> 0), a seeded uniform choice of `at_most` of them, still in that order."""
     prompts: dict[tuple[int, ...], Sample] = {}
     for s in samples:
         prompts.setdefault(tuple(s.prompt_token_ids), s)
+    if 0 < at_most < len(prompts):
+        keep = set(random.Random(seed).sample(range(len(prompts)), at_most))
+        prompts = {p: s for i, (p, s) in enumerate(prompts.items()) if i in keep}
+    return prompts
+
+
+@torch.no_grad()
+def sample_own(
+    policy: Policy,
+    samples: Sequence[Sample],
+    per_prompt: int,
+    max_tokens: int,
+    seed: int,
+    batch: int = 64,
+    max_prompts: int = 0,
+) -> list[Sample]:
+    """`per_prompt` fresh completions of each distinct logged prompt (at most `max_prompts` of them, chosen by
+    `distinct_prompts`; 0 = all) from `policy`, seeded, rewards unset (0).
+
+    Behaviour log-probs are left empty: the caller sets them to the champion's, which these samples are from.
+    """
+    prompts = distinct_prompts(samples, max_prompts, seed)
     requests = [(p, k) for p in prompts for k in range(per_prompt)]
     out: list[Sample] = []
     for start in range(0, len(requests), batch):
@@ -217,14 +234,20 @@ def own_samples(
                           f"trained on the logged samples: the reward model's cross-validated correlation with"
                           f" their rewards, {model.cv_corr:.3f} on {model.rows}, is {z:.1f} standard errors from"
                           f" zero, not above reward_model_min_z={config.reward_model_min_z:g}")  # fmt: skip
-    fresh = sample_own(policy, logged, config.own_samples, config.own_max_tokens, config.seed)
+    fresh = sample_own(policy, logged, config.own_samples, config.own_max_tokens, config.seed,
+                       max_prompts=config.own_max_prompts)  # fmt: skip
     fresh_reference = score_samples(policy.model, fresh, scorer, policy.pad_id, config.batch_size)
     scores = model.predict(completion_features(policy, fresh, fresh_reference))
     advantages = group_advantages(fresh, scores)
     trained = [replace(s, behaviour_logprobs=list(lp), reward=a)
                for s, lp, a in zip(fresh, fresh_reference, advantages, strict=True)]  # fmt: skip
+    distinct = len({tuple(s.prompt_token_ids) for s in logged})
+    sampled = len(trained) // config.own_samples
+    of_prompts = f"of all {distinct} distinct prompts"
+    if sampled < distinct:
+        of_prompts = f"of {sampled} of {distinct} distinct prompts, a seeded uniform choice (own_max_prompts)"
     note = (
-        f"{len(trained)} own samples ({config.own_samples} a prompt) scored by a reward model fitted"
-        f" on {model.rows} logged rewards (cross-validated r {model.cv_corr:.3f})"
+        f"{len(trained)} own samples ({config.own_samples} a prompt, {of_prompts}) scored by a reward model"
+        f" fitted on all {model.rows} logged rewards (cross-validated r {model.cv_corr:.3f})"
     )
     return OwnSamples(trained, fresh_reference, model, note, fresh=True)
