@@ -17,7 +17,8 @@ asks only its trainer's question, from logged reactions only, as production trai
    ones (they differ by ~1e-3); a fifth of prompts is held out by `flywheel.holdout.in_holdout` when the
    config's `ope_holdout_share` says so, as `trainer.data` does.
 2. Train as `trainer.cycle` does: load the base, time from before the reference scoring, the reference is the
-   base's log-probs by the training scorer, `train_policy` with the config's deadline (`time_budget_s`),
+   base's log-probs by the training scorer, `train_policy` with the config's deadline (`time_budget_s` from
+   the first step, after the scoring and any own-sample sampling),
    then bfloat16 rounding when `save_dtype` says so. Not done: the exact-scorer mismatch check (64
    samples; a few seconds of the budget in production) and registering the candidate.
 3. Measure on the closed loop's evaluation contexts (`held_out_contexts(100, seed + 10_000)`, the
@@ -169,7 +170,7 @@ def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
         own = own_samples(policy, samples, reference, config, scorer)
         samples, reference = own.samples, own.reference
         print(own.note, flush=True)
-    deadline = started + config.time_budget_s if config.time_budget_s else None
+    deadline = time.monotonic() + config.time_budget_s if config.time_budget_s else None  # as trainer.cycle
     with progress("training", math.ceil(len(samples) / config.batch_size) * config.epochs) as advance:
         training = train_policy(policy.model, samples, reference, config, scorer, policy.pad_id,
                                 on_step=lambda _: advance(1), stop_ids=policy.stop_ids, deadline=deadline)  # fmt: skip

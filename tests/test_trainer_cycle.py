@@ -344,6 +344,8 @@ def test_a_cycle_on_its_own_samples_learns_what_the_logged_rewards_prefer(tsetti
     metrics = MlflowClient(tsettings.resolved_mlflow_uri).get_run(result.run_id).data.metrics
     assert metrics["own_samples"] == 4 * len(PROMPTS) and metrics["reward_model_cv_corr"] > 0.2
     assert metrics["samples_eligible"] == 48 and metrics["samples_trained"] == 4 * len(PROMPTS)
+    # the scoring and sampling before the first step are timed apart: the time budget counts from that step
+    assert 0 < metrics["prepare_seconds"] < metrics["train_seconds"]
     before, after = _stop_rate(v1), _stop_rate(load_policy(registry.fetch(result.version)))
     assert after > before + 0.1, f"ending the line early was rewarded: {before:.2f} -> {after:.2f}"
 

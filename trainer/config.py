@@ -66,9 +66,11 @@ class TrainerConfig:
         ope_holdout_share: share of eligible generations (by a hash of their id, `flywheel.holdout`) left
             out of training, and reported, so the offline gate estimates the candidate on champion
             traffic it never saw (0 = none: the gate then says its estimate is in-sample).
-        time_budget_s: wall-clock seconds training may take (0 = no budget). Samples are visited in
-            a seeded random order, so a cycle that runs out stops after the step past the budget
-            having trained on a uniform sample, and reports the samples it did not reach.
+        time_budget_s: wall-clock seconds the optimisation may take (0 = no budget), counted from its first
+            step: the scoring (and with `own_samples`, sampling) before it is reported apart
+            (`prepare_seconds`). Samples are visited in a seeded random order, so a cycle that runs out stops
+            after the step past the budget having trained on a uniform sample, and reports the samples it did
+            not reach.
         target_kl: stop the cycle once the mean per-token KL to the champion over its last
             `KL_STOP_STEPS` steps passes this many nats (0 = never): PPO's early stop (Schulman et al.
             2017; OpenAI Baselines' `target_kl`). It is measured on the logged tokens of each batch,

@@ -196,6 +196,9 @@ def _train_and_register(
         tracker.log_metrics(own.metrics(), step=0)
         if rank == 0:
             log.info("%s", own_note)
+    # The time budget bounds the optimisation: the scoring and sampling before it grow with the cycle's data and
+    # the machine's load, and counted in, they could leave it a single step (seen in `flywheel up`).
+    prepared = time.monotonic()
     model: torch.nn.Module = policy.model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -210,7 +213,7 @@ def _train_and_register(
             if on_step is not None:
                 on_step(stats)
 
-        deadline = started + config.time_budget_s if config.time_budget_s else None
+        deadline = prepared + config.time_budget_s if config.time_budget_s else None
         training = train_policy(
             model, samples, reference, config, scorer, policy.pad_id, rank=rank, world=world, on_step=_on_step,
             stop_ids=policy.stop_ids, deadline=deadline,
@@ -238,6 +241,7 @@ def _train_and_register(
         "samples_eligible": float(len(logged) + selection.dropped.get(over_cap_reason(config), 0)),
         "samples_trained": float(min(reached, len(samples))),
         "train_seconds": time.monotonic() - started,
+        "prepare_seconds": prepared - started,
         "replay_samples": float(sum(s.replay for s in logged)),
         "tokens": float(tokens),
         **{k: v for k, v in mismatch_metrics.items() if not math.isnan(v)},
@@ -246,8 +250,9 @@ def _train_and_register(
     kind = "samples" if samples is logged else f"of {len(samples)} own samples"
     trained_on = f"{min(reached, len(samples))} {kind}"
     if rank == 0:
-        log.info("trained on %s (%d eligible logged) in %.0fs; left out of this cycle: %s", trained_on,
-                 metrics["samples_eligible"], metrics["train_seconds"], selection.describe_drops())  # fmt: skip
+        log.info("trained on %s (%d eligible logged) in %.0fs (%.0fs of it scoring and sampling before the first"
+                 " step); left out of this cycle: %s", trained_on, metrics["samples_eligible"],
+                 metrics["train_seconds"], metrics["prepare_seconds"], selection.describe_drops())  # fmt: skip
     tracker.log_metrics(metrics, step=len(history))
     if rank != 0:
         _barrier(world)
