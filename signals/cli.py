@@ -40,16 +40,14 @@ def recompute(
     ),
 ) -> None:
     """Recompute rewards over the lake's events table with one definition version."""
-    from flywheel.connections import redis_client
-    from signals.definitions import DefinitionStore
-    from signals.recompute import backfill, parity, recompute_rewards, window_s
+    from signals.recompute import backfill, parity, recompute_rewards, stored_definition, window_s
 
     settings = get_settings()
     if check:
         report = parity(settings, version)
         typer.echo(json.dumps({"version": version, **report}))
         if report["window_differs"]:
-            window = window_s(settings, DefinitionStore(settings, redis_client(settings)).get(version))
+            window = window_s(settings, stored_definition(settings, version))
             typer.echo(
                 f"{report['window_differs']} of the stream's records have another window than the {window:g} s these "
                 "settings give: check with the settings the stream ran with (FLYWHEEL_REWARD_WINDOW_S; "

@@ -403,13 +403,14 @@ def recompute_records(
     ]
 
 
-def _definition(settings: Settings, version: str) -> RewardDefinition:
+def stored_definition(settings: Settings, version: str) -> RewardDefinition:
+    """The definition of `version`: a built-in one, or the deployment's stored one (`DefinitionStore`)."""
     return DefinitionStore(settings, redis_client(settings)).get(version)
 
 
 def recompute_rewards(settings: Settings, version: str, **kwargs: object) -> pl.DataFrame:
     """`recompute_records` for a stored version, as a lake-shaped frame."""
-    return rewards_frame(recompute_records(settings, _definition(settings, version), **kwargs))  # type: ignore[arg-type]
+    return rewards_frame(recompute_records(settings, stored_definition(settings, version), **kwargs))  # type: ignore[arg-type]
 
 
 def backfill(settings: Settings, version: str) -> tuple[int, int]:
@@ -418,7 +419,7 @@ def backfill(settings: Settings, version: str) -> tuple[int, int]:
     Activating the version is a separate step (`flywheel signals activate`): until then the trainer
     and the gate do not read it."""
     DefinitionStore(settings, redis_client(settings)).ensure_pointer()
-    records = recompute_records(settings, _definition(settings, version), final_only=True)
+    records = recompute_records(settings, stored_definition(settings, version), final_only=True)
     table = REWARDS.at(settings.lake_root)
     existing = read_rewards(table).filter(pl.col("reward_version") == version)
     have = set(existing["generation_id"].to_list())
@@ -437,7 +438,7 @@ def parity(settings: Settings, version: str) -> dict[str, int]:
     `window_differs`: the lake's final records whose window is not the one these `settings` give the version (the
     stream ran with others, as `flywheel up` runs with 60-s windows): the recompute then closes other windows, or
     none yet, and the rest of the comparison says little (`window_s` gives these settings' window)."""
-    definition = _definition(settings, version)
+    definition = stored_definition(settings, version)
     recomputed = rewards_frame(recompute_records(settings, definition))
     lake = read_rewards(REWARDS.at(settings.lake_root)).filter(pl.col("reward_version") == version)
 
