@@ -4,7 +4,7 @@ Routing (the traffic split), logging (the signed `generation` event) and the reg
 the model itself; they hand a `Generator` a batch of `GenerationRequest`s and get one `Generation`
 back per request, in order. The embedded default is the in-process Hugging Face back end,
 `flywheel.lm.Policy`, which satisfies this protocol as it is. A production inference server
-(vLLM, SGLang) plugs in as another implementation; README "Serving back ends" says what it must do.
+(vLLM, SGLang) plugs in as another implementation; docs/serving.md, "Serving back ends", says what it must do.
 
 What every back end must guarantee (serving.conformance checks it; tests/test_generator_conformance.py
 runs the checks over the HF back end):

@@ -6,7 +6,7 @@ rules for negation, intensifiers, "but", capitals and punctuation, shipped in th
 package (lexicon in the wheel, no download), deterministic, ~40 us a message. Its compound score is
 already in [-1, 1]. The older 55-word `lexicon_sentiment` stays for the definitions that name it (the
 built-in `rules-v1` among them). Measured against thumbs on a self-made labelled set of follow-ups:
-bench/sentiment_auc.py (README, "Benchmarks").
+bench/sentiment_auc.py (bench/README.md).
 
 Anything with the `Sentiment` call signature can be registered in `SENTIMENTS`; a `RewardDefinition`
 names the one it uses (`sentiment_name`), so a recompute scores with the same one. A name is tied to

@@ -2,7 +2,7 @@
 
 It talks to Flywheel only as a real product would: `POST /v1/completions` on serving and a
 Segment-compatible `POST /v1/batch` on the collector (the write key as basic-auth user), with the
-documented event properties (README, "Properties of each event type") and a `surface`. What goes
+documented event properties (docs/sending-events.md, "Properties of each event type") and a `surface`. What goes
 out is the user's actions; the population's rule and ground truth stay here, in the `Outcome`
 returned to the caller (a benchmark or a test), never on the wire.
 """

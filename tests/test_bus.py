@@ -22,7 +22,7 @@ def test_offset_range_per_partition_whatever_the_order():
 
 def test_kafka_python_checks_batch_crcs_in_c():
     """Without the `crc32c` package kafka-python computes every fetched batch's CRC in pure Python,
-    five times slower to consume (README, benchmarks)."""
+    five times slower to consume (bench/README.md)."""
     import crc32c
     from kafka.record import util
 

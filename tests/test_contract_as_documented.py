@@ -1,4 +1,4 @@
-"""The contract behaves as the README says for every event type: names it does not declare are kept in the
+"""The contract behaves as docs/sending-events.md says for every event type: names it does not declare are kept in the
 lake and ignored by the signals; other APIs' values are mapped (a product's arm name, OpenAI's
 `content_filter`); an over-long feedback text is cut with a flag, not lost, on every path into the lake
 (collector, and straight onto the topic through the worker's fast path and pydantic alike)."""
