@@ -54,6 +54,7 @@ from model_registry import ArtifactIntegrityError, ModelRegistry
 log = logging.getLogger(__name__)
 
 SYSTEM_ACTOR = "deploy-gate"
+_REASON_CHARS = 1500  # a refusal's reason in the version's history (the full report stays on the version)
 
 
 class DeployGate:
@@ -184,6 +185,21 @@ class DeployGate:
             lambda: self.registry.set_gate_state(version, "rejected", by=by, reason=reason),
         )
         return Plan("reject", version, by, reason, split, split, (step,))
+
+    def plan_refuse(self, version: str, *, reason: str) -> Plan:
+        """Mark a pending candidate refused by its offline gates (`reason` names them): final, so nothing
+        (a person, the auto-approve policy, the demo) tries it again. The gate does this itself, as
+        `SYSTEM_ACTOR`, when approval finds a failed report."""
+        _require_who_why(SYSTEM_ACTOR, reason)
+        state = self.registry.gate_state(version)
+        if state != "pending":
+            raise NotPending(f"version {version} is {state}; only a pending candidate can be refused")
+        split = self.splits.get()
+        step = Step(
+            f"registry: gate state of {version} pending -> refused (offline gates)",
+            lambda: self.registry.set_gate_state(version, "refused", by=SYSTEM_ACTOR, reason=reason),
+        )
+        return Plan("refuse", version, SYSTEM_ACTOR, reason, split, split, (step,))
 
     def plan_promote(self, *, by: str, reason: str, verify: bool = True) -> Plan:
         """The challenger becomes the champion and takes all traffic (its artifacts verified first)."""
@@ -400,6 +416,9 @@ class DeployGate:
         if plan.action == "reject":
             assert plan.version is not None
             return self.plan_reject(plan.version, by=plan.by, reason=plan.reason)
+        if plan.action == "refuse":
+            assert plan.version is not None
+            return self.plan_refuse(plan.version, reason=plan.reason)
         if plan.action == "promote":
             return self.plan_promote(by=plan.by, reason=plan.reason, verify=False)
         if plan.action == "ramp":
@@ -454,15 +473,21 @@ class DeployGate:
 
     def _require_offline_gates(self, version: str, champion: str) -> None:
         """Refuse a candidate that failed an offline gate against the current champion (run them when
-        they have not been). Re-planning under the lock skips this, as it skips verification."""
+        they have not been). Re-planning under the lock skips this, as it skips verification.
+
+        A refusal is a state, not only an answer: the candidate is marked "refused" (with the failed gates
+        as the reason, in its history) before the error is raised, so no caller retries it and the
+        registry says why it never reached users."""
         if self.offline is None:
             return
         report = self.offline.ensure(version, champion)
         if not report.passed:
             failed = "; ".join(f"{r.name}: {r.detail} (bound {r.bound})" for r in report.failed)
+            why = f"offline gates failed against champion {champion}: {failed}"
+            self.apply(self.plan_refuse(version, reason=why[:_REASON_CHARS]))
             raise OfflineGateFailed(
                 f"version {version} failed offline gates against champion {champion}: {failed}; "
-                f"it cannot be approved (see GET /api/versions/{version})"
+                f"it is marked refused and cannot be approved (see GET /api/versions/{version})"
             )
 
     def _put(self, split: TrafficSplit) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from flywheel.contract import TrafficSplit
 
-Action = Literal["approve", "reject", "promote", "rollback", "ramp", "holdout", "unquarantine"]
+Action = Literal["approve", "reject", "refuse", "promote", "rollback", "ramp", "holdout", "unquarantine"]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ class VersionView(BaseModel):
     parent_version: str | None
     sample_count: int
     run_id: str | None
+    reason: str = ""  # why it is in its gate state (the latest history entry), e.g. which offline gates refused it
 
     @classmethod
     def of(cls, info: VersionInfo) -> VersionView:
@@ -31,6 +32,7 @@ class VersionView(BaseModel):
             parent_version=info.lineage.parent_version,
             sample_count=info.lineage.sample_count,
             run_id=info.lineage.run_id,
+            reason=info.reason,
         )
 
 

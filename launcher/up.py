@@ -195,8 +195,12 @@ def auto_approve(gate: DeployGate) -> list[str]:
     Promotion and rollback are the rollout controller's (`flywheel gate rollout`, one of the
     processes `flywheel up` starts): per-user statistics, minimum users and time per ramp step,
     guardrails. A running challenger is never settled here, so none is judged before its rewards exist.
+    A candidate the offline gates refuse is marked "refused" by the gate itself (`DeployGate.plan_refuse`),
+    so it is said once and never tried again; the next tick tries the next pending one. Older pending
+    candidates are rejected as superseded only once a newer one is approved.
     """
     from deploy_gate import GateError
+    from deploy_gate.errors import OfflineGateFailed
 
     actor = "flywheel up --auto-approve"
     status = gate.status()
@@ -209,9 +213,27 @@ def auto_approve(gate: DeployGate) -> list[str]:
         said.append(f"approved v{pending[0]} as challenger")
         for older in pending[1:]:
             gate.reject(older, by=actor, reason=f"superseded by v{pending[0]}")
+    except OfflineGateFailed:
+        said.append(f"refused v{pending[0]}: {gate.registry.gate_history(pending[0])[-1].reason}")
     except GateError as exc:
         said.append(f"gate refused: {exc}")
     return said
+
+
+# What the rollout controller decides, as the registry records it: each is said once, with its reason.
+_DECIDED = {"champion": "promoted", "rolled_back": "rolled back", "quarantined": "rolled back"}
+
+
+def decisions(status: GateStatus, said: set[tuple[str, str]]) -> list[str]:
+    """Lines for the promotions and rollbacks in `status` not yet in `said` (which this updates)."""
+    lines = []
+    for v in reversed(status.versions):  # oldest first
+        what = _DECIDED.get(v.gate_state)
+        if what is None or (v.version, what) in said:
+            continue
+        said.add((v.version, what))
+        lines.append(f"{what} v{v.version}: {v.reason}")
+    return lines
 
 
 def progress_table(sim: UserSimulator, status: GateStatus, started: float, experiment: str = "") -> Table:
@@ -293,6 +315,11 @@ def run_up(
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         started = time.monotonic()
         gate = DeployGate.from_settings(s)  # one registry and Redis connection for the whole run
+        # Each decision is printed once: what the registry already held at start is not news, and a
+        # refusal that repeats (an outage, a corrupt artifact) is said again only when its words change.
+        decided: set[tuple[str, str]] = set()
+        decisions(gate.status(), decided)
+        last_refusal = ""
         with Live(progress_table(sim, gate.status(), started), console=console, refresh_per_second=1) as live:
             while not stop.wait(2.0):
                 for r in running:
@@ -300,8 +327,15 @@ def run_up(
                         raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
                 if auto_approve_candidates:
                     for line in auto_approve(gate):
+                        if line.startswith("gate refused:"):
+                            if line == last_refusal:
+                                continue
+                            last_refusal = line
                         console.print(f"[gate] {line}")
-                live.update(progress_table(sim, gate.status(), started, rollout_line(gate)))
+                status = gate.status()
+                for line in decisions(status, decided):
+                    console.print(f"[gate] {line}")
+                live.update(progress_table(sim, status, started, rollout_line(gate)))
                 if duration_s is not None and time.monotonic() - started > duration_s:
                     break
     except KeyboardInterrupt:

@@ -19,10 +19,11 @@ console = Console()
 
 @app.command("list")
 def list_versions(limit: int = typer.Option(20, help="How many versions, newest first.")) -> None:
-    """Model versions, newest first: gate state, aliases, parent, artifact (full or delta, chain length, size)."""
+    """Model versions, newest first: gate state and why (a refusal names its offline gates), aliases, parent,
+    artifact (full or delta, chain length, size)."""
     registry = ModelRegistry(get_settings())
     table = Table("version", "created", "gate state", "aliases", "parent", "artifact", "chain", "stored",
-                  "samples", "mean reward")  # fmt: skip
+                  "samples", "mean reward", "why")  # fmt: skip
     for info in registry.versions()[:limit]:
         reward = info.lineage.metrics.get("mean_reward")
         try:
@@ -42,8 +43,14 @@ def list_versions(limit: int = typer.Option(20, help="How many versions, newest 
             stored,
             str(info.lineage.sample_count),
             "-" if reward is None else f"{reward:.3f}",
+            _why(info.reason),
         )
     console.print(table)
+
+
+def _why(reason: str, chars: int = 160) -> str:
+    """The latest gate-state reason, cut for a table cell (`flywheel registry show` has it whole)."""
+    return reason if len(reason) <= chars else reason[: chars - 3] + "..."
 
 
 def _size(n: int) -> str:

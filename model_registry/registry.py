@@ -58,7 +58,10 @@ log = logging.getLogger(__name__)
 # Artifact downloads are internal steps of `fetch`; their tqdm bars would only clutter logs.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-GATE_STATES = ("pending", "approved", "rejected", "challenger", "champion", "rolled_back", "quarantined")
+# "refused": the offline gates refused it against the champion of the day (the reason, in its history, names
+# the gates and their numbers); final, like "rejected" (a person's or a newer candidate's decision), and kept apart
+# from it so the registry says why a candidate never reached users.
+GATE_STATES = ("pending", "approved", "rejected", "refused", "challenger", "champion", "rolled_back", "quarantined")
 REGISTRY_EXPERIMENT = "flywheel-registry"
 ARTIFACT_DIR = "model"
 MANIFEST_ARTIFACT = "checkpoint_manifest.json"
@@ -80,6 +83,7 @@ class VersionInfo:
     lineage: ModelLineage
     gate_state: str
     aliases: list[str] = field(default_factory=list)
+    reason: str = ""  # why it is in its gate state: the latest history entry's reason
 
 
 @dataclass(frozen=True)
@@ -651,7 +655,13 @@ def _info(mv: ModelVersion, aliases: list[str]) -> VersionInfo:
         lineage=ModelLineage.model_validate_json(mv.tags[TAG_LINEAGE]),
         gate_state=str(mv.tags.get(TAG_GATE_STATE, "pending")),
         aliases=sorted(aliases),
+        reason=_latest_reason(mv.tags),
     )
+
+
+def _latest_reason(tags: dict[str, str]) -> str:
+    keys = sorted(k for k in tags if k.startswith(TAG_GATE_HISTORY))
+    return _change_from_json(tags[keys[-1]]).reason if keys else ""
 
 
 def _utc_now() -> datetime:

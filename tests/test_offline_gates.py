@@ -451,7 +451,8 @@ def test_approval_of_a_candidate_that_failed_a_gate_is_refused_and_the_api_shows
                               headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
         assert refused.status_code == 409 and refused.json()["error"] == "offline_gate_failed"
         assert "kl_to_champion" in refused.json()["detail"] and "perplexity_regression" in refused.json()["detail"]
-        assert registry.gate_state(bad) == "pending"
+        assert registry.gate_state(bad) == "refused"  # a state, with the failed gates as its reason
+        assert "kl_to_champion" in registry.gate_history(bad)[-1].reason
 
         view = client.get(f"/api/versions/{bad}").json()
         gates = {g["name"]: g for g in view["offline_gates"]}
@@ -528,3 +529,51 @@ def test_a_new_report_replaces_the_old_one_whole(settings: Settings, tmp_path: P
     assert [r.name for r in again.results] == ["sanity"]
     assert not any(k.startswith("flywheel.offline_gate.old_gate") for k in registry.client.get_model_version(
         settings.registered_model_name, v).tags)  # fmt: skip
+
+
+def test_a_candidate_refused_offline_is_marked_refused_and_never_retried_by_the_auto_approver(
+    gate: DeployGate, registry: ModelRegistry, gate_settings: Settings, tiny_model_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from rich.console import Console
+
+    import model_registry.cli as registry_cli
+    from launcher.up import auto_approve
+
+    bad = registry.register(noisy(tiny_model_dir, tmp_path / "n"), ModelLineage(base="tiny", parent_version="1"))
+    assert gate.offline is not None
+    checks: list[str] = []
+    check = gate.offline.check
+    monkeypatch.setattr(gate.offline, "check", lambda v, c: checks.append(v) or check(v, c))
+
+    said = auto_approve(gate)
+    assert len(said) == 1 and said[0].startswith(f"refused v{bad}: offline gates failed against champion 1")
+    assert "kl_to_champion" in said[0]
+    assert registry.gate_state(bad) == "refused" and checks == [bad]
+    history = registry.gate_history(bad)
+    assert [(h.previous, h.state, h.by) for h in history[1:]] == [("pending", "refused", "deploy-gate")]
+
+    # Every later tick: nothing pending, nothing run again, nothing said, no second history entry.
+    for _ in range(3):
+        assert auto_approve(gate) == []
+    assert checks == [bad] and len(registry.gate_history(bad)) == len(history)
+    # Approval by hand is refused too (not pending), without running the gates.
+    from deploy_gate.errors import NotPending
+
+    with pytest.raises(NotPending, match="refused"):
+        gate.plan_approve(bad, by="ana", reason="try again")
+    assert checks == [bad]
+
+    # `flywheel registry list` shows it refused, with the offline reason.
+    for name, value in (("FLYWHEEL_DATA_DIR", str(gate_settings.data_dir)),
+                        ("FLYWHEEL_MLFLOW_TRACKING_URI", gate_settings.mlflow_tracking_uri)):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(registry_cli, "console", Console(width=400))
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(registry_cli.app, ["list"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.strip("│ ").startswith(bad))
+    assert "refused" in row and "offline gates failed against champion 1: kl_to_champion" in row
