@@ -32,6 +32,7 @@ from trainer.config import TrainerConfig
 from trainer.cycle import rounding_seed, run_cycle, watermark
 from trainer.data import load_selection
 from trainer.loop import kl_to_reference, score_samples, train_policy
+from trainer.reward_model import sample_own
 from trainer.scoring import scorer_for
 
 PROMPTS = [
@@ -339,8 +340,8 @@ def test_a_cycle_on_its_own_samples_learns_what_the_logged_rewards_prefer(tsetti
     result = run_cycle(tsettings, config, progress=False)
     assert result.status == "registered" and result.sample_count == 48  # the logged data behind it
     assert "trained on 40 of 40 own samples; left out: none;" in result.reason
-    assert ("40 own samples (4 a prompt, of all 10 distinct prompts) scored by a reward model fitted on all 48"
-            " logged rewards") in result.reason  # fmt: skip
+    assert "own samples for 10 of 10 distinct prompts: 40, 4 a prompt, in " in result.reason, result.reason
+    assert "scored by a reward model fitted on all 48 logged rewards" in result.reason
     metrics = MlflowClient(tsettings.resolved_mlflow_uri).get_run(result.run_id).data.metrics
     assert metrics["own_samples"] == 4 * len(PROMPTS) and metrics["reward_model_cv_corr"] > 0.2
     assert metrics["samples_eligible"] == 48 and metrics["samples_trained"] == 4 * len(PROMPTS)
@@ -348,6 +349,38 @@ def test_a_cycle_on_its_own_samples_learns_what_the_logged_rewards_prefer(tsetti
     assert 0 < metrics["prepare_seconds"] < metrics["train_seconds"]
     before, after = _stop_rate(v1), _stop_rate(load_policy(registry.fetch(result.version)))
     assert after > before + 0.1, f"ending the line early was rewarded: {before:.2f} -> {after:.2f}"
+
+
+def test_own_sample_generation_stops_when_its_cpu_budget_is_spent_and_says_what_it_covered(
+    tsettings: Settings, champion: str
+) -> None:
+    """`own_cpu_budget_s` counts from the logged samples' scoring, which alone takes more than a millisecond of
+    CPU: only the first group of prompts (64 requests // 4 a prompt = 16) is sampled, a seeded uniform choice
+    of the 40, and the reason and metrics say how many of how many, and under which budget."""
+    prompts = [f"value_{i} = " for i in range(40)]
+    registry = ModelRegistry(tsettings)
+    policy = load_policy(registry.fetch(champion))
+    simulate_feedback(tsettings, policy, prompts, _ends_early, model_version=champion, n=48, seed=4, users=USERS)
+    config = TrainerConfig(batch_size=16, own_samples=4, own_max_tokens=8, reward_model_min_z=0,
+                           own_cpu_budget_s=0.001)  # fmt: skip
+    result = run_cycle(tsettings, config, progress=False)
+    assert result.status == "registered", result.reason
+    assert ("own samples for 16 of 40 distinct prompts (all the 0.001 CPU-s own_cpu_budget_s allowed; a seeded"
+            " uniform choice): 64, 4 a prompt") in result.reason, result.reason  # fmt: skip
+    assert "trained on 64 of 64 own samples" in result.reason
+    metrics = MlflowClient(tsettings.resolved_mlflow_uri).get_run(result.run_id).data.metrics
+    assert metrics["own_prompts_covered"] == 16 and metrics["own_prompts_total"] == 40
+    assert metrics["own_cpu_seconds"] >= 0.001 and metrics["prepare_cpu_seconds"] >= metrics["own_cpu_seconds"]
+    assert metrics["samples_trained"] == 64 and metrics["samples_eligible"] == 48
+    # uniform, not the first prompts served: the 16 covered are spread over the 40
+    logged = load_selection(tsettings, config, watermark=None, quarantined=set(),
+                            encode_prompt=lambda text: policy.encode_prompt(text, max_tokens=1)).samples  # fmt: skip
+    own = sample_own(policy, logged, 4, 8, config.seed, scorer=scorer_for(False), score_batch=16, stop=lambda: True)
+    index = {tuple(policy.encode_prompt(p, max_tokens=1)): i for i, p in enumerate(prompts)}
+    covered = sorted(index[tuple(s.prompt_token_ids)] for s in own.samples[::4])
+    assert own.prompts_covered == 16 and own.prompts_total == 40 and len(own.samples) == 64
+    assert covered != list(range(16)) and max(covered) >= 30, covered
+    assert all(s.behaviour_logprobs == r for s, r in zip(own.samples, own.reference, strict=True))
 
 
 def test_a_reward_model_that_predicts_nothing_leaves_the_cycle_on_its_logged_samples(

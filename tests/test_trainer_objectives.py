@@ -158,6 +158,9 @@ def test_kto_matches_the_paper_formula() -> None:
         ({"device": "tpu"}, "device"),
         ({"replay_fraction": 2}, "replay_fraction"),
         ({"consent_property": " "}, "consent_property"),
+        ({"own_cpu_budget_s": -1}, "own_cpu_budget_s=-1: must be 0 .no budget. or up to 3600 CPU-seconds"),
+        ({"own_cpu_budget_s": 1e5}, "own_cpu_budget_s"),
+        ({"own_cpu_budget_s": float("nan")}, "own_cpu_budget_s"),
     ],
 )
 def test_trainer_config_refuses_bad_input_and_says_how_to_fix_it(kwargs: dict, message: str) -> None:

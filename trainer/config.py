@@ -86,6 +86,13 @@ class TrainerConfig:
         own_max_prompts: sample own completions of at most this many distinct logged prompts, a seeded uniform
             choice of them (0 = every prompt), so a cycle's sampling costs the same however much traffic it
             had; every logged reward still fits the reward model, and the note says how many were sampled.
+        own_cpu_budget_s: CPU-seconds of this process (every thread: `time.process_time`, not wall time, which
+            on a loaded machine measures everyone else's work too) that preparing own samples may take, counted
+            from the cycle's first scoring of its logged samples (0 = no budget; at most 3600). The prompts are
+            visited in a seeded uniform order, a group of them at a time, and none starts once the budget is
+            spent (the first always runs), so those covered are a uniform sample; the cycle's reason and metrics
+            (`own_prompts_covered`, `own_prompts_total`, `own_cpu_seconds`) say how many. Ignored without
+            `own_samples`.
         reward_model_min_z: how many standard errors from zero the reward model's cross-validated correlation
             with the logged rewards must be (r x sqrt(rows): about 1 when the text says nothing of the reward)
             for the cycle to train on own samples; under it, it trains on the logged samples and says so.
@@ -135,6 +142,7 @@ class TrainerConfig:
     own_samples: int = 0
     own_max_tokens: int = 16
     own_max_prompts: int = 512
+    own_cpu_budget_s: float = 0.0
     reward_model_min_z: float = 2.0
     require_consent: bool = True
     consent_property: str = "training_consent"
@@ -201,6 +209,11 @@ class TrainerConfig:
             errors.append(f"replay_fraction={self.replay_fraction}: must be in [0, 1]")
         if self.own_samples < 0 or self.own_max_tokens < 1 or self.own_max_prompts < 0:
             errors.append("own_samples and own_max_prompts must be >= 0 (0 = off / all) and own_max_tokens >= 1")
+        if not 0 <= self.own_cpu_budget_s <= 3600:
+            errors.append(
+                f"own_cpu_budget_s={self.own_cpu_budget_s}: must be 0 (no budget) or up to 3600 CPU-seconds; a"
+                " cycle meant to run every few minutes wants tens of seconds"
+            )
         if self.reward_model_min_z < 0:
             errors.append(f"reward_model_min_z={self.reward_model_min_z}: must be >= 0 standard errors")
         if self.require_consent and not self.consent_property.strip():

@@ -41,7 +41,7 @@ from trainer.config import TrainerConfig
 from trainer.data import Selection, load_selection, over_cap_reason, quarantined_versions
 from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
 from trainer.retokenize import text_encoder
-from trainer.reward_model import own_samples
+from trainer.reward_model import CpuBudget, cpu_seconds, own_samples
 from trainer.scoring import scorer_for
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def _train_and_register(
 ) -> CycleResult:
     samples = selection.samples
     scorer = scorer_for(config.exact_logprobs)
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), cpu_seconds()
     # The starting weights are the champion: their log-probs are both the KL reference and the
     # trainer's side of the train / inference comparison (with the scorer training uses).
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
@@ -189,7 +189,10 @@ def _train_and_register(
     own_note = ""
     if config.own_samples:
         # The logged rewards fit a reward model; the champion's own samples, scored by it, are trained on.
-        own = own_samples(policy, logged, reference, config, scorer)
+        # Sized to a CPU budget from the logged samples' scoring on: their scoring, the fit and the sampling.
+        budget = CpuBudget(config.own_cpu_budget_s, cpu_started)
+        stop = budget.exhausted if world == 1 else lambda: _any_process(budget.exhausted(), policy.model)
+        own = own_samples(policy, logged, reference, config, scorer, budget=budget, stop=stop)
         own_note = own.note
         if own.fresh:
             samples, reference = own.samples, own.reference
@@ -198,7 +201,7 @@ def _train_and_register(
             log.info("%s", own_note)
     # The time budget bounds the optimisation: the scoring and sampling before it grow with the cycle's data and
     # the machine's load, and counted in, they could leave it a single step (seen in `flywheel up`).
-    prepared = time.monotonic()
+    prepared, prepared_cpu = time.monotonic(), cpu_seconds()
     model: torch.nn.Module = policy.model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -242,6 +245,7 @@ def _train_and_register(
         "samples_trained": float(min(reached, len(samples))),
         "train_seconds": time.monotonic() - started,
         "prepare_seconds": prepared - started,
+        "prepare_cpu_seconds": prepared_cpu - cpu_started,
         "replay_samples": float(sum(s.replay for s in logged)),
         "tokens": float(tokens),
         **{k: v for k, v in mismatch_metrics.items() if not math.isnan(v)},
@@ -397,6 +401,14 @@ def broadcast_from_zero(obj: T, world: int) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _any_process(flag: bool, model: torch.nn.Module) -> bool:
+    """Whether `flag` holds on any process: every process must stop sampling at the same prompt, or they would
+    train on different samples (and DDP would hang)."""
+    out = torch.tensor([float(flag)], device=next(model.parameters()).device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return bool(out.item())
 
 
 def _barrier(world: int) -> None:

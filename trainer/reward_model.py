@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import random
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -151,6 +152,37 @@ def distinct_prompts(samples: Sequence[Sample], at_most: int, seed: int) -> dict
     return prompts
 
 
+def cpu_seconds() -> float:
+    """CPU-seconds this process has used, every thread counted (`time.process_time`): what a budget on a shared
+    machine must count, since wall time there grows with everyone else's load."""
+    return time.process_time()
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """`seconds` of this process's CPU from `started` (a `cpu_seconds()` value); 0 seconds is no budget."""
+
+    seconds: float
+    started: float
+
+    def spent(self) -> float:
+        return cpu_seconds() - self.started
+
+    def exhausted(self) -> bool:
+        return self.seconds > 0 and self.spent() >= self.seconds
+
+
+@dataclass(frozen=True)
+class OwnDraw:
+    """The champion's own samples of the prompts a budget covered, with their log-probs under it."""
+
+    samples: list[Sample]
+    reference: list[list[float]]
+    prompts_covered: int
+    prompts_total: int  # distinct prompts eligible to be sampled (after `own_max_prompts`)
+    prompts_distinct: int  # distinct logged prompts
+
+
 @torch.no_grad()
 def sample_own(
     policy: Policy,
@@ -158,26 +190,44 @@ def sample_own(
     per_prompt: int,
     max_tokens: int,
     seed: int,
+    *,
+    scorer: Scorer,
+    score_batch: int,
     batch: int = 64,
     max_prompts: int = 0,
-) -> list[Sample]:
-    """`per_prompt` fresh completions of each distinct logged prompt (at most `max_prompts` of them, chosen by
-    `distinct_prompts`; 0 = all) from `policy`, seeded, rewards unset (0).
+    stop: Callable[[], bool] | None = None,
+) -> OwnDraw:
+    """`per_prompt` fresh completions of distinct logged prompts (at most `max_prompts` of them, chosen by
+    `distinct_prompts`; 0 = all) from `policy`, seeded, rewards unset (0), scored by `scorer` (the reference).
 
-    Behaviour log-probs are left empty: the caller sets them to the champion's, which these samples are from.
+    Prompts are visited in a seeded random order, about `batch` requests at a time (whole prompt groups), and
+    no group of them starts once `stop()` says so (the first always runs): the prompts covered are a uniform
+    sample of those eligible, however early it stops. Behaviour log-probs are set to the reference, since these
+    samples are the champion's own.
     """
     prompts = distinct_prompts(samples, max_prompts, seed)
-    requests = [(p, k) for p in prompts for k in range(per_prompt)]
+    distinct = len({tuple(s.prompt_token_ids) for s in samples})
+    order = random.Random(seed).sample(list(prompts), len(prompts))
+    per_chunk = max(1, batch // per_prompt)
     out: list[Sample] = []
-    for start in range(0, len(requests), batch):
-        chunk = requests[start : start + batch]
+    reference: list[list[float]] = []
+    covered = 0
+    for start in range(0, len(order), per_chunk):
+        if start and stop is not None and stop():
+            break
+        chunk = [(p, k) for p in order[start : start + per_chunk] for k in range(per_prompt)]
         seeds = [zlib.crc32(repr((seed, p, k)).encode()) for p, k in chunk]
         gens = policy.sample_token_ids([list(p) for p, _ in chunk], max_tokens, seeds)
+        fresh = []
         for (p, k), ids in zip(chunk, gens, strict=True):
             logged = prompts[p]
-            out.append(replace(logged, generation_id=f"{logged.generation_id}/own{k}", completion_token_ids=ids,
-                               behaviour_logprobs=[], reward=0.0, replay=False))  # fmt: skip
-    return out
+            fresh.append(replace(logged, generation_id=f"{logged.generation_id}/own{k}", completion_token_ids=ids,
+                                 behaviour_logprobs=[], reward=0.0, replay=False))  # fmt: skip
+        lps = score_samples(policy.model, fresh, scorer, policy.pad_id, score_batch)
+        out.extend(replace(s, behaviour_logprobs=list(lp)) for s, lp in zip(fresh, lps, strict=True))
+        reference.extend(lps)
+        covered += len(chunk) // per_prompt
+    return OwnDraw(out, reference, covered, len(prompts), distinct)
 
 
 def group_advantages(samples: Sequence[Sample], scores: np.ndarray) -> list[float]:
@@ -201,13 +251,18 @@ class OwnSamples:
     model: RewardModel | None
     note: str
     fresh: bool = False  # the samples are the champion's own (False: the logged ones, `note` says why)
+    prompts_covered: int = 0
+    prompts_total: int = 0
+    cpu_seconds: float = 0.0  # CPU spent from the budget's start: the logged samples' scoring, the fit, the sampling
 
     def metrics(self) -> dict[str, float]:
         if self.model is None:
             return {}
         own = len(self.samples) if self.fresh else 0
         return {"reward_model_cv_corr": self.model.cv_corr, "reward_model_penalty": self.model.penalty,
-                "reward_model_rows": float(self.model.rows), "own_samples": float(own)}  # fmt: skip
+                "reward_model_rows": float(self.model.rows), "own_samples": float(own),
+                "own_prompts_covered": float(self.prompts_covered), "own_prompts_total": float(self.prompts_total),
+                "own_cpu_seconds": self.cpu_seconds}  # fmt: skip
 
 
 def own_samples(
@@ -216,13 +271,19 @@ def own_samples(
     reference: Sequence[Sequence[float]],
     config: TrainerConfig,
     scorer: Scorer,
+    *,
+    budget: CpuBudget | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> OwnSamples:
     """Fit the reward model on `logged` (their champion log-probs `reference`), then sample and score.
 
-    Falls back to the logged samples, saying why, when the cross-validated
-    correlation is not `config.reward_model_min_z` standard errors above zero, or there are too few rewards to
-    cross-validate.
+    `budget` (default: `config.own_cpu_budget_s` from now) bounds the sampling: no group of prompts starts
+    once it is spent, counted from its `started` (the cycle passes the start of its preparation, so the logged
+    samples' scoring counts too), or once `stop()` says so (a distributed cycle: whether any process has spent
+    it). Falls back to the logged samples, saying why, when the cross-validated correlation is not
+    `config.reward_model_min_z` standard errors above zero, or there are too few rewards to cross-validate.
     """
+    budget = budget or CpuBudget(config.own_cpu_budget_s, cpu_seconds())
     rewards = np.array([s.reward for s in logged])
     try:
         model = fit_reward_model(completion_features(policy, logged, reference), rewards, seed=config.seed)
@@ -234,20 +295,25 @@ def own_samples(
                           f"trained on the logged samples: the reward model's cross-validated correlation with"
                           f" their rewards, {model.cv_corr:.3f} on {model.rows}, is {z:.1f} standard errors from"
                           f" zero, not above reward_model_min_z={config.reward_model_min_z:g}")  # fmt: skip
-    fresh = sample_own(policy, logged, config.own_samples, config.own_max_tokens, config.seed,
-                       max_prompts=config.own_max_prompts)  # fmt: skip
-    fresh_reference = score_samples(policy.model, fresh, scorer, policy.pad_id, config.batch_size)
-    scores = model.predict(completion_features(policy, fresh, fresh_reference))
-    advantages = group_advantages(fresh, scores)
-    trained = [replace(s, behaviour_logprobs=list(lp), reward=a)
-               for s, lp, a in zip(fresh, fresh_reference, advantages, strict=True)]  # fmt: skip
-    distinct = len({tuple(s.prompt_token_ids) for s in logged})
-    sampled = len(trained) // config.own_samples
-    of_prompts = f"of all {distinct} distinct prompts"
-    if sampled < distinct:
-        of_prompts = f"of {sampled} of {distinct} distinct prompts, a seeded uniform choice (own_max_prompts)"
+    draw = sample_own(policy, logged, config.own_samples, config.own_max_tokens, config.seed, scorer=scorer,
+                      score_batch=config.batch_size, max_prompts=config.own_max_prompts,
+                      stop=stop or budget.exhausted)  # fmt: skip
+    scores = model.predict(completion_features(policy, draw.samples, draw.reference))
+    advantages = group_advantages(draw.samples, scores)
+    trained = [replace(s, reward=a) for s, a in zip(draw.samples, advantages, strict=True)]
+    spent = budget.spent()
+    covered = f"{draw.prompts_covered} of {draw.prompts_distinct} distinct prompts"
+    rules = []
+    if draw.prompts_total < draw.prompts_distinct:
+        rules.append(f"own_max_prompts={config.own_max_prompts}")
+    if draw.prompts_covered < draw.prompts_total:
+        rules.append(f"all the {config.own_cpu_budget_s:g} CPU-s own_cpu_budget_s allowed")
+    if rules:
+        covered += f" ({', and '.join(rules)}; a seeded uniform choice)"
     note = (
-        f"{len(trained)} own samples ({config.own_samples} a prompt, {of_prompts}) scored by a reward model"
-        f" fitted on all {model.rows} logged rewards (cross-validated r {model.cv_corr:.3f})"
+        f"own samples for {covered}: {len(trained)}, {config.own_samples} a prompt, in {spent:.1f} CPU-s with the"
+        f" logged samples' scoring; scored by a reward model fitted on all {model.rows} logged rewards"
+        f" (cross-validated r {model.cv_corr:.3f})"
     )
-    return OwnSamples(trained, fresh_reference, model, note, fresh=True)
+    return OwnSamples(trained, draw.reference, model, note, fresh=True, prompts_covered=draw.prompts_covered,
+                      prompts_total=draw.prompts_distinct, cpu_seconds=spent)  # fmt: skip
