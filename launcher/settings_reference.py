@@ -1,0 +1,198 @@
+"""The configuration reference, generated from the fields themselves: `docs/configuration.md`.
+
+Every setting Flywheel reads is a typed field of one of five objects. Three are read from the environment
+by pydantic-settings (`Settings`, `SignalsConfig`, `RolloutConfig`: a field's variable is its object's
+prefix plus its name in capitals, or an alias); two are read from a JSON file (`TrainerConfig`, given with
+`flywheel trainer schedule --config FILE`; `OfflineGateConfig`). This module walks those fields, so the
+reference cannot drift from the code: `tests/test_settings_reference.py` fails when a field, a default or
+a variable changes and the page was not regenerated with
+
+    .venv/bin/python -m launcher.settings_reference > docs/configuration.md
+
+A variable read before any settings object exists would be listed in `OTHER_VARIABLES`; none is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from pydantic import AliasChoices
+from pydantic_settings import BaseSettings
+
+# Read straight from the environment, with why no settings object holds them (none today: a variable that
+# must be read before any settings object exists goes here, so it is still documented).
+OTHER_VARIABLES: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One setting: where it lives, how it is set, its type, default, bounds and help."""
+
+    owner: str  # the object that holds it
+    name: str
+    variables: tuple[str, ...]  # environment variables (empty: set in a file)
+    type: str
+    default: str
+    bounds: str
+    help: str
+
+
+def _type_name(annotation: Any) -> str:
+    plain = isinstance(annotation, type) and not getattr(annotation, "__args__", None)
+    text = annotation.__name__ if plain else str(annotation)
+    return re.sub(r"\btyping\.|\bpathlib\.|\bpydantic\.types\.|<class '|'>", "", text)
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, str):
+        return f'"{value}"' if value else '""'
+    if getattr(value, "get_secret_value", None) is not None:
+        return "(a development secret)"
+    if isinstance(value, PurePath):
+        return str(value)
+    return repr(value) if not isinstance(value, float) else f"{value:g}"
+
+
+def _comments_above(cls: type) -> dict[str, str]:
+    """Each field's comment block right above it in the class body: its help where it has no description."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out: dict[str, str] = {}
+    block: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            block.append(stripped.lstrip("# "))
+            continue
+        m = re.match(r"    (\w+)\s*:", line)
+        if m and block:
+            out[m.group(1)] = " ".join(block)
+        block = []
+    return out
+
+
+def _env_fields(cls: type[BaseSettings]) -> Iterator[Field]:
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    comments = _comments_above(cls)
+    for name, info in cls.model_fields.items():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            variables = tuple(str(c) for c in alias.choices)
+        else:
+            variables = ((prefix + name).upper(),)
+        bounds = ", ".join(
+            f"{k} {getattr(m, k)}" for m in info.metadata for k in ("gt", "ge", "lt", "le") if hasattr(m, k)
+        )
+        if info.default_factory is not None:
+            default = _default_text(info.default_factory())  # type: ignore[call-arg]
+        else:
+            default = _default_text(info.default)
+        yield Field(cls.__name__, name, variables, _type_name(info.annotation), default, bounds,
+                    " ".join((info.description or comments.get(name, "")).split()))  # fmt: skip
+
+
+def _docstring_entries(doc: str) -> list[str]:
+    """The docstring's entries: a line indented 8 spaces and the more-indented lines under it."""
+    entries: list[list[str]] = []
+    for line in doc.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if indent == 8 and line.strip():
+            entries.append([line.strip()])
+        elif indent > 8 and entries:
+            entries[-1].append(line.strip())
+        elif line.strip():
+            entries.append([])  # a section heading ends the entry above it
+    return [" ".join(e) for e in entries if e]
+
+
+def _file_fields(cls: type) -> Iterator[Field]:
+    entries = _docstring_entries(cls.__doc__ or "")
+    for f in dataclasses.fields(cls):
+        word = re.compile(rf"(^|[ ,(`[-]){re.escape(f.name)}\b")
+        # The entry that names it before its colon; else the first that mentions it (a group's shared entry).
+        text = next((e for e in entries if word.search(e.split(":", 1)[0])), "") or next(
+            (e for e in entries if word.search(e)), "")
+        if f.default is not dataclasses.MISSING:
+            default = _default_text(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = _default_text(f.default_factory())
+        else:
+            default = "(required)"
+        yield Field(cls.__name__, f.name, (), _type_name(f.type), default, "", text)
+
+
+def owners() -> list[tuple[type, str]]:
+    """Every configuration object, with how it is set."""
+    from deploy_gate.offline import OfflineGateConfig
+    from deploy_gate.rollout import RolloutConfig
+    from flywheel.settings import Settings
+    from signals.config import SignalsConfig
+    from trainer.config import TrainerConfig
+
+    return [
+        (Settings, "every process, from the environment"),
+        (SignalsConfig, "the signals worker, from the environment"),
+        (RolloutConfig, "the rollout controller, from the environment"),
+        (TrainerConfig, "the trainer, from a JSON file: `flywheel trainer schedule --config FILE` (or `run-once`)"),
+        (OfflineGateConfig, "the offline gates, from their defaults (set in code by whoever builds `OfflineGates`)"),
+    ]
+
+
+def fields() -> list[Field]:
+    out: list[Field] = []
+    for cls, _ in owners():
+        out.extend(_env_fields(cls) if issubclass(cls, BaseSettings) else _file_fields(cls))
+    return out
+
+
+def variables() -> set[str]:
+    """Every environment variable the reference documents."""
+    return {v for f in fields() for v in f.variables} | set(OTHER_VARIABLES)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the fields by `launcher/settings_reference.py` "
+        "(`.venv/bin/python -m launcher.settings_reference > docs/configuration.md`); do not edit by hand.",
+        "`flywheel up` runs the demo's overrides on top (`launcher/up.py`: `DEMO_TRAINER_CONFIG`, `DEMO_ROLLOUT_ENV`).",
+        "",
+    ]
+    by_owner: dict[str, list[Field]] = {}
+    for f in fields():
+        by_owner.setdefault(f.owner, []).append(f)
+    for cls, how in owners():
+        rows = by_owner.get(cls.__name__, [])
+        lines += [f"## {cls.__name__}", "", f"Read by {how}.", ""]
+        env = any(f.variables for f in rows)
+        lines += ["| variable | type | default | bounds | what it is |" if env else
+                  "| key | type | default | what it is |",
+                  "| --- | --- | --- | --- | --- |" if env else "| --- | --- | --- | --- |"]  # fmt: skip
+        for f in rows:
+            if env:
+                names = " or ".join(f"`{v}`" for v in f.variables)
+                lines.append(f"| {names} | `{_cell(f.type)}` | `{_cell(f.default)}` | {f.bounds} | {_cell(f.help)} |")
+            else:
+                lines.append(f"| `{f.name}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.help)} |")
+        lines.append("")
+    if OTHER_VARIABLES:
+        lines += ["## Other variables", "", "| variable | what it is |", "| --- | --- |"]
+        lines += [f"| `{k}` | {v} |" for k, v in OTHER_VARIABLES.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
