@@ -45,6 +45,9 @@ LATEST_TIME = datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC)
 # Deeper properties are refused: nothing real nests this far, and every JSON reader on the way (pydantic's
 # among them, at about 200) has a depth past which it gives up.
 MAX_PROPERTIES_DEPTH = 64
+# Integers in properties fit a signed 64-bit integer: what every reader of the lake and the topic reads as a number
+# (polars, Arrow, Java and Go clients). One of thousands of digits stopped polars' JSON parse in the signals worker.
+MIN_INTEGER, MAX_INTEGER = -(2**63), 2**63 - 1
 
 
 class EventType(StrEnum):
@@ -169,13 +172,20 @@ def check_time(v: datetime) -> datetime:
 def check_properties(properties: dict[str, Any]) -> None:
     """Raise `ValueError` unless `properties` can be stored as it is: finite numbers only (JSON has no
     NaN or Infinity, and the lake must not hold them as text), text that is valid Unicode (no lone
-    surrogate, which no UTF-8 writer can write), at most `MAX_PROPERTIES_DEPTH` levels deep."""
+    surrogate, which no UTF-8 writer can write), integers within 64 bits (`MIN_INTEGER` .. `MAX_INTEGER`), at
+    most `MAX_PROPERTIES_DEPTH` levels deep."""
     stack: list[tuple[object, int]] = [(properties, 1)]
     while stack:  # a loop, not recursion: the depth is what is being checked
         value, depth = stack.pop()
         if isinstance(value, float):
             if not math.isfinite(value):
                 raise ValueError(f"{value} is not a JSON number; NaN and Infinity are refused")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not MIN_INTEGER <= value <= MAX_INTEGER:
+                raise ValueError(
+                    f"an integer of {len(str(abs(value)))} digits is outside the 64-bit range {MIN_INTEGER} .. "
+                    f"{MAX_INTEGER}"
+                )
         elif isinstance(value, str):
             _check_text(value)
         elif isinstance(value, dict | list):

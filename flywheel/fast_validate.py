@@ -23,6 +23,8 @@ any parser's depth, NaN, times outside the lake's range all come out as refusals
 
 from __future__ import annotations
 
+import logging
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -53,6 +55,8 @@ from flywheel.event_properties import (
     property_problems,
 )
 from flywheel.lake.tables import EVENTS, rows_frame
+
+log = logging.getLogger(__name__)
 
 # (event_id, type, schema_version, generation_id, user_id, session_id, ts, received_at (both as
 #  microseconds since the epoch, UTC), source,
@@ -107,9 +111,12 @@ _TIME_FORMAT = "%+"  # RFC 3339; `_PLAIN_TIME` already held it to "Z" and at mos
 # Properties whose JSON text is already what `properties_json` writes: a flat object of printable
 # ASCII strings (nothing json.dumps escapes), integers (not -0, which reads as 0), booleans and nulls,
 # no spaces, no key twice (checked apart: `_repeat_a_key`). These are stored as they came; anything
-# else is parsed and written back by `properties_json`.
+# else is parsed and written back by `properties_json`. An integer of 19 digits or more may be past 64 bits
+# (`contract.MAX_INTEGER`): it takes the other path, where the contract's check judges it.
 _JSON_STR = r'"[ !#-\[\]-~]*"'
-_CANONICAL_PROPERTIES = rf"^\{{(?:{_JSON_STR}:(?:{_JSON_STR}|0|-?[1-9]\d*|true|false|null)(?:,|\}}$))*\}}?$"
+_CANONICAL_PROPERTIES = rf"^\{{(?:{_JSON_STR}:(?:{_JSON_STR}|0|-?[1-9]\d{{0,17}}|true|false|null)(?:,|\}}$))*\}}?$"
+# A run of digits that may be an integer past 64 bits (or inside a string: the check then finds nothing).
+_LONG_DIGITS = re.compile(r"\d{19}")
 _FAST_TYPE_LITERAL = Literal[tuple(sorted(_FAST_TYPES))]  # type: ignore[valid-type]  # built at import time
 
 
@@ -406,7 +413,9 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
                     # msgspec takes no NaN, Infinity or lone surrogate; only the depth is left to check, and a
                     # text with fewer brackets than the limit cannot be deeper than it. A generation's is checked
                     # by its struct (`_property_misfits`: two levels), and a prompt of code holds many brackets.
-                    if not gen and text.count("[") + text.count("{") > MAX_PROPERTIES_DEPTH:
+                    if (not gen and text.count("[") + text.count("{") > MAX_PROPERTIES_DEPTH) or _LONG_DIGITS.search(
+                        text
+                    ):
                         check_properties(decoded)
                     rewritten.append(properties_json(decoded))
                 except _UNDECODABLE:  # not an object, or not storable: pydantic says why
@@ -441,3 +450,25 @@ def validate_batch(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, st
         return pl.DataFrame(schema={**EVENTS.schema, "_i": pl.Int64}), refused
     valid = frames[0] if len(frames) == 1 else pl.concat(frames).sort("_i")
     return valid, refused
+
+
+def validate_guarded(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """`validate_batch`, as every consumer of the events topic calls it (ingest's worker, signals' worker): it
+    refuses rather than raises; should a record still break it (a bug), each record is validated alone and the
+    one that breaks it is refused with what it raised, so the batch goes on and no record stops a consumer."""
+    try:
+        return validate_batch(batch)
+    except Exception:  # noqa: BLE001 - one record must not stop a consumer for good
+        log.exception("validating a batch of %d records failed; validating them one by one", len(batch))
+    frames = [pl.DataFrame(schema={**EVENTS.schema, "_i": pl.Int64})]
+    refused: list[tuple[int, str]] = []
+    for i in range(len(batch)):
+        one = RecordBatch([batch.topics[i]], [batch.partitions[i]], [batch.offsets[i]], [batch.values[i]])
+        try:
+            valid, no = validate_batch(one)
+        except Exception as exc:  # noqa: BLE001
+            refused.append((i, f"cannot be validated: {type(exc).__name__}: {str(exc)[:500]}"))
+            continue
+        frames.append(valid.with_columns(pl.lit(i, dtype=pl.Int64).alias("_i")))
+        refused += [(i, reason) for _, reason in no]
+    return pl.concat(frames), refused

@@ -18,7 +18,10 @@ be read is a 400, an item that cannot be an event is refused alone (the rest of 
 is taken). Refused items and bodies are answered and also produced to the dead-letter topic
 with their bytes (less any credential field at any depth, and any configured write key wherever it
 sits: `ingest.redact`), the reason and the endpoint;
-so is an event whose time is outside the window around its arrival (`ingest.arrival`).
+so is an event whose time is outside the window around its arrival (`ingest.arrival`). A dead letter is bounded
+(`flywheel.dead_letters`: a cut original with its size and digest), so no refusal is too large for Kafka; a
+message Kafka still finds too large (`MessageTooLarge`: a broker with a lower limit) is the request's fault, a 413,
+and leaves readiness alone. Readiness follows the broker: a send that succeeds marks Kafka up again at once.
 Parsing and validation run in a worker thread, never on the event loop, so a small request does
 not wait behind a large batch's parse (`bench/collector_latency.py`). Kafka unreachable: 503 with
 Retry-After. A client past `Settings.collector_rate_limit` gets 429 (`flywheel.ops.rate_limit`).
@@ -43,7 +46,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.concurrency import run_in_threadpool
 
-from flywheel.bus import BrokerUnavailable, Outgoing, Producer, make_producer
+from flywheel.bus import BrokerUnavailable, MessageTooLarge, Outgoing, Producer, make_producer
 from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
 from flywheel.logs import redact_access_log
 from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_router
@@ -154,6 +157,12 @@ def create_app(
     kafka = kafka_dependency(settings)
     health = ProcessHealth("collector", [kafka])
 
+    def send_all(messages: list[Outgoing]) -> None:
+        """`holder.send_all`, and Kafka marked up once it acknowledged: readiness reflects the broker's state, so a
+        failure reported moments ago is not held against it once a send succeeds."""
+        holder.send_all(messages)
+        kafka.recovered()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
         # Everything alive at start-up lives as long as the process: keep it out of the collector's way.
@@ -171,6 +180,17 @@ def create_app(
     async def _body_error(request: Request, exc: BodyError) -> JSONResponse:
         metrics.REQUESTS.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse({"error": exc.reason}, status_code=exc.status)
+
+    @app.exception_handler(MessageTooLarge)
+    async def _too_large(request: Request, exc: MessageTooLarge) -> JSONResponse:
+        # The request's fault: Kafka is as up as it was (readiness untouched), and the same body fails the same way.
+        metrics.REQUESTS.labels(request.url.path, "413").inc()
+        log.warning("a message was too large for Kafka", extra={"path": request.url.path, "detail": str(exc)[:200]})
+        return JSONResponse(
+            {"error": "an event or dead letter of this request is larger than Kafka takes; nothing was accepted, "
+                      "send smaller events"},
+            status_code=413,
+        )  # fmt: skip
 
     @app.exception_handler(BrokerUnavailable)
     async def _broker_down(request: Request, exc: BrokerUnavailable) -> JSONResponse:
@@ -199,7 +219,7 @@ def create_app(
                 raise BodyError(401, MISSING_KEY) from None
             if exc.status == 400:
                 letter = scrub.letter(dead_letter(exc.reason, source, body_without_credentials(sent), received_at))
-                holder.send_all([letter.outgoing(settings.dead_letter_topic)])
+                send_all([letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
         body_key: str | None = None
@@ -222,7 +242,7 @@ def create_app(
                 letter = scrub.letter(
                     dead_letter(exc.reason, source, body_without_credentials(body, parsed), received_at)
                 )
-                holder.send_all([letter.outgoing(settings.dead_letter_topic)])
+                send_all([letter.outgoing(settings.dead_letter_topic)])
                 metrics.DEAD_LETTERED.labels("collector").inc()
             raise
         messages = [
@@ -249,7 +269,7 @@ def create_app(
         )
         metrics.EVENTS_IN.labels("collector", endpoint).inc(len(intake.accepted) + len(intake.refused))
         if messages:
-            await run_in_threadpool(holder.send_all, messages)
+            await run_in_threadpool(send_all, messages)
         metrics.EVENTS_ACCEPTED.labels("collector").inc(len(intake.accepted))
         metrics.EVENTS_REFUSED.labels("collector").inc(len(intake.refused))
         metrics.DEAD_LETTERED.labels("collector").inc(len(intake.refused))
@@ -294,7 +314,7 @@ def create_app(
 
     # The doors for telemetry products already send: OpenTelemetry GenAI traces, PostHog's capture API.
     door = Door(
-        settings, holder.send_all, write_keys, max_body_bytes, max_event_bytes,
+        settings, send_all, write_keys, max_body_bytes, max_event_bytes,
         bound=lambda intake, at, key: bound_by_arrival(intake, at, settings.event_time_ahead_s,
                                                        settings.event_time_behind_s, key_scopes.get(key or "")),
         scrub=scrub.letter,

@@ -7,7 +7,8 @@ client: 8 requests in flight went at two thirds of the rate of one). Here one ca
 time is the leader: it sends its own messages together with everything queued meanwhile,
 and wakes all the callers it sent for with the outcome. A failed send fails every request
 of its group, so no request is acknowledged without its events; a retried request's events
-are de-duplicated by `event_id` downstream.
+are de-duplicated by `event_id` downstream. A message too large for Kafka is one request's fault: the group is
+then sent again request by request, so only the request that holds it fails (`MessageTooLarge`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from flywheel.bus import BrokerUnavailable, Outgoing
+from flywheel.bus import BrokerUnavailable, MessageTooLarge, Outgoing
 
 
 @dataclass(slots=True)
@@ -51,19 +52,31 @@ class GroupSender:
             if mine.done:  # a leader sent it while we waited
                 if isinstance(mine.error, BrokerUnavailable):
                     raise BrokerUnavailable(str(mine.error)) from mine.error
+                if isinstance(mine.error, MessageTooLarge):
+                    raise MessageTooLarge(str(mine.error)) from mine.error
                 if mine.error is not None:
                     raise RuntimeError(f"the send this request shared failed: {mine.error!r}") from mine.error
                 return
             group, self._queued, self._sending = self._queued, [], True
-        error: BaseException | None = None
+        errors: dict[int, BaseException] = {}
         try:
             self._send([m for request in group for m in request.messages])
+        except MessageTooLarge as exc:
+            if len(group) == 1:
+                errors[0] = exc
+            else:  # whose message it was: each request alone (what was written already is de-duplicated downstream)
+                for k, request in enumerate(group):
+                    try:
+                        self._send(list(request.messages))
+                    except BaseException as alone:  # noqa: BLE001 - handed to that request's caller
+                        errors[k] = alone
         except BaseException as exc:
-            error = exc
+            errors = dict.fromkeys(range(len(group)), exc)
         with self._changed:
-            for request in group:
-                request.done, request.error = True, error
+            for k, request in enumerate(group):
+                request.done, request.error = True, errors.get(k)
             self._sending = False
             self._changed.notify_all()
+        error = errors.get(next(k for k, request in enumerate(group) if request is mine))
         if error is not None:
             raise error

@@ -42,6 +42,8 @@ def list_dead_letters(settings: Settings, timeout_s: float = 10.0) -> list[tuple
 
 def revalidate(letter: DeadLetter) -> Event:
     """The event the letter's original bytes make today; `InvalidEvent` if they still fail."""
+    if letter.truncated:
+        raise InvalidEvent(f"the letter keeps only the first {len(letter.original)} of {letter.original_size} bytes")
     if letter.source.startswith("kafka:"):
         return Event.from_bytes(letter.original)
     try:

@@ -7,7 +7,7 @@ One batch at a time (`run_once`):
    is made big enough to pay for it, and a quiet topic still commits within `linger_s`;
 2. on a new assignment, reload each partition's offset from the table and seek to it + 1 (the table,
    not the consumer group, says where reading resumes: `ingest.dedup`);
-3. validate against the contract (`flywheel.fast_validate.validate_batch`);
+3. validate against the contract (`flywheel.fast_validate.validate_guarded`, as every consumer of the topic);
 4. drop records the table already holds and duplicate event ids (`ingest.dedup.PartitionLedger`);
 5. produce every record that could not be decoded, validated or stored to the dead-letter topic, with
    its bytes, the reason and `kafka:<topic>/<partition>/<offset>`, and commit them to the dead-letter
@@ -43,7 +43,7 @@ from flywheel.bus import (
     make_consumer,
     make_producer,
 )
-from flywheel.fast_validate import validate_batch
+from flywheel.fast_validate import validate_guarded
 from flywheel.lake.tables import DEAD_LETTERS, EVENTS, CommitRefused
 from flywheel.ops import ProcessHealth, kafka_dependency, lake_dependency, run_loop
 from flywheel.ops import run_worker as run_with_ops
@@ -286,7 +286,7 @@ class IngestWorker:
             return BatchResult()
         metrics.EVENTS_IN.labels("worker", "kafka").inc(len(batch))
         clock = _StageClock()
-        valid, refused = _validate(batch)
+        valid, refused = validate_guarded(batch)
         clock.lap("validate")
         ends = {key: end - 1 for key, (_, end) in ranges.items()}  # the last offset read of each partition
         valid, more_refused = storable(valid)
@@ -375,27 +375,6 @@ class IngestWorker:
 
 
 _EMPTY = RecordBatch([], [], [], [])
-
-
-def _validate(batch: RecordBatch) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
-    """`validate_batch`, which refuses rather than raises; should a record still break it (a bug), each record
-    is validated alone and the one that breaks it is refused, so the batch goes on."""
-    try:
-        return validate_batch(batch)
-    except Exception:  # noqa: BLE001 - one record must not stop ingest for good
-        log.exception("validating a batch of %d records failed; validating them one by one", len(batch))
-    frames = [pl.DataFrame(schema={**EVENTS.schema, "_i": pl.Int64})]
-    refused: list[tuple[int, str]] = []
-    for i in range(len(batch)):
-        one = RecordBatch([batch.topics[i]], [batch.partitions[i]], [batch.offsets[i]], [batch.values[i]])
-        try:
-            valid, no = validate_batch(one)
-        except Exception as exc:  # noqa: BLE001
-            refused.append((i, f"cannot be validated: {type(exc).__name__}: {exc}"))
-            continue
-        frames.append(valid.with_columns(pl.lit(i, dtype=pl.Int64).alias("_i")))
-        refused += [(i, reason) for _, reason in no]
-    return pl.concat(frames), refused
 
 
 def run_worker(

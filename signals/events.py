@@ -23,7 +23,7 @@ import polars as pl
 
 from flywheel.bus import RecordBatch
 from flywheel.contract import LATEST_TIME, Event, EventType
-from flywheel.fast_validate import validate_batch
+from flywheel.fast_validate import validate_guarded
 from flywheel.reward_versions import DEFAULT_SURFACE, surface_of
 
 log = logging.getLogger(__name__)
@@ -65,17 +65,22 @@ class StreamEvent(msgspec.Struct, frozen=True, gc=False):
 _PROPERTIES_LIST = msgspec.json.Decoder(list[dict[str, Any]])
 
 
-def decode_batch(batch: RecordBatch, window_us: int) -> tuple[list[StreamEvent], int]:
+def decode_batch(
+    batch: RecordBatch, window_us: int, refused: list[tuple[int, str]] | None = None
+) -> tuple[list[StreamEvent], int]:
     """The events of a polled batch, in (partition, offset) order, and how many records carry no signal: a
     tombstone, bytes that fail the contract, or an event so close to the end of time that its reward window
     (`window_us`) would end past it (its record's `window_end` could not be written). Never raises over what a
-    record holds.
+    record holds. `refused`, when given, gets each record the contract refuses: (its index, the reason).
 
-    Decoded column-wise by the contract's own batch validator (`flywheel.fast_validate`, ingest's), so an event
-    is taken here exactly when ingest writes it to the lake, with the properties the lake holds (the batch
-    recompute's input), and the per-event cost is a few polars columns rather than a pydantic model.
+    Decoded column-wise by the contract's own batch validator behind the guard every consumer of the topic uses
+    (`flywheel.fast_validate.validate_guarded`, ingest's), so an event is taken here exactly when ingest writes
+    it to the lake, with the properties the lake holds (the batch recompute's input), and the per-event cost is
+    a few polars columns rather than a pydantic model.
     """
-    valid, refused = validate_batch(batch)
+    valid, refusals = validate_guarded(batch)
+    if refused is not None:
+        refused.extend(refusals)
     valid = (
         valid.select(
             "event_id", "type", "generation_id", "user_id",

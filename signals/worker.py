@@ -20,7 +20,9 @@ time, so history replayed into a worker that has been idle still gives one final
 
 A batch is a poll, and more polls while the broker already holds more records (up to `poll_max_records`, never
 waiting for new ones), decoded column-wise by the contract's batch validator (`signals.events.decode_batch`):
-an event is taken exactly when ingest writes it to the lake, with the lake's properties. Then per event, in
+an event is taken exactly when ingest writes it to the lake, with the lake's properties, and a record the
+contract refuses is dead-lettered here too, with its reason (every consumer of the topic guards its parser the
+same way: `flywheel.fast_validate.validate_guarded`). Then per event, in
 partition order: skip it if its id was seen; advance the watermarks; close every
 window ending at or before them (record revision 0); then add the event. A feedback event in a
 window already closed is late: the batch then yields one corrected record for its generation,
@@ -352,9 +354,13 @@ class _Batch:
 
     def _origin(self, e: StreamEvent) -> tuple[str, bytes]:
         """The dead letter's source (topic/partition/offset) and original bytes of `e`'s record."""
-        assert self.records is not None, "only a polled batch adds events"
-        r, i = self.records, e.index
-        return f"kafka:{r.topics[i]}/{r.partitions[i]}/{r.offsets[i]}", r.values[i]
+        return self.source(e.index), self.records.values[e.index] if self.records is not None else b""
+
+    def source(self, i: int) -> str:
+        """A dead letter's source for record `i` of the polled batch (`kafka:<topic>/<partition>/<offset>`)."""
+        assert self.records is not None, "only a polled batch has records"
+        r = self.records
+        return f"kafka:{r.topics[i]}/{r.partitions[i]}/{r.offsets[i]}"
 
     def _within_bounds(self, e: StreamEvent, st: GenState) -> bool:
         """Whether feedback event `e` may join its generation's state: at most `max_feedback_per_generation`
@@ -690,8 +696,9 @@ class SignalsWorker:
     def _process(self, records: RecordBatch) -> None:
         if not self._repaired:
             self._repair_watermarks()
-        events, invalid = decode_batch(records, self.max_window_us())
-        self.stats.count("invalid", invalid)  # ingest dead-letters them; here they simply carry no signal
+        refused: list[tuple[int, str]] = []
+        events, invalid = decode_batch(records, self.max_window_us(), refused)
+        self.stats.count("invalid", invalid)
         self.stats.events += len(events)
         by_partition: dict[int, list[StreamEvent]] = defaultdict(list)
         for e in events:
@@ -703,6 +710,8 @@ class SignalsWorker:
             historical = [e.ts_us for e in evs if event_lane(e, self.backfill_after_us)]
             bounds[(p, 1)] = (max(historical) - self.lateness_us) if historical else -(2**62)
         batch = _Batch(self, *self.store.load(self.keys, bounds, {e.generation_id for e in events}), records)
+        for i, reason in refused:  # what the contract refuses is dead-lettered by every consumer, with its reason
+            batch.dead.append(dead_letter(f"signals: {reason}", batch.source(i), records.values[i] or b""))
         for e in events:  # (partition, offset) order
             batch.add(e)
         self._commit(batch)

@@ -289,3 +289,44 @@ def test_collector_cli_stops_when_one_of_its_processes_dies(settings):
         assert proc.wait(timeout=30) != 0
         # The parent joined the survivor before it exited, so nothing is left of it.
         assert not Path(f"/proc/{survivor}").exists()
+
+
+def test_a_body_whose_dead_letter_would_pass_the_broker_limit_is_a_400_and_readiness_stays(client, settings):
+    """Junk a little over Kafka's 1 MiB message limit (under the collector's 4 MB body limit): the caller's error,
+    a 400 whose dead letter is cut to a bounded size with the whole body's size and digest; Kafka stays ready."""
+    import hashlib
+
+    from flywheel.dead_letters import MAX_LETTER_BYTES
+
+    junk = b"x" * (1_100_000)
+    r = client.post("/v1/events", content=junk, headers={**auth(), "Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert client.get("/readyz").status_code == 200
+    (record,) = read_topic(settings, settings.dead_letter_topic)
+    assert len(record.value) <= MAX_LETTER_BYTES < 1024 * 1024
+    letter = DeadLetter.from_bytes(record.value)
+    assert letter.truncated and letter.original_size == len(junk)
+    assert letter.original_sha256 == hashlib.sha256(junk).hexdigest() and junk.startswith(letter.original)
+    ok = client.post("/v1/events", json={"events": [Event(type="shown", generation_id="g", user_id="u").model_dump(
+        mode="json")]}, headers=auth())  # fmt: skip
+    assert ok.status_code == 200 and ok.json()["accepted"] == 1
+
+
+def test_a_message_too_large_for_kafka_is_a_413_and_readiness_stays(settings):
+    """A broker whose message limit is below the collector's event limit (here the producer's, 40 kB): the request
+    holding the large event is a 413, nothing of it is accepted, and readiness and the next request are untouched."""
+    from flywheel.bus import make_producer
+
+    ensure_topics(settings)
+    producer = make_producer(settings, max_request_size=40_000)
+    with TestClient(create_app(settings, producer=producer)) as c:
+        big = Event(type="shown", generation_id="g-big", user_id="u", properties={"text": "x" * 60_000})
+        small = Event(type="shown", generation_id="g-small", user_id="u")
+        r = c.post("/v1/events", json={"events": [big.model_dump(mode="json")]}, headers=auth())
+        assert r.status_code == 413 and "larger than Kafka takes" in r.json()["error"]
+        assert c.get("/readyz").status_code == 200
+        r = c.post("/v1/events", json={"events": [small.model_dump(mode="json")]}, headers=auth())
+        assert r.status_code == 200 and r.json()["accepted"] == 1
+        assert c.get("/readyz").status_code == 200
+    events = [Event.from_bytes(rec.value) for rec in read_topic(settings, settings.events_topic)]
+    assert [e.generation_id for e in events] == ["g-small"]

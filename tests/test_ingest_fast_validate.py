@@ -25,7 +25,7 @@ BASE = {
     "ts": "2026-01-02T03:04:05.123456Z",
     "received_at": "2026-01-02T03:04:06Z",
     "source": "native",
-    "properties": {"accepted_chars": 3, "x": [1.5, "é", None, 10**30]},
+    "properties": {"accepted_chars": 3, "x": [1.5, "é", None, 2**63 - 1]},
 }
 
 
@@ -135,6 +135,12 @@ GENERATIONS = [
     _gen(prompt_token_ids=[1, True, 3]),
     _gen(prompt_token_ids=[1.0, 2, 3]),
     _gen(completion_token_ids=[10**30, -1]),
+    _gen(language=2**63),  # past 64 bits: refused by the contract, whichever path judges it
+    _gen(language=-(2**63)),
+    _with(properties={"n": 2**63 - 1, "m": -(2**63)}),
+    _with(properties={"n": 2**63}),
+    _with(properties={"n": [10**30]}),
+    _with(properties={"n": "1" * 40}),  # digits in a string are text
     _gen(prompt=5),
     _gen(prompt=_DROP),
     _gen(model_version=None),

@@ -298,3 +298,59 @@ def test_a_row_the_lake_fails_on_is_handed_back_alone_and_every_other_row_kept_o
     with pytest.raises(OSError):  # the lake's own failure is not a row's: the batch is retried
         monkeypatch.setattr(lake_sink, "to_arrow", lambda df: (_ for _ in ()).throw(OSError("disk full")))
         storable(_rows(2))
+
+
+def _malformed_set(as_sent: dict[str, Any]) -> dict[str, bytes]:
+    """Records a client could put on the events topic that break a parser, not the contract's rules: an integer of
+    thousands of digits (in properties and in an envelope field) and nesting past the parsers' depth."""
+    big = b"9" * 4_000
+    deep = b"[" * 5_000 + b"]" * 5_000
+
+    def spliced(event_id: str, where: bytes, what: bytes) -> bytes:
+        return json.dumps({**as_sent, "event_id": event_id}).encode().replace(where, what)
+
+    return {
+        "big-property": spliced("big-prop", b'"k": 0', b'"k": ' + big),
+        "big-nested": spliced("big-nest", b'"k": 0', b'"k": [{"n": ' + big + b"}]"),
+        "big-envelope": spliced("big-env", b'"schema_version": 1', b'"schema_version": ' + big),
+        "deep-property": spliced("deep-prop", b'"k": 0', b'"k": ' + deep),
+        "deep-envelope": b'{"event_id": ' + deep + b"}",
+    }
+
+
+def test_a_malformed_record_is_dead_lettered_by_every_consumer_of_the_topic_and_none_exits(settings):
+    """The same malformed set, straight onto the events topic, before a good generation and its feedback: the
+    ingest worker and the signals worker each dead-letter every record of it with a reason, and each goes on to
+    the good events (ingest writes them, signals scores the generation)."""
+    ensure_topics(settings)
+    t0 = utcnow()
+    gen = generation_event("g-good", t0, user_id="u")
+    feedback = Event(event_id="fb-big", type="thumbs", generation_id="g-good", user_id="u", ts=t0,
+                     properties={"value": "up", "k": 0})  # fmt: skip
+    malformed = _malformed_set(json.loads(feedback.to_bytes()))
+    t = settings.events_topic
+    producer = make_producer(settings)
+    producer.send_all([Outgoing(t, v, key=b"g-good") for v in malformed.values()]
+                      + [Outgoing(t, gen.to_bytes(), key=b"g-good")])  # fmt: skip
+    producer.close()
+
+    ingest_worker = IngestWorker(settings, group_id="g-malformed", poll_timeout_s=0.3)
+    drain(ingest_worker, settings, 1, len(malformed))
+    ingest_worker.close()
+    ingest_letters = letters(settings)
+    assert EVENTS.read(EVENTS.at(settings.lake_root))["event_id"].to_list() == [gen.event_id]
+
+    signals = SignalsWorker(settings, SignalsConfig(idle_after_s=60, poll_timeout_s=0.2))
+    try:
+        for _ in range(100):
+            if signals.stats.events >= 1 and len(letters(settings)) >= 2 * len(malformed):
+                break
+            signals.run_once()
+    finally:
+        signals.close()
+    assert signals.stats.events == 1 and signals.stats.invalid == len(malformed)
+    every = letters(settings)
+    signals_letters = [d for d in every if d not in ingest_letters]
+    for found in (ingest_letters, signals_letters):
+        assert sorted(d.original for d in found) == sorted(malformed.values())
+        assert all(d.reason and d.source.startswith(f"kafka:{t}/") for d in found)

@@ -16,6 +16,7 @@ from flywheel.bus.security import client_security
 from flywheel.bus.types import (
     BrokerUnavailable,
     Consumer,
+    MessageTooLarge,
     Outgoing,
     Producer,
     Record,
@@ -25,8 +26,8 @@ from flywheel.bus.types import (
 from flywheel.settings import Settings
 
 __all__ = [
-    "BrokerUnavailable", "Consumer", "Outgoing", "Producer", "Record", "RecordBatch", "ensure_topics",
-    "client_security", "make_consumer", "make_producer", "next_offsets",
+    "BrokerUnavailable", "Consumer", "MessageTooLarge", "Outgoing", "Producer", "Record", "RecordBatch",
+    "ensure_topics", "client_security", "make_consumer", "make_producer", "next_offsets",
 ]
 
 log = logging.getLogger(__name__)

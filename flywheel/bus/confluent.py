@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import cast
 
-from flywheel.bus.types import BrokerUnavailable, Outgoing, Record, RecordBatch
+from flywheel.bus.types import BrokerUnavailable, MessageTooLarge, Outgoing, Record, RecordBatch
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,15 @@ class ConfluentProducer:
         )
 
     def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
+        from confluent_kafka import KafkaError, KafkaException
+
         errors: list[str] = []
+        too_large: list[str] = []
 
         def delivered(err: object, _msg: object) -> None:
             if err is not None:
-                errors.append(str(err))
+                is_size = isinstance(err, KafkaError) and err.code() == KafkaError.MSG_SIZE_TOO_LARGE
+                (too_large if is_size else errors).append(str(err))
 
         for m in messages:
             while True:
@@ -79,7 +83,15 @@ class ConfluentProducer:
                     break
                 except BufferError:  # local queue full: let deliveries drain it
                     self._p.poll(0.05)
+                except KafkaException as exc:
+                    err = exc.args[0] if exc.args else None
+                    if isinstance(err, KafkaError) and err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                        self._p.flush(timeout_s)  # what was queued before it goes out; the caller reports none
+                        raise MessageTooLarge(f"a message is too large for Kafka: {err}") from exc
+                    raise BrokerUnavailable(f"Kafka refused a message: {exc}") from exc
         remaining = self._p.flush(timeout_s)
+        if too_large:
+            raise MessageTooLarge(f"a message is too large for Kafka: {too_large[0]}")
         if remaining:
             raise BrokerUnavailable(f"Kafka did not acknowledge {remaining} message(s) within {timeout_s}s")
         if errors:

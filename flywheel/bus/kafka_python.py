@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flywheel.bus.murmur2 import key_partitions
-from flywheel.bus.types import BrokerUnavailable, Outgoing, Record, RecordBatch
+from flywheel.bus.types import BrokerUnavailable, MessageTooLarge, Outgoing, Record, RecordBatch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class KafkaPythonProducer:
         )
 
     def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
-        from kafka.errors import KafkaError
+        from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
         try:
             partitions = self._partitions(messages)
@@ -55,6 +55,9 @@ class KafkaPythonProducer:
             self._p.flush(timeout=timeout_s)
             for f in futures:
                 f.get(timeout=timeout_s)
+        except (MessageSizeTooLargeError, RecordListTooLargeError) as exc:  # from `send` (the client's limit) or
+            # the broker's answer: the message's fault, not the broker's
+            raise MessageTooLarge(f"a message is too large for Kafka: {exc}") from exc
         except KafkaError as exc:
             raise BrokerUnavailable(f"Kafka did not acknowledge: {exc}") from exc
 

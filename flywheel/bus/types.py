@@ -12,6 +12,12 @@ class BrokerUnavailable(RuntimeError):
     """Kafka did not acknowledge in time: the caller must not report success."""
 
 
+class MessageTooLarge(ValueError):
+    """A message is larger than the client's or the broker's limit. The sender's fault, not an outage: the
+    broker is as up as it was, and sending the same message again fails the same way. Nothing of the send may be
+    reported as acknowledged (its other messages may or may not have been written)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     topic: str
@@ -84,7 +90,8 @@ class Outgoing:
 
 class Producer(Protocol):
     def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
-        """Send and wait until the broker acknowledged every message; raise `BrokerUnavailable` if not."""
+        """Send and wait until the broker acknowledged every message; raise `BrokerUnavailable` if not, or
+        `MessageTooLarge` when one of them is past the client's or the broker's message limit."""
 
     def close(self) -> None: ...
 
