@@ -7,6 +7,10 @@ whole, so every reader sees one whole mapping and a backfill of another version 
 activates it. A lake without the file has never been touched by signals (a simulator wrote its
 rewards); readers then fall back to the version written last, as before surfaces existed.
 
+Every consumer of rewards (the trainer, the gate's metrics, the offline gates, the rollout controller and its
+chart, the gaming watch) asks `versions_by_surface`, or `versions_to_read` for just the versions, and nothing
+else: what counts changes in one place, and only when a version is activated.
+
 A surface is named by the `surface` property of a `generation` event (`DEFAULT_SURFACE` when it
 is empty): lower-case letters, digits, `.`, `_` and `-`.
 """
@@ -27,6 +31,7 @@ DEFAULT_SURFACE = "code-completion"
 SURFACE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 _SURFACE = re.compile(SURFACE_PATTERN)
 ACTIVE_FILE = "active.json"
+ANY_SURFACE = "*"  # the key of the version written last, on a lake whose signals never wrote the pointer
 
 
 def surface_of(value: object) -> str:
@@ -67,12 +72,23 @@ def describe(versions: Iterable[str]) -> str:
     return ",".join(sorted(versions))
 
 
-def versions_to_read(lake: str | Path, rewards: pl.LazyFrame) -> list[str]:
-    """The reward versions a consumer of `rewards` (the lake's rewards table) follows: the active one of each
-    surface, so a backfill of another version changes nothing until it is activated; on a lake whose signals
-    never wrote the pointer, the version written last."""
+def versions_by_surface(lake: str | Path, rewards: pl.LazyFrame | None) -> dict[str, str]:
+    """`{surface: reward version}` that a consumer of `rewards` (the lake's rewards table; None: no table yet)
+    follows: the active one of each surface, so a backfill of another version changes nothing until it is
+    activated; on a lake whose signals never wrote the pointer, the version written last, under `ANY_SURFACE`.
+
+    A definition scores only generations of its own surface (`signals/worker.py`), so reading the rows of these
+    versions gives each generation one reward, from its own surface's active definition.
+    """
     active = read_active(lake)
     if active:
-        return sorted(set(active.values()))
+        return active
+    if rewards is None:
+        return {}
     newest = rewards.select(pl.col("reward_version").get(pl.col("emitted_at").arg_max())).collect()
-    return [] if newest.is_empty() or newest.item() is None else [str(newest.item())]
+    return {} if newest.is_empty() or newest.item() is None else {ANY_SURFACE: str(newest.item())}
+
+
+def versions_to_read(lake: str | Path, rewards: pl.LazyFrame | None) -> list[str]:
+    """The versions of `versions_by_surface`, sorted: what a consumer filters the rewards table on."""
+    return sorted(set(versions_by_surface(lake, rewards).values()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import polars as pl
 
 from flywheel.lake.tables import REWARDS
-from flywheel.reward_versions import read_active
+from flywheel.reward_versions import versions_to_read
 from flywheel.settings import Settings
 from signals.sink import read_rewards
 
@@ -72,18 +72,12 @@ def trends_of(rewards: pl.DataFrame, *, every: str = "1h") -> pl.DataFrame:
 
 def signal_trends(settings: Settings, *, every: str = "1h", version: str | None = None) -> pl.DataFrame:
     """Per time bucket (of generation time), arm and model version: shares and rates of the signals
-    and the mean reward, for one reward version (default: the active one of each surface; on a lake
-    signals never pointed, the one most recently emitted)."""
+    and the mean reward, for one reward version (default: the active one of each surface, read as every
+    consumer reads it: `flywheel.reward_versions.versions_to_read`)."""
     rewards = read_rewards(REWARDS.at(settings.lake_root), latest_only=True)
     if rewards.is_empty():
         return pl.DataFrame(schema=TREND_SCHEMA)
-    active = read_active(settings.lake_root)
-    if version is not None:
-        versions = [version]
-    elif active is not None:
-        versions = sorted(set(active.values()))
-    else:
-        versions = [rewards.sort("emitted_at")["reward_version"][-1]]
+    versions = [version] if version is not None else versions_to_read(settings.lake_root, rewards.lazy())
     return trends_of(rewards.filter(pl.col("reward_version").is_in(versions)), every=every)
 
 
