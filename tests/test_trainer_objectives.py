@@ -9,11 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from flywheel.lm import load_policy
+from flywheel.lm import Policy, load_policy
+from flywheel.lm.corpus import held_out_files
 from trainer.config import TrainerConfig
 from trainer.data import Sample
-from trainer.loop import abstain_loss, decline_probabilities, train_policy
-from trainer.objectives import advantages, importance_ratios, kl_k3, kto_loss, policy_gradient_loss
+from trainer.loop import abstain_loss, context_log_loss, decline_probabilities, score_samples, train_policy
+from trainer.objectives import (
+    advantages,
+    importance_ratios,
+    kl_k3,
+    kto_loss,
+    policy_gradient_loss,
+    pretraining_loss,
+)
 from trainer.scoring import scorer_for
 
 
@@ -208,3 +216,52 @@ def test_the_abstain_term_moves_declining_toward_what_declining_would_have_earne
     with pytest.raises(ValueError, match="stop_ids"):  # asked for, never silently left out
         train_policy(policy.model, [sample(-0.25, [5, 6])], [[0.0, 0.0]], TrainerConfig(abstain_coef=1.0),
                      scorer_for(False), policy.pad_id)  # fmt: skip
+
+
+def test_the_pretraining_term_is_the_mean_token_log_loss_and_zero_on_no_text() -> None:
+    logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-4.0, 0.0, 0.0]], requires_grad=True)  # (B, L)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert float(pretraining_loss(logprobs, mask)) == pytest.approx((1 + 2 + 4) / 3)  # per token, not per text
+    empty = pretraining_loss(logprobs, torch.zeros_like(mask))
+    assert float(empty) == 0.0 and not torch.isnan(empty)
+    empty.backward()  # a graph even with nothing to score
+    assert logprobs.grad is not None and float(logprobs.grad.abs().sum()) == 0.0
+
+
+def test_the_pretraining_mix_holds_held_out_log_loss_while_the_policy_still_moves(tiny_model_dir: Path) -> None:
+    """PPO-ptx (`ptx_coef`): the same seeded cycle on logged code contexts, with and without the term. Without
+    it, the policy gradient's steps raise the next-token log-loss of code from other files; with it, the rise
+    is smaller, and the weights still move."""
+    torch.manual_seed(0)
+    files = (f.read_text(errors="replace") for f in held_out_files(40, 0)[::7])
+    texts = [t[len(t) // 2 : len(t) // 2 + 300] for t in files]  # code the tiny model never trained on
+    texts = [t for t in texts if len(t) == 300]
+    contexts, held_out = texts[:24], texts[24:32]
+    assert len(held_out) == 8
+    at = datetime.now(UTC)
+
+    def log_loss(policy: Policy) -> float:
+        rows = [Sample("h", "u", policy.encode_prompt(t, max_tokens=1), [1], [0.0], 0.0, "1", at) for t in held_out]
+        with torch.no_grad():
+            return float(context_log_loss(policy.model, rows, policy.pad_id))
+
+    rise, moved, ptx = {}, {}, {}
+    for coef in (0.0, 1.0):
+        policy = load_policy(tiny_model_dir)
+        start = [p.detach().clone() for p in policy.model.parameters()]
+        samples = []
+        for i in range(48):
+            g = policy.generate(contexts[i % 24], max_tokens=8, seed=i)
+            reward = 1.0 if g.finish_reason != "length" else -1.0
+            samples.append(Sample(f"g{i}", "u", g.prompt_token_ids, g.completion_token_ids, g.logprobs, reward, "1",
+                                  at))  # fmt: skip
+        reference = score_samples(policy.model, samples, scorer_for(False), policy.pad_id, 8)
+        before = log_loss(policy)
+        config = TrainerConfig(learning_rate=3e-3, batch_size=8, epochs=2, ptx_coef=coef)
+        history = train_policy(policy.model, samples, reference, config, scorer_for(False), policy.pad_id).history
+        rise[coef] = log_loss(policy) - before
+        moved[coef] = max(float((p - s).abs().max()) for p, s in zip(policy.model.parameters(), start, strict=True))
+        ptx[coef] = history[0].ptx
+    assert rise[0.0] > 0.05 and rise[1.0] < rise[0.0] - 0.05, rise
+    assert moved[1.0] > 0.5 * moved[0.0] > 0, moved
+    assert ptx[0.0] == 0.0 and 2.0 < ptx[1.0] < 10.0  # logged before its coefficient: a log-loss in nats

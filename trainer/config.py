@@ -31,6 +31,12 @@ class TrainerConfig:
             exact gradient of the expected reward through the decline choice, with the shown
             suggestion's reward as its value. Where suggestions are rejected it raises declining,
             where they are accepted it lowers it. 0 (default) leaves it out.
+        ptx_coef: weight gamma of a pretraining-mix term (InstructGPT's PPO-ptx, Ouyang et al. 2022, eq. 2):
+            gamma x the mean next-token log-loss of each batch's logged contexts (its samples' prompts, the text
+            the product served, distinct) is added to the loss, so the policy keeps modelling the product's text
+            while it moves toward what users accept; the KL term holds only the tokens it samples. Costs one
+            more forward and backward pass over the batch's prompts a step. 0 (default) leaves it out; at most
+            10 (beyond, the language-model term drowns the reward).
         kto_beta, kto_lambda_desirable, kto_lambda_undesirable, kto_threshold: KTO's beta, class
             weights, and the reward above which a sample counts as desirable.
         rwl_beta, rwl_max_weight: "rwl" weighs each sample's log-likelihood by exp(advantage / rwl_beta),
@@ -111,6 +117,7 @@ class TrainerConfig:
     loss_aggregation: Literal["sequence", "token"] = "sequence"
     abstain_coef: float = 0.0
     abstain_reward: float = 0.0
+    ptx_coef: float = 0.0
     kto_beta: float = 0.1
     kto_lambda_desirable: float = 1.0
     kto_lambda_undesirable: float = 1.0
@@ -169,6 +176,11 @@ class TrainerConfig:
             errors.append(f"is_cap={self.is_cap}: must be >= 1 (a cap below 1 down-weights on-policy tokens)")
         if self.abstain_coef < 0:
             errors.append(f"abstain_coef={self.abstain_coef}: must be >= 0")
+        if not 0 <= self.ptx_coef <= 10:
+            errors.append(
+                f"ptx_coef={self.ptx_coef}: must be in [0, 10] (0 = no pretraining-mix term; InstructGPT used"
+                " 27.8 on a loss summed differently, here values near 0.1-1 weigh it against a normalised advantage)"
+            )
         if self.kl_coef < 0:
             errors.append(f"kl_coef={self.kl_coef}: must be >= 0")
         if not (self.baseline == "batch_mean" or isinstance(self.baseline, int | float)):

@@ -23,9 +23,10 @@ from trainer.objectives import (
     kl_k3,
     kto_loss,
     policy_gradient_loss,
+    pretraining_loss,
     reward_weighted_likelihood_loss,
 )
-from trainer.scoring import Scorer
+from trainer.scoring import Scorer, batched_token_logprobs
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class StepStats:
     tokens: int
     mean_reward: float
     abstain: float = 0.0  # the abstain term's value before its coefficient (0 when off); not in `loss`
+    ptx: float = 0.0  # the pretraining-mix term's log-loss before its coefficient (0 when off); not in `loss`
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items() if k != "step"}
@@ -226,6 +228,10 @@ def train_policy(
             if config.abstain_coef and stop_ids:
                 abstain = abstain_loss(model, batch, stop_ids, pad_id, config.abstain_reward)
                 loss = loss + config.abstain_coef * abstain
+            ptx = torch.zeros(())
+            if config.ptx_coef:
+                ptx = context_log_loss(model, batch, pad_id)
+                loss = loss + config.ptx_coef * ptx
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -237,7 +243,7 @@ def train_policy(
             record = StepStats(
                 step=step, loss=stats.loss, kl=stats.kl, ratio_mean=stats.ratio_mean,
                 ratio_max=stats.ratio_max, clip_fraction=stats.clip_fraction, tokens=stats.tokens,
-                mean_reward=float(rewards[idx].mean()), abstain=float(abstain.detach()),
+                mean_reward=float(rewards[idx].mean()), abstain=float(abstain.detach()), ptx=float(ptx.detach()),
             )  # fmt: skip
             history.append(record)
             if on_step is not None:
@@ -295,6 +301,19 @@ def abstain_loss(
     p_decline = decline_probabilities(model, [s.prompt_token_ids for s in shown], stop_ids, pad_id)  # (B,)
     gain = torch.tensor([s.reward - abstain_reward for s in shown], dtype=torch.float32, device=device)  # (B,)
     return (gain * p_decline).mean()
+
+
+def context_log_loss(model: torch.nn.Module, batch: Sequence[Sample], pad_id: int) -> Tensor:
+    """Mean next-token log-loss of the batch's distinct logged contexts (prompts) under `model`, differentiable:
+    `pretraining_loss` on the product's own text (`TrainerConfig.ptx_coef`). 0 with a graph when none has two
+    tokens. Scored in one padded pass: this term need not match serving's log-probs, only be their gradient."""
+    contexts = [list(p) for p in dict.fromkeys(tuple(s.prompt_token_ids) for s in batch) if len(p) > 1]
+    device = next(model.parameters()).device
+    if not contexts:
+        return torch.zeros((), device=device, requires_grad=True)
+    # each context's first token predicts the rest: (B, L-1) log-probs and mask
+    logprobs, mask = batched_token_logprobs(model, [c[:1] for c in contexts], [c[1:] for c in contexts], pad_id)
+    return pretraining_loss(logprobs, mask)
 
 
 def _all_reduce_grads(params: Sequence[torch.nn.Parameter], world: int) -> None:

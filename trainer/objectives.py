@@ -3,6 +3,7 @@
 Shapes: `B` samples, `T` completion tokens (right-padded, `mask` 1.0 on real tokens).
 Every function handles an all-padding batch (e.g. only declined, empty completions)
 by returning a zero loss that still has a graph, so a step never produces NaN.
+`pretraining_loss` reads (B, L) token log-probs of whole texts instead of completions.
 """
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """
     q = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return torch.exp(q) - q - 1.0
+
+
+def pretraining_loss(text_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """PPO-ptx's pretraining term as a loss: the mean negative log-likelihood per token of text the policy should
+    keep modelling (Ouyang et al. 2022, "Training language models to follow instructions with human feedback",
+    eq. 2: the RL objective plus gamma * E_{x ~ D_pretrain}[log pi_theta(x)]; the caller weighs it by gamma).
+
+    `text_logprobs` (B, L): log pi_theta(x_t | x_<t) of each text's tokens, right-padded, `mask` (B, L) 1.0 on
+    real tokens. Every token weighs the same, as the log-loss a language-model gate reads does. 0 with a graph
+    when nothing is unmasked (no text, or one-token texts), never NaN.
+
+    The KL penalty holds the policy to the champion only on the tokens it samples; this term holds the whole
+    next-token distribution on real text, which the KL does not see, where RL's drift shows as perplexity.
+    """
+    return -masked_mean(text_logprobs, mask)
 
 
 def policy_gradient_loss(
