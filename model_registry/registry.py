@@ -112,8 +112,9 @@ class GateChange:
 class OfflineGateResult:
     """One offline gate's verdict on a version.
 
-    `status` is "passed", "failed" or "insufficient_evidence" (shown, never blocks); `passed` is
-    False only for "failed". `bound` says in words what `value` had to satisfy.
+    `status` is "passed", "failed", "insufficient_evidence" or "undecided" (an interval that straddles the
+    margin; both shown, never blocking); `passed` is False only for "failed". `bound` says in words what
+    `value` had to satisfy.
     """
 
     name: str

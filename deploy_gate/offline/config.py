@@ -15,7 +15,11 @@ class OfflineGateConfig:
         n_prompts: held-out prompts cut from standard-library files the model was not trained on
             (`flywheel.lm.corpus.held_out_files`); logged_prompts: up to this many of the most
             recent prompts served (signed generations in the lake) are added to them.
-        n_text_windows, text_window_tokens: held-out text scored for perplexity.
+        n_text_windows: general held-out text windows (standard-library files) for the language-model gate.
+        logged_texts: up to this many more from the product's own signed traffic, newest first, on prompts
+            the candidate's trainer held out (`flywheel.holdout`): the prompt context, then the completion
+            where its user kept it (reward > 0).
+        text_window_tokens: tokens per text window (its last ones, where a logged completion is).
         max_tokens: completion length per generation (serving's one-line completions).
     Sanity
         max_empty_rate: share of generations not declined yet with no visible text above which the
@@ -27,15 +31,25 @@ class OfflineGateConfig:
     KL to the champion
         max_kl: mean per-token KL(candidate || champion), in nats, over the candidate's own
             completions of the held-out prompts (the quantity the trainer's KL penalty keeps small).
-    Regression
-        max_perplexity_ratio: candidate perplexity / champion perplexity on the held-out text.
+    Language model (`deploy_gate.offline.lm`: a paired t-interval of the per-window difference in mean token
+    log-loss, candidate - champion, on the same tokens)
+        lm_margin: the non-inferiority margin against the champion, in nats per token: a margin of m is a
+            perplexity rise of exp(m) - 1, so 0.05 allows 5.1% per candidate. Passed when the interval's upper
+            end is below it, failed when its lower end is above it, otherwise "undecided" (shown, does not
+            block: the A/B test decides).
+        lm_reference_margin: the same against the reference (the lineage's first champion, the base model),
+            so drift across promotions is bounded, not only each step: 0.10 nats/token is a 10.5% rise in all.
+        lm_min_windows: fewer windows scored than this (a tiny budget) is "undecided".
+        lm_cpu_budget_s: CPU-seconds for scoring windows (every policy on each), in a seeded random order:
+            what fits is a uniform sample, and the reason says how many of how many were scored. In (0, 3600].
     Against the champion (on the same prompts and seeds)
         max_empty_rate_increase: absolute rise in the empty-output rate (reward hacking: a blank
             output dodges a reject without declining);
         max_declined_rate_increase: absolute rise in the decline rate (loose, as above);
         length_ratio_range: (low, high) bounds on mean suggestion length / the champion's.
     Off-policy estimate (from the champion's signed, rewarded traffic)
-        reward_version: the reward definition to use ("" = the most recently emitted one).
+        reward_version: the reward definition to use ("" = the active one of each surface,
+            `flywheel.reward_versions.versions_to_read`).
         ope_max_samples: newest logged generations used; ope_min_samples and ope_min_ess: below
             either, the verdict is "insufficient evidence" (shown, does not block).
         ope_margin, ope_refuse_margin: on d = DR estimate - the champion's logged mean reward
@@ -46,8 +60,11 @@ class OfflineGateConfig:
             of a completion's token ratios: biased, far less variance; it predicted the ground truth
             best on the tuning populations, r 0.91 against 0.85 for clipped sequence ratios) or
             "sequence" (their product); ope_ridge: the reward model's ridge.
-        ope_dm_prompts: logged prompts the candidate completes for the direct-method term of DR (newest
-            first); covering all of them (the default, = ope_max_samples) pairs that term per prompt.
+        ope_dm_prompts: at most this many logged samples (a seeded uniform sample of them) are estimated on:
+            the candidate completes each prompt for the direct-method term of DR, paired with the logged term.
+        ope_cpu_budget_s: CPU-seconds for those completions and importance ratios, batch by batch in the same
+            seeded order; the estimate uses the samples covered, and its detail says how many of how many.
+            Fewer than ope_min_samples covered is "insufficient evidence". In (0, 3600].
         bootstrap_samples, confidence: the seeded percentile bootstrap of both estimates.
     seed: every sample, prompt choice and bootstrap draw; the same seed gives the same results.
     num_threads: torch intra-op threads while the gates run. None: 1 for a champion under
@@ -57,7 +74,8 @@ class OfflineGateConfig:
 
     n_prompts: int = 24
     logged_prompts: int = 16
-    n_text_windows: int = 16
+    n_text_windows: int = 256
+    logged_texts: int = 256
     text_window_tokens: int = 96
     max_tokens: int = 24
 
@@ -67,7 +85,10 @@ class OfflineGateConfig:
 
     max_kl: float = 0.1
 
-    max_perplexity_ratio: float = 1.05
+    lm_margin: float = 0.05
+    lm_reference_margin: float = 0.10
+    lm_min_windows: int = 30
+    lm_cpu_budget_s: float = 60.0
 
     max_empty_rate_increase: float = 0.1
     max_declined_rate_increase: float = 0.3
@@ -83,6 +104,7 @@ class OfflineGateConfig:
     ope_ratio: Literal["sequence", "per_token"] = "per_token"
     ope_ridge: float = 1.0
     ope_dm_prompts: int = 2000
+    ope_cpu_budget_s: float = 120.0
     bootstrap_samples: int = 500
     confidence: float = 0.95
 
@@ -95,7 +117,7 @@ class OfflineGateConfig:
         for name in ("n_prompts", "n_text_windows", "max_tokens", "bootstrap_samples", "ope_max_samples"):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("logged_prompts", "ope_min_samples", "ope_dm_prompts"):
+        for name in ("logged_prompts", "logged_texts", "ope_min_samples", "ope_dm_prompts", "lm_min_windows"):
             if getattr(self, name) < 0:
                 errors.append(f"{name}={getattr(self, name)}: must be >= 0")
         if self.text_window_tokens < 2:
@@ -107,8 +129,15 @@ class OfflineGateConfig:
                 errors.append(f"{name}={getattr(self, name)}: a share, must be in [0, 1]")
         if self.max_kl <= 0:
             errors.append(f"max_kl={self.max_kl}: must be > 0 (nats per token)")
-        if self.max_perplexity_ratio < 1.0:
-            errors.append(f"max_perplexity_ratio={self.max_perplexity_ratio}: must be >= 1 (1 = no worse at all)")
+        for name in ("lm_margin", "lm_reference_margin"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                errors.append(f"{name}={getattr(self, name)}: nats per token, in (0, 1] (0.05 = 5.1% perplexity)")
+        if self.lm_reference_margin < self.lm_margin:
+            errors.append(f"lm_reference_margin={self.lm_reference_margin}: must be >= lm_margin={self.lm_margin} "
+                          "(drift since the reference includes this step)")  # fmt: skip
+        for name in ("lm_cpu_budget_s", "ope_cpu_budget_s"):
+            if not 0.0 < getattr(self, name) <= 3600.0:
+                errors.append(f"{name}={getattr(self, name)}: CPU-seconds, must be in (0, 3600]")
         low, high = self.length_ratio_range
         if not 0.0 < low <= 1.0 <= high:
             errors.append(f"length_ratio_range={self.length_ratio_range}: need 0 < low <= 1 <= high")

@@ -4,7 +4,12 @@ Gates, in order (names as recorded on the version and shown by `GET /api/version
 - `sanity`: the candidate loads, generates on every held-out prompt, no NaN in its log-probs or
   perplexity, empty outputs, declines and outputs cut at max_tokens under their bounds;
 - `kl_to_champion`: mean per-token KL(candidate || champion) on its own held-out completions;
-- `perplexity_regression`: held-out-text perplexity over the champion's;
+- `lm_vs_champion`: the language model kept: a paired t-interval of the mean per-window difference in token
+  log-loss (candidate - champion) on held-out text (the product's own held-out traffic and general text),
+  against a non-inferiority margin in nats per token (`deploy_gate.offline.lm`); "undecided" when it
+  straddles the margin (shown, never blocks);
+- `lm_vs_reference`: the same against the lineage's first champion (the base model), with a cumulative
+  margin: drift across promotions is bounded, not only each step;
 - `empty_rate_vs_champion`, `mean_length_vs_champion`: reward-hacking checks (a model that learns
   to answer blank instead of declining, or to pad or clip its suggestions, to please its reward);
 - `declined_rate_vs_champion`: a loose bound on the rise in declines. Declining is a legitimate
@@ -26,23 +31,26 @@ A candidate that does not load fails `sanity` and every other gate says it was n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from deploy_gate.offline import offpolicy
+from deploy_gate.offline import lm, offpolicy
 from deploy_gate.offline.config import OfflineGateConfig
 from deploy_gate.offline.logged import LoggedTraffic
-from deploy_gate.offline.measure import Sampled, mean_kl, perplexity, sample
+from deploy_gate.offline.measure import Sampled, mean_kl, sample
 from flywheel.lm import CheckpointError, Policy, load_policy
 from model_registry import OfflineGateResult
 
 GATES = (
     "sanity",
     "kl_to_champion",
-    "perplexity_regression",
+    "lm_vs_champion",
+    "lm_vs_reference",
     "empty_rate_vs_champion",
     "declined_rate_vs_champion",
     "mean_length_vs_champion",
@@ -76,16 +84,35 @@ def run_gates(
     config: OfflineGateConfig,
     *,
     in_sample: bool = False,
+    logged_texts: Sequence[str] = (),
+    reference: Reference = None,
+    clock: Callable[[], float] = time.process_time,
 ) -> list[OfflineGateResult]:
     """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`.
 
+    `texts`: general held-out text; `logged_texts`: held-out text from the product's own traffic.
+    `reference`: the lineage's first champion for the drift bound; None when the champion is it (its
+    comparison is then judged against the cumulative margin too); a string says why it could not be loaded.
     `in_sample`: the candidate was trained on `traffic` (its trainer held none out), so the off-policy
-    estimate is optimistic: it may still refuse, never pass."""
+    estimate is optimistic: it may still refuse, never pass. `clock`: CPU seconds, for the budgets."""
     threads = config.num_threads
     if threads is None and sum(p.numel() for p in champion.model.parameters()) < config.small_model_params:
         threads = 1
     with _threads(threads):
-        return _run_gates(candidate_dir, champion, prompts, texts, traffic, config, in_sample)
+        return _run_gates(candidate_dir, champion, prompts, texts, traffic, config, in_sample,
+                          logged_texts, reference, clock)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    """The lineage's first champion, for the drift bound: loaded, or why it could not be (`policy` None)."""
+
+    version: str
+    policy: Policy | None
+    why: str = ""
+
+
+Reference = ReferenceModel | None
 
 
 def _run_gates(
@@ -96,6 +123,9 @@ def _run_gates(
     traffic: LoggedTraffic,
     config: OfflineGateConfig,
     in_sample: bool,
+    logged_texts: Sequence[str],
+    reference: Reference,
+    clock: Callable[[], float],
 ) -> list[OfflineGateResult]:
     try:
         candidate = load_policy(candidate_dir)
@@ -111,16 +141,15 @@ def _run_gates(
         return [_result("sanity", False, None, "loads and generates", cand)] + [
             OfflineGateResult(name, "failed", None, "-", "not run: the candidate cannot generate") for name in GATES[1:]
         ]
-    ppl_cand = perplexity(candidate, texts, config.text_window_tokens)
-    ppl_champ = perplexity(champion, texts, config.text_window_tokens)
-    results = [_sanity(cand, ppl_cand, config)]
+    lm_results, lm_finite = _language_model(candidate, champion, texts, logged_texts, reference, config, clock)
+    results = [_sanity(cand, 0.0 if lm_finite else math.nan, config)]
     results.append(_kl(candidate, champion, cand, config))
-    results.append(_regression(ppl_cand, ppl_champ, len(texts), config))
+    results += lm_results
     if isinstance(champ, str):  # the champion itself cannot generate: nothing to compare with
         results += [OfflineGateResult(n, "failed", None, "-", f"champion: {champ}") for n in VERSUS_CHAMPION]
     else:
         results += _versus_champion(cand, champ, config)
-    results.append(_ope(candidate, traffic, config, in_sample))
+    results.append(_ope(candidate, traffic, config, in_sample, clock))
     return results
 
 
@@ -170,11 +199,49 @@ def _kl(candidate: Policy, champion: Policy, cand: Sampled, config: OfflineGateC
     return _result("kl_to_champion", math.isfinite(kl) and kl <= config.max_kl, kl, bound, detail)
 
 
-def _regression(ppl_cand: float, ppl_champ: float, n_texts: int, config: OfflineGateConfig) -> OfflineGateResult:
-    ratio = ppl_cand / ppl_champ if math.isfinite(ppl_cand) and math.isfinite(ppl_champ) else math.nan
-    detail = f"perplexity {ppl_cand:.4g} vs champion {ppl_champ:.4g} on {n_texts} held-out texts"
-    ok = math.isfinite(ratio) and ratio <= config.max_perplexity_ratio
-    return _result("perplexity_regression", ok, ratio, f"candidate / champion <= {config.max_perplexity_ratio}", detail)
+def _language_model(
+    candidate: Policy, champion: Policy, texts: Sequence[str], logged_texts: Sequence[str], reference: Reference,
+    config: OfflineGateConfig, clock: Callable[[], float],
+) -> tuple[list[OfflineGateResult], bool]:  # fmt: skip
+    """(`lm_vs_champion`, `lm_vs_reference`), and whether the candidate's losses were all finite."""
+    vocab = candidate.model.get_output_embeddings().weight.shape[0]
+    others = {"champion": champion}
+    ref_policy = reference.policy if reference is not None else None
+    if reference is not None and ref_policy is not None:
+        if ref_policy.model.get_output_embeddings().weight.shape[0] != vocab:
+            reference = ReferenceModel(reference.version, None, "its vocabulary differs from the candidate's")
+        else:
+            others["reference"] = ref_policy
+    if champion.model.get_output_embeddings().weight.shape[0] != vocab:
+        why = "vocabularies differ: the candidate's token log-loss cannot be compared with the champion's"
+        return [_result(n, False, None, "same vocabulary", why) for n in ("lm_vs_champion", "lm_vs_reference")], True
+    items = lm.windows(champion, logged_texts, "product", config.text_window_tokens)
+    items += lm.windows(champion, texts, "general", config.text_window_tokens)
+    budget = lm.Budget(config.lm_cpu_budget_s, clock)
+    scored = lm.score(candidate, others, items, budget, config.seed)
+    spent = budget.spent()
+    finite = bool(scored.n == 0 or all(math.isfinite(x) for x in scored.candidate))
+
+    def judge(name: str, other: str, label: str, margin: float) -> OfflineGateResult:
+        cmp = lm.non_inferiority(scored.candidate - scored.others[other], margin, config.confidence,
+                                 config.lm_min_windows)  # fmt: skip
+        bound = f"interval's upper end < {margin} nats/token ({math.expm1(margin):.1%} perplexity)"
+        detail = lm.describe(cmp, scored, label, config.confidence, spent)
+        value = cmp.mean if math.isfinite(cmp.mean) else None
+        return OfflineGateResult(name, cmp.verdict, value, bound, detail)
+
+    vs_champion = judge("lm_vs_champion", "champion", "champion", config.lm_margin)
+    if reference is not None and "reference" in others:
+        vs_reference = judge("lm_vs_reference", "reference", f"reference v{reference.version}",
+                             config.lm_reference_margin)  # fmt: skip
+    elif reference is None:  # the champion is the lineage's first: one comparison, judged on both margins
+        vs_reference = judge("lm_vs_reference", "champion", "reference (the champion itself: the lineage's first)",
+                             config.lm_reference_margin)  # fmt: skip
+    else:
+        assert reference is not None
+        why = f"undecided: the reference v{reference.version} could not be compared with: {reference.why}"
+        vs_reference = OfflineGateResult("lm_vs_reference", "undecided", None, "-", why)
+    return [vs_champion, vs_reference], finite
 
 
 def _versus_champion(cand: Sampled, champ: Sampled, config: OfflineGateConfig) -> list[OfflineGateResult]:
@@ -209,7 +276,9 @@ def _versus_champion(cand: Sampled, champ: Sampled, config: OfflineGateConfig) -
     return [empty, declined, length]
 
 
-def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, in_sample: bool) -> OfflineGateResult:
+def _ope(
+    candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, in_sample: bool, clock: Callable[[], float]
+) -> OfflineGateResult:
     samples = traffic.samples
     name = "ope_satisfaction"
     if len(samples) < max(1, config.ope_min_samples):
@@ -220,15 +289,24 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, i
         return OfflineGateResult(name, "insufficient_evidence", None, f"n >= {config.ope_min_samples}", detail)
     settings = offpolicy.EstimatorSettings(
         clip=config.ope_clip, ratio=config.ope_ratio, ridge=config.ope_ridge, dm_prompts=config.ope_dm_prompts,
-        bootstrap_samples=config.bootstrap_samples, confidence=config.confidence, seed=config.seed,
+        cpu_budget_s=config.ope_cpu_budget_s, bootstrap_samples=config.bootstrap_samples,
+        confidence=config.confidence, seed=config.seed,
     )  # fmt: skip
     try:
-        est = offpolicy.estimate_candidate(
-            candidate, [s.record for s in samples], [s.reward for s in samples], settings
+        covered = offpolicy.estimate_candidate(
+            candidate, [s.record for s in samples], [s.reward for s in samples], settings, clock
         )
     except (RuntimeError, IndexError, ValueError) as exc:  # token ids outside its vocabulary, shapes, NaN
         why = f"cannot score the champion's logged completions: {type(exc).__name__}: {exc}"
         return OfflineGateResult(name, "failed", None, "scores logged traffic", why)
+    coverage = (
+        f"covered {covered.covered} of {covered.available} logged samples (a seeded uniform sample, at most "
+        f"{config.ope_dm_prompts}) in {covered.cpu_s:.1f} CPU-s of a {config.ope_cpu_budget_s:g} s budget"
+    )
+    est = covered.estimate
+    if est is None or covered.covered < config.ope_min_samples:
+        detail = f"insufficient evidence: {coverage} (need {config.ope_min_samples})"
+        return OfflineGateResult(name, "insufficient_evidence", None, f"n >= {config.ope_min_samples}", detail)
     diff = est.dr_minus_behaviour
     bound = (
         f"DR - champion's logged mean: interval's upper end >= -{config.ope_refuse_margin} (else refused), "
@@ -239,7 +317,7 @@ def _ope(candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, i
         f"[{est.snips.ci[0]:.4g}, {est.snips.ci[1]:.4g}] vs champion's logged mean {est.behaviour_mean:.4g}; "
         f"DR - champion {diff.value:.4g} [{diff.ci[0]:.4g}, {diff.ci[1]:.4g}] ({config.confidence:.0%} bootstrap, "
         f"seed {config.seed}); ESS {est.ess:.1f} of n={est.n} ({traffic.reward_version}; ratios "
-        f"{config.ope_ratio}, clipped at {config.ope_clip:g}); {traffic.untrusted} untrusted left out"
+        f"{config.ope_ratio}, clipped at {config.ope_clip:g}); {traffic.untrusted} untrusted left out; {coverage}"
     )
     # Significantly worse than the champion on its estimate alone: refused, whatever the ESS (clipping
     # bounds every weight, so a small ESS widens the interval instead of hiding a harm).

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from flywheel.contract import GenerationRecord
+from flywheel.holdout import in_holdout
 from flywheel.lake.tables import EVENTS, REWARDS, generation_events
 from flywheel.reward_versions import describe, versions_to_read
 from flywheel.settings import Settings
@@ -90,6 +91,50 @@ def recent_prompts(settings: Settings, limit: int) -> list[str]:
             break
     return prompts
 
+
+
+def product_texts(settings: Settings, limit: int, holdout_share: float | None) -> list[str]:
+    """Up to `limit` distinct texts of the product's own signed, rewarded traffic (newest first) for the
+    language-model gate: the prompt context, followed by the completion where its user kept it (reward > 0).
+
+    Only prompts the candidate never trained on: with `holdout_share` > 0, those in the trainer's holdout
+    (`flywheel.holdout.in_holdout`, the same rule as the off-policy estimate's); None for a candidate that
+    trained on no traffic (all of it is unseen); 0 (a trained candidate whose trainer held nothing out): none,
+    since a training term on logged contexts would make its loss there optimistic."""
+    if limit == 0 or holdout_share == 0:
+        return []
+    rewards = REWARDS.scan(REWARDS.at(settings.lake_root))
+    if rewards is None:
+        return []
+    versions = versions_to_read(settings.lake_root, rewards)
+    if not versions:
+        return []
+    latest = (
+        REWARDS.latest(rewards.filter(pl.col("reward_version").is_in(versions)))
+        .sort("emitted_at", descending=True)
+        .head(limit * 8 if holdout_share is None else int(limit * 8 / max(holdout_share, 0.05)))  # room for the holdout
+        .select("generation_id", "reward")
+        .collect()
+    )
+    reward_of = dict(zip(latest["generation_id"], latest["reward"], strict=True))
+    key = settings.serving_key.get_secret_value()
+    logged = generation_events(EVENTS.at(settings.lake_root), list(reward_of))
+    texts: list[str] = []
+    for gid in latest["generation_id"]:  # newest first
+        for properties, user in logged.get(gid, []):
+            record = _parse(properties)
+            if record is None or check_generation(key, gid, user or "", record) is not None:
+                continue
+            if holdout_share is not None and not in_holdout(record.prompt, holdout_share):
+                break
+            kept = float(reward_of[gid]) > 0 and record.completion.strip()
+            text = record.prompt + (record.completion if kept else "")
+            if text.strip() and text not in texts:
+                texts.append(text)
+            break
+        if len(texts) == limit:
+            break
+    return texts
 
 
 def _signed_generations(settings: Settings, generation_ids: list[str]) -> dict[str, GenerationRecord]:

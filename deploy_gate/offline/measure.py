@@ -1,4 +1,5 @@
-"""Measurements of loaded policies on held-out data: generations, KL between two policies, perplexity.
+"""Measurements of loaded policies on held-out prompts: generations and the KL between two policies (the
+language-model gate's log-loss is `deploy_gate.offline.lm`).
 
 Everything is seeded per prompt, so the candidate and the champion sample with the same random
 numbers (common random numbers): a candidate close to the champion gives nearly the same
@@ -79,20 +80,3 @@ def mean_kl(candidate: Policy, champion: Policy, sampled: Sampled) -> float:
         total += float(kl.sum())
         tokens += kl.numel()
     return total / max(1, tokens)
-
-
-@torch.inference_mode()
-def perplexity(policy: Policy, texts: list[str], window_tokens: int) -> float:
-    """exp(mean negative log-likelihood per token) over the first `window_tokens` tokens of each text."""
-    nll, tokens = 0.0, 0
-    limit = min(window_tokens, policy.context)
-    for text in texts:
-        ids = list(policy.tokenizer(text, truncation=True, max_length=limit)["input_ids"])
-        if len(ids) < 2:
-            continue
-        inputs = torch.tensor([ids], device=policy.device)
-        logits = policy.model(input_ids=inputs, use_cache=False).logits[0, :-1].float()
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, inputs[0, 1:, None])[:, 0]
-        nll -= float(lp.sum())
-        tokens += lp.numel()
-    return math.exp(nll / tokens) if tokens else math.nan

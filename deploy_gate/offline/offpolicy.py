@@ -13,11 +13,13 @@ Three choices, each measured against the simulator's ground truth (`bench/ope_ca
   declined, where the cursor is (a comment or code), length, whether it runs on past the line,
   quote characters, identifier naming, overlap with the prompt, and hashed character trigrams of
   the completion). The DM term is that model's mean over the candidate's own seeded completions
-  of the logged prompts: it needs no overlap between the two policies, which the weights do. When
-  it covers every logged prompt it is paired with the logged term per prompt (`ope.estimate`), so
-  what differs between prompts cancels in the difference the gate judges.
+  of the logged prompts: it needs no overlap between the two policies, which the weights do. It is
+  paired with the logged term per prompt (`ope.estimate`), so what differs between prompts cancels
+  in the difference the gate judges.
 - The logging policy is the champion; the caller passes only its traffic (`logged.champion_traffic`),
-  newest first, so the estimate is about the users of now.
+  newest first, so the estimate is about the users of now. Completing every logged prompt costs a
+  generation each (2,000 by default): `estimate_candidate` covers a seeded uniform sample of them
+  that fits a CPU-seconds budget and estimates on exactly those, so the pairing holds at any budget.
 
 What must hold: the same samples, candidate and seed give the same estimate; a candidate equal to
 the champion has every weight 1, so SNIPS is the logged mean.
@@ -26,8 +28,9 @@ the champion has every weight 1, so SNIPS is the logged mean.
 from __future__ import annotations
 
 import re
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,7 +57,8 @@ class EstimatorSettings:
     clip: float = 20.0  # cap on a sample's importance ratio (inf: none)
     ratio: Ratio = "per_token"
     ridge: float = 1.0
-    dm_prompts: int = 2000
+    dm_prompts: int = 2000  # at most this many logged samples are estimated on (a seeded uniform sample)
+    cpu_budget_s: float = float("inf")  # CPU-seconds for their completions and ratios (`estimate_candidate`)
     max_tokens: int | None = None  # the DM term's completion length; None: the longest logged one
     bootstrap_samples: int = 500
     confidence: float = 0.95
@@ -112,28 +116,64 @@ def log_ratios(candidate: Policy, records: Sequence[GenerationRecord], ratio: Ra
     return out
 
 
+@dataclass(frozen=True)
+class Covered:
+    """An estimate made on the logged samples a CPU budget covered: `covered` of `available`, drawn uniformly."""
+
+    estimate: ope.OffPolicyEstimate | None  # None: the budget covered none
+    covered: int
+    available: int
+    cpu_s: float
+
+
 def estimate_candidate(
-    candidate: Policy, records: Sequence[GenerationRecord], rewards: Sequence[float], settings: EstimatorSettings
-) -> ope.OffPolicyEstimate:
+    candidate: Policy, records: Sequence[GenerationRecord], rewards: Sequence[float], settings: EstimatorSettings,
+    clock: Callable[[], float] = time.process_time,
+) -> Covered:  # fmt: skip
     """SNIPS and DR of `candidate` from the champion's logged `records` and their `rewards`.
+
+    Cost is bounded: the samples are visited in a seeded random order (at most `dm_prompts` of them), a batch
+    at a time (the candidate's completion of each prompt for the DM term, and its importance ratio), until
+    `cpu_budget_s` of `clock` is spent. The estimate is made on the samples covered, a uniform sample of the
+    logged ones, with the DM term paired per prompt; the reward model is fitted on every logged sample (cheap).
 
     Raises RuntimeError, IndexError or ValueError when the candidate cannot score the records (token
     ids outside its vocabulary); the caller says so in its verdict."""
     if not records or len(records) != len(rewards):
         raise ValueError("need one reward per logged record, and at least one record")
-    log_w = log_ratios(candidate, records, settings.ratio)
+    start = clock()
+    r_all = np.asarray(rewards, dtype=np.float64)
+    logged_all = features([(x.prompt, x.completion, x.finish_reason) for x in records])
+    coef = ope.fit_reward_model(logged_all, r_all, settings.ridge)
+    order = np.random.default_rng(settings.seed).permutation(len(records))[: max(1, settings.dm_prompts)]
+    max_tokens = settings.max_tokens or max(len(x.completion_token_ids or []) for x in records)
+    covered: list[int] = []
+    log_w_parts: list[np.ndarray] = []
+    targets: list[tuple[str, str, str]] = []
+    for at in range(0, len(order), _BATCH):
+        if clock() - start >= settings.cpu_budget_s:
+            break
+        batch = [int(i) for i in order[at : at + _BATCH]]
+        chosen = [records[i] for i in batch]
+        requests = [GenerationRequest(records[i].prompt, max_tokens, 1.0, seed=settings.seed + i) for i in batch]
+        gens = candidate.generate_batch(requests)
+        targets += [(x.prompt, g.completion, g.finish_reason) for x, g in zip(chosen, gens, strict=True)]
+        log_w_parts.append(log_ratios(candidate, chosen, settings.ratio))
+        covered += batch
+    if not covered:
+        return Covered(None, 0, len(records), clock() - start)
+    log_w = np.concatenate(log_w_parts)
     if not np.all(np.isfinite(log_w)):
         raise ValueError("NaN or infinite log-probs on the logged traffic")
     if np.isfinite(settings.clip):
         log_w = np.minimum(log_w, np.log(settings.clip))
-    r = np.asarray(rewards, dtype=np.float64)
-    logged = features([(x.prompt, x.completion, x.finish_reason) for x in records])
-    coef = ope.fit_reward_model(logged, r, settings.ridge)
-    target = ope.predict_reward(coef, features(target_records(candidate, records, settings)))
-    return ope.estimate(
-        r, log_w, ope.predict_reward(coef, logged), target, bootstrap_samples=settings.bootstrap_samples,
-        confidence=settings.confidence, seed=settings.seed, paired=target.size == r.size,
+    idx = np.asarray(covered)
+    target = ope.predict_reward(coef, features(targets))
+    est = ope.estimate(
+        r_all[idx], log_w, ope.predict_reward(coef, logged_all[idx]), target,
+        bootstrap_samples=settings.bootstrap_samples, confidence=settings.confidence, seed=settings.seed, paired=True,
     )  # fmt: skip
+    return Covered(est, len(covered), len(records), clock() - start)
 
 
 def target_records(

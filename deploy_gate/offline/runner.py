@@ -14,14 +14,14 @@ import logging
 from dataclasses import replace
 
 from deploy_gate.offline.config import OfflineGateConfig
-from deploy_gate.offline.gates import GATES, run_gates
+from deploy_gate.offline.gates import GATES, ReferenceModel, run_gates
 from deploy_gate.offline.heldout import held_out
-from deploy_gate.offline.logged import LoggedTraffic, champion_traffic, recent_prompts
+from deploy_gate.offline.logged import LoggedTraffic, champion_traffic, product_texts, recent_prompts
 from flywheel.contract import utcnow
 from flywheel.holdout import in_holdout
 from flywheel.lm import CheckpointError, load_policy
 from flywheel.settings import Settings
-from model_registry import ModelRegistry, OfflineGateReport, OfflineGateResult
+from model_registry import ArtifactIntegrityError, ModelRegistry, OfflineGateReport, OfflineGateResult, UnknownVersion
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,33 @@ class OfflineGates:
         """The current report of `version`, running the gates first when there is none."""
         return self.current(version, champion) or self.check(version, champion)
 
+    def _holdout_share(self, version: str) -> float | None:
+        """The share of prompts `version`'s trainer held out (`flywheel.holdout`); None: it trained on no traffic."""
+        lineage = self.registry.lineage(version)
+        share = float(lineage.trainer_config.get("ope_holdout_share", 0.0) or 0.0)
+        return None if share == 0 and lineage.data_window is None else share
+
+    def reference_of(self, champion: str) -> str:
+        """The lineage's first champion: follow `champion`'s parents back to the version that has none."""
+        version, seen = champion, {champion}
+        while (parent := self.registry.lineage(version).parent_version) is not None and parent not in seen:
+            seen.add(parent)
+            version = parent
+        return version
+
+    def _reference(self, champion: str) -> ReferenceModel | None:
+        """The reference for the drift bound, loaded; None when the champion is it."""
+        try:
+            version = self.reference_of(champion)
+        except UnknownVersion as exc:
+            return ReferenceModel("?", None, f"the lineage is broken: {exc}")
+        if version == champion:
+            return None
+        try:
+            return ReferenceModel(version, load_policy(self.registry.fetch(version)))
+        except (CheckpointError, ValueError, OSError, ArtifactIntegrityError) as exc:
+            return ReferenceModel(version, None, f"it does not load: {exc}")
+
     def _unseen(self, version: str, traffic: LoggedTraffic) -> tuple[LoggedTraffic, bool]:
         """The champion's traffic on prompts `version` was not trained on (its trainer's holdout, `flywheel.holdout`),
         and whether the estimate is in-sample: a trained candidate whose trainer held nothing out."""
@@ -76,13 +103,15 @@ class OfflineGates:
         prompts = data.prompts + recent_prompts(self.settings, cfg.logged_prompts)
         traffic = champion_traffic(self.settings, champion, cfg.reward_version, cfg.ope_max_samples)
         traffic, in_sample = self._unseen(version, traffic)
+        texts = product_texts(self.settings, cfg.logged_texts, self._holdout_share(version))
         try:
             champion_policy = load_policy(champion_dir)
         except (CheckpointError, ValueError, OSError) as exc:  # nothing to compare with: no verdict can pass
             why = f"not run: the champion (version {champion}) does not load: {exc}"
             results = [OfflineGateResult(name, "failed", None, "-", why) for name in GATES]
         else:
-            results = run_gates(candidate_dir, champion_policy, prompts, data.texts, traffic, cfg, in_sample=in_sample)
+            results = run_gates(candidate_dir, champion_policy, prompts, data.texts, traffic, cfg, in_sample=in_sample,
+                                logged_texts=texts, reference=self._reference(champion))  # fmt: skip
         report = OfflineGateReport(
             checked_at=utcnow(), champion=champion, results=results, config=self.recorded_config()
         )

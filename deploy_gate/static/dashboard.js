@@ -364,7 +364,8 @@
 
   // An offline gate has three verdicts: passed, failed (refused) and insufficient evidence, which never
   // blocks but is no pass either: it is shown as undecided, never with a pass's tick.
-  const GATE_MARK = { passed: ['badge ok', '✓'], failed: ['badge bad', '✗'], insufficient_evidence: ['badge', '?'] };
+  const GATE_MARK = { passed: ['badge ok', '✓'], failed: ['badge bad', '✗'], insufficient_evidence: ['badge', '?'],
+    undecided: ['badge', '?'] };
 
   function gatesCell(gates) {
     if (!gates) return el('span', { class: 'muted' }, 'not run');
