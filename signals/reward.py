@@ -42,6 +42,7 @@ from signals.events import FeedbackEvent, GenerationInfo, from_us
 from signals.logistic import LogisticModel
 from signals.sentiment import DEFAULT_SENTIMENT, Sentiment
 from signals.sentiment import SENTIMENTS as _SENTIMENTS
+from signals.text_features import TextModel
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class RewardDefinition:
     surface: str = DEFAULT_SURFACE
     window_s: float | None = None  # None: the deployment's window for the surface (`Settings.window_for`)
     rules_version: str = ""  # with a satisfaction model: the rules definition it was fitted over
+    # A text model learned from the surface's explicit reactions (signals/chat_reward.py): when set, it is the
+    # sentiment of follow-ups (and thumbs comments), 2 P(approved | text) - 1, in place of `sentiment_name`'s.
+    followup_model: TextModel | None = None
 
     def __post_init__(self) -> None:
         if not self.version or any(c in self.version for c in " /:"):
@@ -109,6 +113,8 @@ class RewardDefinition:
 
     @property
     def sentiment(self) -> Sentiment:
+        if self.followup_model is not None:
+            return self.followup_model.sentiment
         return _SENTIMENTS[self.sentiment_name]
 
     @property
@@ -228,7 +234,7 @@ class RewardDefinition:
     # ------------------------------------------------------------------ versioned spec
 
     def to_spec(self) -> dict[str, Any]:
-        return {
+        spec: dict[str, Any] = {
             "version": self.version,
             "weights": self.weights.__dict__.copy(),
             "undo_window_s": self.undo_window_s,
@@ -242,6 +248,9 @@ class RewardDefinition:
             "window_s": self.window_s,
             "rules_version": self.rules_version,
         }
+        if self.followup_model is not None:  # only then: every older version keeps its stored spec, byte for byte
+            spec["followup_model"] = self.followup_model.to_json()
+        return spec
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> RewardDefinition:
@@ -249,6 +258,8 @@ class RewardDefinition:
         raw["weights"] = RuleWeights(**raw.get("weights", {}))
         sat = raw.get("satisfaction")
         raw["satisfaction"] = LogisticModel.from_json(sat) if sat else None
+        if raw.get("followup_model"):
+            raw["followup_model"] = TextModel.from_json(raw["followup_model"])
         return cls(**raw)
 
     def with_satisfaction(self, model: LogisticModel, version: str, notes: str = "") -> RewardDefinition:
