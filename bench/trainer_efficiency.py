@@ -146,6 +146,8 @@ class Trained:
     samples: int
     trained_on: int
     stopped_at: str
+    prepare_cpu: float  # CPU-seconds (this process) from the reference scoring to the first step
+    own_note: str = ""
 
 
 def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
@@ -162,14 +164,18 @@ def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
     torch.manual_seed(config.seed)
     policy = load_policy(model, device=config.device, dtype=config.dtype)
     scorer = scorer_for(config.exact_logprobs)
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
+    own_note = ""
     if config.own_samples:
-        from trainer.reward_model import own_samples
+        from trainer.reward_model import CpuBudget, own_samples
 
-        own = own_samples(policy, samples, reference, config, scorer)
-        samples, reference = own.samples, own.reference
+        # as trainer.cycle: the CPU budget counts from the logged samples' scoring
+        own = own_samples(policy, samples, reference, config, scorer,
+                          budget=CpuBudget(config.own_cpu_budget_s, cpu_started))  # fmt: skip
+        samples, reference, own_note = own.samples, own.reference, own.note
         print(own.note, flush=True)
+    prepare_cpu = time.process_time() - cpu_started
     deadline = time.monotonic() + config.time_budget_s if config.time_budget_s else None  # as trainer.cycle
     with progress("training", math.ceil(len(samples) / config.batch_size) * config.epochs) as advance:
         training = train_policy(policy.model, samples, reference, config, scorer, policy.pad_id,
@@ -177,7 +183,51 @@ def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
     seconds = time.monotonic() - started
     if config.save_dtype == "bfloat16":
         round_parameters_to_bfloat16_(policy.model, config.seed)
-    return Trained(policy, seconds, len(training.history), len(samples), training.samples_reached, training.stopped_at)
+    return Trained(policy, seconds, len(training.history), len(samples), training.samples_reached, training.stopped_at,
+                   prepare_cpu, own_note)  # fmt: skip
+
+
+def text_log_losses(policy: Policy, texts: Sequence[Sequence[int]], batch: int = 16) -> np.ndarray:
+    """Each text's mean next-token log-loss (nats per token) under `policy`: what a language-model gate reads."""
+    import torch
+
+    from trainer.scoring import batched_token_logprobs
+
+    out = []
+    with torch.no_grad():
+        for k in range(0, len(texts), batch):
+            chunk = [list(t) for t in texts[k : k + batch]]
+            lp, mask = batched_token_logprobs(policy.model, [t[:1] for t in chunk], [t[1:] for t in chunk],
+                                              policy.pad_id)  # fmt: skip
+            out.extend((-(lp * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist())
+    return np.array(out)
+
+
+def paired_delta(cand: np.ndarray, base: np.ndarray) -> str:
+    """Mean per-text log-loss difference with a 95% normal interval (paired over the same texts)."""
+    d = cand - base
+    half = 1.96 * d.std(ddof=1) / np.sqrt(len(d))
+    return f"{d.mean():+.3f} [{d.mean() - half:+.3f}, {d.mean() + half:+.3f}]"
+
+
+def general_texts(policy: Policy, n: int, chars: int, seed: int) -> list[list[int]]:
+    """`n` windows of `chars` characters from standard-library files the default preset's bootstrap never trained on
+    (`flywheel.lm.corpus.held_out_files`, as the offline gate's held-out text), tokenised, seeded."""
+    from flywheel.lm import PRESETS
+    from flywheel.lm.corpus import held_out_files
+
+    rng = random.Random(seed)
+    files = held_out_files(PRESETS["default"].n_files, 0)
+    out: list[list[int]] = []
+    for f in rng.sample(files, len(files)):
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if len(text) < 2 * chars:
+            continue
+        start = rng.randrange(len(text) - chars)
+        out.append(policy.encode_prompt(text[start : start + chars], max_tokens=1))
+        if len(out) == n:
+            break
+    return out
 
 
 # ---- 3. measurement ---------------------------------------------------------------------------------------
@@ -294,6 +344,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--cache", type=Path, required=True, help="logged data and base evaluations, per population")
     ap.add_argument("--out", type=Path, help="append the table to this markdown file")
+    ap.add_argument("--lm-texts", type=int, default=64, help="held-out general texts the log-loss columns read")
     args = ap.parse_args()
     if args.max_kl is None:
         from deploy_gate.offline.config import OfflineGateConfig
@@ -301,6 +352,8 @@ def main() -> None:
         args.max_kl = OfflineGateConfig().max_kl
     grid = json.loads(args.grid)
     base_policy = load_policy(args.model)
+    # the language model kept: log-loss on general held-out text and on the product's own (evaluation) contexts
+    general = general_texts(base_policy, args.lm_texts, 600, args.seed)
     room = base_policy.context - args.max_tokens
     contexts = fit_prompts(held_out_contexts(300, args.seed, preset=args.preset), room)
     evals = fit_prompts(held_out_contexts(args.eval_contexts, args.seed + 10_000, preset=args.preset), room)
@@ -309,7 +362,13 @@ def main() -> None:
              f"model {args.model}; product config {DEMO_TRAINER_CONFIG} over TrainerConfig; {args.samples} logged"
              f" requests per population; {args.repeats} seeds per evaluation context; gate bound {args.max_kl}", "",
              "| population | config | trained on (steps, stop) | train s | gate KL | accept (base) | vs base [95%] "
-             "| frontier at that KL | share | share@bound |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| frontier at that KL | share | share@bound | prep CPU-s (own prompts) | log-loss vs base, text [95%] "
+             "| log-loss vs base, contexts [95%] |", "|---" * 13 + "|"]  # fmt: skip
+    base_text = text_log_losses(base_policy, general)
+    context_ids = [base_policy.encode_prompt(c.prompt, max_tokens=1) for c in (*evals.code, *evals.comment)]
+    base_contexts = text_log_losses(base_policy, context_ids)
+    print(f"base log-loss: {base_text.mean():.3f} on {len(general)} general texts, {base_contexts.mean():.3f} on"
+          f" {len(context_ids)} evaluation contexts", flush=True)  # fmt: skip
     print("\n".join(lines), flush=True)
     for pop in populations_named(args.populations.split(",")):
         tag = f"{args.model.name}-{pop.name}-{args.samples}-s{args.seed}-t{args.max_tokens}"
@@ -344,10 +403,14 @@ def main() -> None:
             at_kl = frontier_accept(base, kl) / base.accept() - 1
             name = json.dumps(overrides) if overrides else "product default"
             stop = f", {trained.stopped_at}" if trained.stopped_at else ""
+            covered = trained.own_note.removeprefix("own samples for ").split(" distinct")[0] or "-"
+            lm_text = paired_delta(text_log_losses(trained.policy, general), base_text)
+            lm_contexts = paired_delta(text_log_losses(trained.policy, context_ids), base_contexts)
             line = (f"| {pop.name} | `{name}` | {trained.trained_on}/{trained.samples} ({trained.steps}{stop}) "
                     f"| {trained.seconds:.0f} | {kl:.3f}{'' if kl < args.max_kl else ' (over)'} "
                     f"| {cand.accept():.3f} ({base.accept():.3f}) | {gain:+.1%} [{lo:+.1%}, {hi:+.1%}] "
-                    f"| {at_kl:+.1%} | {frac(share(gain, at_kl))} | {frac(share(gain, bound_gain))} |")  # fmt: skip
+                    f"| {at_kl:+.1%} | {frac(share(gain, at_kl))} | {frac(share(gain, bound_gain))} "
+                    f"| {trained.prepare_cpu:.0f} ({covered}) | {lm_text} | {lm_contexts} |")  # fmt: skip
             lines.append(line)
             print(line, flush=True)
     if args.out:
