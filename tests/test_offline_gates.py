@@ -6,6 +6,7 @@ Real parts: tiny bootstrapped models, the real registry (MLflow on SQLite), Redi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -579,3 +580,106 @@ def test_a_candidate_refused_offline_is_marked_refused_and_never_retried_by_the_
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.strip("│ ").startswith(bad))
     assert "refused" in row and "offline gates failed against champion 1: kl_to_champion" in row
+
+
+# ---- the language-model gate: a paired interval against a margin, drift against the reference, budgets -------
+
+
+def test_the_lm_gate_passes_within_the_margin_fails_beyond_it_and_is_undecided_at_it(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    from scipy import stats
+
+    from deploy_gate.offline import lm
+
+    items = lm.windows(champion, data.texts, "general", CONFIG.text_window_tokens)
+    assert len(items) == CONFIG.n_text_windows
+
+    def diffs(candidate_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        scored = lm.score(load_policy(candidate_dir), {"champion": champion}, items, lm.Budget(3600.0), seed=0)
+        assert scored.n == len(items)
+        return scored.candidate - scored.others["champion"], scored.candidate, scored.others["champion"]
+
+    close, cand, champ = diffs(noisy(tiny_model_dir, tmp_path / "close", scale=0.02))
+    within = lm.non_inferiority(close, CONFIG.lm_margin, 0.95, CONFIG.lm_min_windows)
+    # The interval is the paired t-interval of the mean difference, as scipy computes it.
+    reference = stats.ttest_rel(cand, champ).confidence_interval(0.95)
+    assert within.ci == pytest.approx((reference.low, reference.high), rel=1e-9)
+    assert within.verdict == "passed" and within.ci[1] < CONFIG.lm_margin and within.n == len(items)
+
+    far, _, _ = diffs(noisy(tiny_model_dir, tmp_path / "far", scale=2.0))
+    beyond = lm.non_inferiority(far, CONFIG.lm_margin, 0.95, CONFIG.lm_min_windows)
+    assert beyond.verdict == "failed" and beyond.ci[0] > CONFIG.lm_margin
+
+    # A candidate whose rise is the margin itself: its interval straddles the margin, so it is too close to call.
+    at = lm.non_inferiority(close, within.mean, 0.95, CONFIG.lm_min_windows)
+    assert at.verdict == "undecided" and at.ci[0] < within.mean < at.ci[1]
+    # So is one judged on too few windows, whatever its numbers.
+    assert lm.non_inferiority(far[:5], CONFIG.lm_margin, 0.95, CONFIG.lm_min_windows).verdict == "undecided"
+
+    # Through the gates: the verdict is recorded as it is (undecided does not block), with the windows and interval.
+    config = dataclasses.replace(CONFIG, lm_margin=within.mean, lm_reference_margin=1.0)
+    results = by_name(run_gates(tmp_path / "close", champion, data.prompts, data.texts, NO_TRAFFIC, config))
+    gate = results["lm_vs_champion"]
+    assert gate.status == "undecided" and gate.passed and gate.value == pytest.approx(within.mean)
+    assert f"decided by {len(items)} text windows" in gate.detail and "paired t-interval [" in gate.detail
+
+
+def test_drift_is_bounded_against_the_lineage_s_first_champion_not_only_the_last_step(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path, registry: ModelRegistry, gate_settings: Settings
+) -> None:
+    from deploy_gate.offline.gates import ReferenceModel
+
+    # The champion drifted far from the base; a candidate equal to it is no worse than it, and still refused.
+    drifted = noisy(tiny_model_dir, tmp_path / "drifted", scale=0.5)
+    results = by_name(run_gates(drifted, load_policy(drifted), data.prompts, data.texts, NO_TRAFFIC, CONFIG,
+                                reference=ReferenceModel("1", champion)))  # fmt: skip
+    step, drift = results["lm_vs_champion"], results["lm_vs_reference"]
+    assert step.status == "passed" and step.value == 0.0
+    assert drift.status == "failed" and drift.value > CONFIG.lm_reference_margin and "reference v1" in drift.detail
+
+    # The reference is the lineage's first champion: parents are followed back to the version that has none.
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    v2 = registry.register(tmp_path / "ckpt", ModelLineage(base="tiny", parent_version="1"))
+    v3 = registry.register(tmp_path / "ckpt", ModelLineage(base="tiny", parent_version=v2))
+    gates = OfflineGates(gate_settings, registry, CONFIG)
+    assert gates.reference_of(v3) == "1" and gates.reference_of("1") == "1"
+
+
+def test_the_gates_honour_their_cpu_budgets_and_say_what_they_covered(
+    tiny_model_dir: Path, champion: Policy, data, tmp_path: Path
+) -> None:
+    """A clock that advances one "second" per reading: the budgets count readings, so what is covered is exact."""
+    import itertools
+
+    ticks = itertools.count()
+    config = dataclasses.replace(CONFIG, lm_cpu_budget_s=11.0, ope_cpu_budget_s=2.0, lm_min_windows=2)
+    traffic = calls_traffic(champion, 120)
+    results = by_name(run_gates(healthy(tiny_model_dir, tmp_path / "h"), champion, data.prompts, data.texts, traffic,
+                                config, clock=lambda: float(next(ticks))))  # fmt: skip
+    lm_gate = results["lm_vs_champion"]
+    assert "decided by 10 text windows" in lm_gate.detail
+    assert f"10 of {CONFIG.n_text_windows} available" in lm_gate.detail
+    assert lm_gate.status != "undecided"  # 10 windows, above this config's minimum: a verdict
+    ope_gate = results["ope_satisfaction"]
+    assert "covered 32 of 120 logged samples" in ope_gate.detail, ope_gate  # one batch of completions
+    assert "ESS" in ope_gate.detail and "n=32" in ope_gate.detail
+
+
+def test_product_text_comes_from_signed_traffic_on_prompts_held_out_of_training(
+    settings: Settings, champion: Policy
+) -> None:
+    from deploy_gate.offline.logged import product_texts
+    from flywheel.holdout import in_holdout
+
+    log_champion_traffic(settings, champion, "1", n=40, forged=5)
+    texts = product_texts(settings, 100, None)  # a candidate that trained on no traffic: all of it is unseen
+    prompts = ["def main(", "import os\nimport ", "class Parser:\n    def ", "for i in range("]
+    assert texts and all(any(t.startswith(p) for p in prompts) for t in texts)
+    assert any(t not in prompts for t in texts)  # kept completions (reward 1) follow their context
+    assert product_texts(settings, 100, 0.0) == []  # trained on it all, held nothing out: none is unseen
+    share = 0.5
+    held = product_texts(settings, 100, share)
+    assert held == [t for t in texts if in_holdout(next(p for p in prompts if t.startswith(p)), share)]
+    assert len(product_texts(settings, 2, None)) == 2
