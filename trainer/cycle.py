@@ -254,9 +254,10 @@ def _train_and_register(
     kind = "samples" if samples is logged else f"of {len(samples)} own samples"
     trained_on = f"{min(reached, len(samples))} {kind}"
     if rank == 0:
-        log.info("trained on %s (%d eligible logged) in %.0fs (%.0fs of it scoring and sampling before the first"
-                 " step); left out of this cycle: %s", trained_on, metrics["samples_eligible"],
-                 metrics["train_seconds"], metrics["prepare_seconds"], selection.describe_drops())  # fmt: skip
+        log.info("trained on %s (%d eligible logged) in %.0fs (%.0fs, %.0f CPU-s, of it scoring and sampling before"
+                 " the first step); left out of this cycle: %s", trained_on, metrics["samples_eligible"],
+                 metrics["train_seconds"], metrics["prepare_seconds"], metrics["prepare_cpu_seconds"],
+                 selection.describe_drops())  # fmt: skip
     tracker.log_metrics(metrics, step=len(history))
     if rank != 0:
         _barrier(world)
