@@ -27,8 +27,9 @@ from datetime import UTC, datetime
 from flywheel.bus import Outgoing
 
 # What a letter keeps: its original bytes (base64: 4/3 of them on the topic), its reason and its `sentAt` at most
-# these sizes. With the rest of the letter, `MAX_LETTER_BYTES` at most.
-MAX_ORIGINAL_BYTES = 256 * 1024
+# these sizes. With the rest of the letter, `MAX_LETTER_BYTES` at most. Twice the event limit: an item refused for
+# being a little past it is kept whole.
+MAX_ORIGINAL_BYTES = 512 * 1024
 MAX_REASON_CHARS = 4096
 MAX_SENT_AT_BYTES = 4096
 MAX_LETTER_BYTES = MAX_ORIGINAL_BYTES * 4 // 3 + 6 * MAX_REASON_CHARS + MAX_SENT_AT_BYTES + 1024

@@ -13,7 +13,10 @@ sends every span it has; each GenAI generation among them becomes one text-only 
   (`flywheel_collector_ignored_total{endpoint="/v1/traces"}`); a span refused (content capture off, no user,
   an unknown operation, an event past the size limit) is dead-lettered with its reason, as OTLP/JSON of a
   request holding that span alone (its resource and scope kept; values past `_CUT_AT` characters cut when the
-  whole is past the event limit, and the reason says so), and counted in the answer's `partial_success`
+  whole is past the event limit, and the reason says so; a resource or scope that several refused spans of one
+  request share is kept whole in the first one's letter only, the others keeping what the mapping reads of it and
+  the first letter's event id: so a refused span's letter costs a constant factor of its own bytes, not of its
+  resource's), and counted in the answer's `partial_success`
   (`rejected_spans`, and the first reasons in `error_message`), which the exporter logs and does not retry.
 - The answer comes once Kafka acknowledged every event and dead letter; in the request's own encoding.
 """
@@ -36,13 +39,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 from starlette.concurrency import run_in_threadpool
 
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
 from ingest.doors import Door
 from ingest.intake import BodyError, Intake, Refusal, parse_json
-from ingest.otlp_genai import Ignored, resource_attributes, span_to_event
+from ingest.otlp_genai import RESOURCE_KEYS, Ignored, resource_attributes, span_to_event
 
 ENDPOINT = "/v1/traces"
 PROTOBUF = "application/x-protobuf"
@@ -177,15 +182,49 @@ def _cut(value: Any) -> Any:
     return value
 
 
-def span_letter(resource_spans: ResourceSpans, scope_spans: ScopeSpans, span: Span, limit: int) -> tuple[bytes, bool]:
-    """The OTLP/JSON of a request holding `span` alone (with its resource and scope), and whether values had to
-    be cut to bring it under `limit` bytes."""
+ELIDED = "flywheel.elided"  # the attribute a letter's shortened resource or scope carries: where the whole one is
+
+
+def _elided_resource(resource: Resource, whole_in: str) -> Resource:
+    """`resource` as a later letter of the same request keeps it: the attributes the mapping reads (values cut),
+    and which letter holds the whole of it."""
+    out = Resource()
+    for kv in resource.attributes:
+        if kv.key in RESOURCE_KEYS:
+            kept = out.attributes.add()
+            kept.CopyFrom(kv)
+            if len(kv.value.string_value) > _CUT_AT:
+                kept.value.string_value = _cut(kv.value.string_value)
+    note = out.attributes.add()
+    note.key = ELIDED
+    note.value.string_value = f"{len(resource.attributes)} attributes; whole in the letter of {whole_in}"
+    return out
+
+
+def _elided_scope(scope: InstrumentationScope, whole_in: str) -> InstrumentationScope:
+    out = InstrumentationScope(name=_cut(scope.name), version=_cut(scope.version))
+    note = out.attributes.add()
+    note.key = ELIDED
+    note.value.string_value = f"{len(scope.attributes)} attributes; whole in the letter of {whole_in}"
+    return out
+
+
+def span_letter(
+    resource_spans: ResourceSpans,
+    scope_spans: ScopeSpans,
+    span: Span,
+    limit: int,
+    resource: Resource | None = None,
+    scope: InstrumentationScope | None = None,
+) -> tuple[bytes, bool]:
+    """The OTLP/JSON of a request holding `span` alone (with its resource and scope, or the `resource` and `scope`
+    given in their place), and whether values had to be cut to bring it under `limit` bytes."""
     alone = ExportTraceServiceRequest()
     rs = alone.resource_spans.add()
-    rs.resource.CopyFrom(resource_spans.resource)
+    rs.resource.CopyFrom(resource_spans.resource if resource is None else resource)
     rs.schema_url = resource_spans.schema_url
     ss = rs.scope_spans.add()
-    ss.scope.CopyFrom(scope_spans.scope)
+    ss.scope.CopyFrom(scope_spans.scope if scope is None else scope)
     ss.schema_url = scope_spans.schema_url
     ss.spans.append(span)
     doc = json_format.MessageToDict(alone)
@@ -205,7 +244,9 @@ def traces_intake(
     index = 0
     for resource_spans in request.resource_spans:
         resource = resource_attributes(resource_spans.resource.attributes)
+        resource_in: str | None = None  # the event id of the letter that holds this resource whole
         for scope_spans in resource_spans.scope_spans:
+            scope_in: str | None = None
             for span in scope_spans.spans:
                 reason = None
                 try:
@@ -224,10 +265,15 @@ def traces_intake(
                 except Exception as exc:  # noqa: BLE001 - a span that breaks the mapping is refused alone, not a 500
                     reason = f"cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
                 if reason is not None:
-                    original, cut = span_letter(resource_spans, scope_spans, span, max_event_bytes)
+                    event_id = f"otlp-{span.trace_id.hex()}-{span.span_id.hex()}"
+                    original, cut = span_letter(
+                        resource_spans, scope_spans, span, max_event_bytes,
+                        None if resource_in is None else _elided_resource(resource_spans.resource, resource_in),
+                        None if scope_in is None else _elided_scope(scope_spans.scope, scope_in),
+                    )  # fmt: skip
+                    resource_in, scope_in = resource_in or event_id, scope_in or event_id
                     if cut:
                         reason += f" (values past {_CUT_AT} characters are cut in this letter's copy of the span)"
-                    event_id = f"otlp-{span.trace_id.hex()}-{span.span_id.hex()}"
                     intake.refused.append(Refusal(index, event_id, reason, original))
                 index += 1
     return intake, ignored

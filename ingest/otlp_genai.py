@@ -103,7 +103,7 @@ _SPAN_KEYS = frozenset({
     "gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
     "user.id", "enduser.id", "session.id", "flywheel.surface",
 })  # fmt: skip
-_RESOURCE_KEYS = frozenset({"user.id", "enduser.id", "session.id", "gen_ai.conversation.id", "flywheel.surface"})
+RESOURCE_KEYS = frozenset({"user.id", "enduser.id", "session.id", "gen_ai.conversation.id", "flywheel.surface"})
 _INDEXED = ("gen_ai.prompt.", "gen_ai.completion.")
 
 
@@ -126,7 +126,7 @@ def span_attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
 
 
 def resource_attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
-    return {kv.key: any_value(kv.value) for kv in pairs if kv.key in _RESOURCE_KEYS}
+    return {kv.key: any_value(kv.value) for kv in pairs if kv.key in RESOURCE_KEYS}
 
 
 def _structured(value: Any) -> Any:

@@ -416,3 +416,47 @@ def test_otlp_json_the_shortcut_does_not_take_is_decoded_by_protobufs_parser_to_
     expected.resource_spans[0].scope_spans[0].spans[0].kind = Span.SPAN_KIND_CLIENT
     assert decode_request(unusual, "application/json") == expected  # ... protobuf's parser does
     assert decode_request(compact, "application/json") == encode_spans(spans)
+
+
+def test_refused_spans_sharing_one_big_resource_cost_letters_within_a_constant_factor_of_the_request(
+    client: TestClient, settings: Settings
+) -> None:
+    """300 refused spans (content capture off) under one resource of 200 kB: the resource is kept whole in one
+    letter; the others keep what the mapping reads of it (the user) and where the whole is, so the letters add up
+    to a small multiple of the request, not 300 copies of the resource (60 MB); each still replays as before."""
+    from ingest.otlp import ELIDED
+
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    rs.resource.attributes.extend([kv("enduser.id", "u-shared"), kv("host.blob", "b" * 200_000)])
+    scope = rs.scope_spans.add()
+    scope.scope.name = "instrumentation"
+    scope.spans.extend(good(n, **{"user.id": None, "gen_ai.input.messages": None}) for n in range(1, 301))
+    sent = request.SerializeToString()
+    r = client.post("/v1/traces", content=sent, headers=PROTOBUF)
+    assert r.status_code == 200
+    assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 300
+    records = read_topic(settings, settings.dead_letter_topic)
+    assert len(records) == 300
+    assert sum(len(rec.value) for rec in records) < 3 * len(sent)
+    letters = [DeadLetter.from_bytes(rec.value) for rec in records]
+    docs = [json.loads(d.original)["resourceSpans"][0] for d in letters]
+    whole = [d for d in docs if any(a["key"] == "host.blob" for a in d["resource"]["attributes"])]
+    assert len(whole) == 1
+    for letter in letters:
+        with pytest.raises(InvalidEvent, match="content capture is off"):  # the user is still read: same reason
+            revalidate(letter)
+    elided = [d for d in docs if d is not whole[0]]
+    assert all({a["key"] for a in d["resource"]["attributes"]} == {"enduser.id", ELIDED} for d in elided)
+
+
+@pytest.mark.parametrize(("depth", "kind"), [(300, "kvlistValue"), (1200, "arrayValue"), (5000, "kvlistValue")])
+def test_otlp_json_nested_past_the_parsers_depth_is_a_400(client: TestClient, depth: int, kind: str) -> None:
+    inner = {"kvlistValue": '{"kvlistValue":{"values":[{"key":"a","value":',
+             "arrayValue": '{"arrayValue":{"values":['}[kind] * depth + '{"stringValue":"x"}'  # fmt: skip
+    inner += {"kvlistValue": "}]}}", "arrayValue": "]}}"}[kind] * depth
+    doc = json.loads(otlp_json(genai_spans()[:1]))
+    doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"].append({"key": "deep", "value": "PLACE"})
+    raw = json.dumps(doc).replace('"PLACE"', inner)
+    r = client.post("/v1/traces", content=raw, headers={**BEARER, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]
