@@ -7,11 +7,13 @@ worker and the batch recompute. The chat users are simulated (simulator/chat_use
 from __future__ import annotations
 
 import base64
+import json
 import time
 from collections import Counter
 from datetime import timedelta
 
 import numpy as np
+import polars as pl
 from fastapi.testclient import TestClient
 
 from flywheel.bus import ensure_topics
@@ -23,6 +25,7 @@ from ingest.collector import create_app
 from ingest.conversations import conversation_events
 from ingest.worker import IngestWorker
 from signals.chat_reward import fit_chat_reward, implicit_proba, refit_chat
+from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.logistic import roc_auc
@@ -158,3 +161,23 @@ def test_a_conversation_export_replays_once_as_text_only_chat_generations_one_re
     assert by_id["conv-0-t1"].label_source == "explicit" and by_id["conv-0-t1"].reward == -1.0
     assert by_id["conv-1-t1"].reward == 1.0 and by_id["conv-0-t5"].label_source == "implicit"
     assert by_id["conv-0-t5"].signals["followup_sentiment"] > 0  # "thanks, that worked"
+
+
+def test_the_stream_and_batch_columns_score_a_learned_definition_as_the_reference_does() -> None:
+    items = ChatPopulation(users=60, seed=1).reacted()
+    definition = fit_chat_reward(items, CHAT).definition
+    cases = [(i.generation, i.unreacted()) for i in ChatPopulation(users=8, seed=9).reacted()]
+    gens = pl.DataFrame(
+        [{"generation_id": g.generation_id, "revision": 0, "finish_reason": g.finish_reason,
+          "completion_chars": g.completion_chars} for g, _ in cases], schema=GENERATION_SCHEMA,
+    )  # fmt: skip
+    feedback = pl.DataFrame(
+        [{"generation_id": g.generation_id, "revision": 0, "event_id": e.event_id, "type": e.type, "ts_us": e.ts_us,
+          "properties": json.dumps(dict(e.properties))} for g, evs in cases for e in evs], schema=FEEDBACK_SCHEMA,
+    )  # fmt: skip
+    scored = {r["generation_id"]: r for r in score_frame(definition, gens, feedback).iter_rows(named=True)}
+    assert any(e.type == "followup" for _, evs in cases for e in evs)
+    for gen, events in cases:
+        want = definition.score(gen, events)
+        row = scored[gen.generation_id]
+        assert row["reward"] == want.reward and row["followup_sentiment"] == want.signals.get("followup_sentiment")
