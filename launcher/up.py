@@ -135,7 +135,9 @@ def start_components(
     return running
 
 
-def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float = 180.0) -> None:
+def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float = 600.0) -> None:
+    """Wait until every URL answers 200, failing fast when a component exits. The limit is generous: on a busy
+    2-core machine eight processes importing torch took over three minutes to become ready."""
     deadline = time.monotonic() + timeout_s
     pending = dict(urls)
     with console.status("waiting for components to become ready ...") as status:
@@ -149,9 +151,12 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
                         del pending[name]
                 except httpx.HTTPError:
                     pass
-            status.update(f"waiting for {', '.join(pending) or 'nothing'} ...")
+            if not pending:
+                break
+            status.update(f"waiting for {', '.join(pending)} ...")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(pending)}")
+                logs = running[0].log_path.parent if running else "the logs"
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(pending)}; see {logs}")
             time.sleep(0.5)
 
 
