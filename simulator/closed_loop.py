@@ -291,7 +291,8 @@ class ClosedLoop:
         if ope_result is not None:
             rec.offline_estimate, rec.offline_verdict = ope_result.value, ope_result.status
         if rec.decision == "refused":  # the champion keeps serving; its traffic is the next cycle's new data
-            self.gate.reject(candidate, by="closed-loop", reason=f"refused at approval: {rec.reason[:200]}")
+            if self.registry.gate_state(candidate) == "pending":  # an offline refusal marks it refused already
+                self.gate.reject(candidate, by="closed-loop", reason=f"refused at approval: {rec.reason[:200]}")
             self.traffic_round(rec.seconds)
             return self._finish(rec)
         started = time.perf_counter()

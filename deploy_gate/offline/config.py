@@ -42,6 +42,9 @@ class OfflineGateConfig:
         lm_min_windows: fewer windows scored than this (a tiny budget) is "undecided".
         lm_cpu_budget_s: CPU-seconds for scoring windows (every policy on each), in a seeded random order:
             what fits is a uniform sample, and the reason says how many of how many were scored. In (0, 3600].
+            The default scores all 512 windows of the default model with three policies (~12 ms a forward on
+            one core: ~18 s); with `ope_cpu_budget_s` it keeps one candidate's check within a few minutes on
+            two busy cores.
     Against the champion (on the same prompts and seeds)
         max_empty_rate_increase: absolute rise in the empty-output rate (reward hacking: a blank
             output dodges a reject without declining);
@@ -88,7 +91,7 @@ class OfflineGateConfig:
     lm_margin: float = 0.05
     lm_reference_margin: float = 0.10
     lm_min_windows: int = 30
-    lm_cpu_budget_s: float = 60.0
+    lm_cpu_budget_s: float = 30.0
 
     max_empty_rate_increase: float = 0.1
     max_declined_rate_increase: float = 0.3
@@ -104,7 +107,7 @@ class OfflineGateConfig:
     ope_ratio: Literal["sequence", "per_token"] = "per_token"
     ope_ridge: float = 1.0
     ope_dm_prompts: int = 2000
-    ope_cpu_budget_s: float = 120.0
+    ope_cpu_budget_s: float = 60.0
     bootstrap_samples: int = 500
     confidence: float = 0.95
 

@@ -86,7 +86,7 @@ def run_gates(
     in_sample: bool = False,
     logged_texts: Sequence[str] = (),
     reference: Reference = None,
-    clock: Callable[[], float] = time.process_time,
+    clock: Callable[[], float] | None = None,
 ) -> list[OfflineGateResult]:
     """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`.
 
@@ -94,11 +94,15 @@ def run_gates(
     `reference`: the lineage's first champion for the drift bound; None when the champion is it (its
     comparison is then judged against the cumulative margin too); a string says why it could not be loaded.
     `in_sample`: the candidate was trained on `traffic` (its trainer held none out), so the off-policy
-    estimate is optimistic: it may still refuse, never pass. `clock`: CPU seconds, for the budgets."""
+    estimate is optimistic: it may still refuse, never pass. `clock`: CPU seconds, for the budgets; by default
+    this thread's when torch computes on it alone (the process may run other work: `flywheel up`'s simulated
+    users), else the whole process's."""
     threads = config.num_threads
     if threads is None and sum(p.numel() for p in champion.model.parameters()) < config.small_model_params:
         threads = 1
     with _threads(threads):
+        if clock is None:
+            clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
         return _run_gates(candidate_dir, champion, prompts, texts, traffic, config, in_sample,
                           logged_texts, reference, clock)  # fmt: skip
 
