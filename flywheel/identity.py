@@ -78,8 +78,8 @@ def token_hash(token: str) -> str:
 
 def store_url(settings: Settings) -> str:
     """The SQLAlchemy URL of the token store (the gate's audit log lives in the same database)."""
-    if settings.token_store_url:
-        return settings.token_store_url
+    if settings.token_store_url is not None and settings.token_store_url.get_secret_value():
+        return settings.token_store_url.get_secret_value()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{(settings.data_dir / 'tokens.db').resolve()}"
 

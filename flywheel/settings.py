@@ -7,22 +7,32 @@ Every component reads the same settings; an empty value for a backing service
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from flywheel.write_keys import KeyScope, parse_write_keys
 
-# Secrets (every `SecretStr` field) are never empty, and in production at least this long and
-# never their development default. Values are never echoed: errors name the variable only.
+# Secrets (every `SecretStr` field): in development each has a default; in production each process holds only
+# the secrets the environment gives it (k8s/ gives each component only the keys it reads), and each one given is
+# at least this long, never its development default, never a placeholder of an example file. Values are never
+# echoed: errors name the variable only.
 MIN_SECRET_LENGTH = 24
+# What an example or template secret looks like (k8s/overlays/prod/secrets.example, docs): copied and forgotten,
+# it would start production on a value anyone can read.
+_PLACEHOLDER = re.compile(r"^replace|example|changeme|change-me|change_me|placeholder|your[-_]|<[^>]*>",
+                          re.IGNORECASE)
 # Stores the lake's Delta tables open (`flywheel.lake`); a value without a scheme is a local path.
 _LAKE_SCHEMES = frozenset({"file", "s3", "s3a", "gs", "az", "abfs", "abfss"})
 # Secret fields holding a comma-separated list; each item is checked as one secret.
 _LIST_SECRETS = frozenset({"write_keys"})
+# Secret fields holding a URL; what production checks in one is its password.
+_URL_SECRETS = frozenset({"token_store_url"})
 
 
 class Settings(BaseSettings):
@@ -132,10 +142,11 @@ class Settings(BaseSettings):
         description="Bootstrap admin bearer token for the gate and trainer APIs (identity "
         "'admin (FLYWHEEL_APPROVAL_TOKEN)'); issue personal tokens with `flywheel gate tokens issue`.",
     )
-    token_store_url: str = Field(
-        default="",
-        description="SQLAlchemy URL of the issued-token store (hashes only); empty: SQLite under data_dir. "
-        "Give the gate and the trainer the same one (e.g. the PostgreSQL that holds MLflow).",
+    token_store_url: SecretStr | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the issued-token store (hashes only); unset: SQLite under data_dir. "
+        "Give the gate, its rollout controller and the trainer the same one (e.g. the PostgreSQL that holds "
+        "MLflow). A secret: the URL carries the database password.",
     )
     collector_rate_limit: str = Field(
         default="200/second", description="Requests per client address the collector takes (429 beyond)."
@@ -229,7 +240,7 @@ class Settings(BaseSettings):
     def _strip_secrets(cls, value: Any, info: ValidationInfo) -> Any:
         # A trailing newline from a mounted secret file must not become part of the token.
         field = cls.model_fields.get(info.field_name or "")
-        if field is not None and field.annotation is SecretStr and isinstance(value, str):
+        if field is not None and field.annotation in (SecretStr, SecretStr | None) and isinstance(value, str):
             return value.strip()
         return value
 
@@ -246,24 +257,35 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Settings:
-        """Every secret is set; in production none is short or still its development default.
+        """Every secret given is set; in production one not given is not held, and none given is short, still
+        its development default, or a placeholder.
 
-        Messages name the variable, never its value (and `hide_input_in_errors` keeps pydantic
-        from echoing the input).
+        In production a process holds only the secrets its environment gives it: one it is not given is empty
+        here rather than its development default (the collector holds no serving key, serving no write keys),
+        and what needs it finds nothing to accept or sign with. Messages name the variable, never its value
+        (and `hide_input_in_errors` keeps pydantic from echoing the input).
         """
         problems = []
+        production = self.environment == "production"
         for name, field in type(self).model_fields.items():
             value = getattr(self, name)
             if not isinstance(value, SecretStr):
                 continue
             env = f"FLYWHEEL_{name.upper()}"
+            if production and name not in self.model_fields_set:
+                setattr(self, name, SecretStr(""))  # not given to this process: not held
+                continue
             items = _secret_items(name, value)
+            if name in _URL_SECRETS:
+                items = [_url_password(item) for item in items]
             if not items:
                 problems.append(f"{env} is empty; set a secret value")
-            elif self.environment == "production":
+            elif production:
                 default = field.default if isinstance(field.default, SecretStr) else SecretStr("")
                 if set(items) & set(_secret_items(name, default)):
                     problems.append(f"{env} still holds the development value; set a secret one")
+                elif any(_PLACEHOLDER.search(item) for item in items):
+                    problems.append(f"{env} is still a placeholder of an example file; set a secret value")
                 elif any(len(item) < MIN_SECRET_LENGTH for item in items):
                     problems.append(f"{env} is too short for production")
         if problems:
@@ -304,6 +326,21 @@ class Settings(BaseSettings):
     @property
     def resolved_mlflow_uri(self) -> str:
         return self.mlflow_tracking_uri or self.embedded_mlflow_uri
+
+
+def _url_password(url: str) -> str:
+    """The password a database URL carries (what must be secret in it); the whole URL when it has none.
+
+    >>> _url_password("postgresql+psycopg2://mlflow:s3cr3t@db:5432/flywheel")
+    's3cr3t'
+    >>> _url_password("sqlite:////var/lib/flywheel/tokens.db")
+    'sqlite:////var/lib/flywheel/tokens.db'
+    """
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    return password if password else url
 
 
 def _secret_items(name: str, value: SecretStr) -> list[str]:

@@ -6,12 +6,17 @@ shows the checks check.
 
 Tools come from the k8s extra (kubectl, kubernetes-validate, hadolint) and Debian's prometheus package
 (promtool, installed by scripts/install.sh when it can); the CRD schemas from ../shared/k8s-crds (or
-FLYWHEEL_K8S_CRDS). Each skips with its reason when missing.
+FLYWHEEL_K8S_CRDS). Each skips with its reason when missing, except the CRD schemas in CI (CI or
+FLYWHEEL_REQUIRE_CRDS set): there a missing folder fails, so custom resources are never left unchecked.
+
+"prod" here is the production overlay with its on-demand training job (overlays/prod-training, a superset of
+what a deploy applies), built with secrets.example's placeholders filled in.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -20,7 +25,10 @@ import pytest
 import yaml
 
 from tests import k8s_checks as kc
+from tests.k8s_checks.network import Peer, allowed
 from tests.k8s_checks.objects import containers
+from tests.k8s_checks.security import SECRET_SETTINGS, secrets_read
+from tests.k8s_checks.security import cron_ok as kc_cron_ok
 
 pytestmark = pytest.mark.skipif(kc.tool("kubectl") is None, reason="kubectl missing: pip install -e '.[k8s]'")
 
@@ -39,9 +47,25 @@ def dev() -> kc.Manifests:
 
 
 @pytest.fixture(scope="module")
-def prod(tmp_path_factory: pytest.TempPathFactory) -> kc.Manifests:
+def prod_overlays(tmp_path_factory: pytest.TempPathFactory) -> tuple[kc.Manifests, kc.Manifests]:
+    """(what a deploy applies: overlays/prod, the same with the training job: overlays/prod-training)."""
     with kc.prod_with_example_secrets(tmp_path_factory.mktemp("prod")) as overlay:
-        return kc.build(overlay)
+        return kc.build(overlay), kc.build(overlay.parent / "prod-training")
+
+
+@pytest.fixture(scope="module")
+def prod(prod_overlays: tuple[kc.Manifests, kc.Manifests]) -> kc.Manifests:
+    return prod_overlays[1]
+
+
+def _crds_required() -> bool:
+    return bool(os.environ.get("CI") or os.environ.get("FLYWHEEL_REQUIRE_CRDS"))
+
+
+def _no_crds(reason: str) -> None:
+    if _crds_required():
+        pytest.fail(f"{reason}; CI requires them (CI or FLYWHEEL_REQUIRE_CRDS is set): set FLYWHEEL_K8S_CRDS")
+    pytest.skip(reason)
 
 
 @pytest.fixture(params=["dev", "prod"])
@@ -53,7 +77,7 @@ def test_overlays_hold_the_whole_loop(dev: kc.Manifests, prod: kc.Manifests) -> 
     for m in (dev, prod):
         apps = {tpl["metadata"]["labels"].get("app") for _, tpl in m.workloads()}
         assert {"collector", "serving", "ingest-worker", "signals-worker", "gate", "rollout", "trainer",
-                "lake-compaction", "init", "valkey", "postgres", "mlflow"} <= apps
+                "lake-compaction", "lake-vacuum-full", "init", "valkey", "postgres", "mlflow", "mlflow-migrate"} <= apps
         assert {t["spec"]["topicName"] for t in m.of("KafkaTopic")} == {
             "flywheel.events", "flywheel.rewards", "flywheel.dead-letter"}
         # The lake is on object storage: no volume for it, and every process on it is told where it is.
@@ -77,7 +101,7 @@ def test_builtin_kinds_validate_strictly_and_custom_resources_against_their_crds
     problems = kc.check_schemas(built, crds)
     assert not problems, "\n".join(map(str, problems))
     if crds is None:
-        pytest.skip("../shared/k8s-crds is absent (or FLYWHEEL_K8S_CRDS unset): custom resources not validated")
+        _no_crds("../shared/k8s-crds is absent (or FLYWHEEL_K8S_CRDS unset): custom resources not validated")
 
 
 @pytest.mark.parametrize("check", sorted(kc.CHECKS))
@@ -93,7 +117,7 @@ def test_each_broken_overlay_fails_its_check(case: str, dev: kc.Manifests) -> No
     if check == "schemas":
         crds = kc.crd_dir()
         if crds is None and case != "schemas.builtin-field":
-            pytest.skip("../shared/k8s-crds is absent: custom resources and unknown kinds are not decided")
+            _no_crds("../shared/k8s-crds is absent: custom resources and unknown kinds are not decided")
         # What dev holds unchanged has passed already (test above): validate what the case changed.
         changed = [d for d in m.docs if d not in dev.docs]
         assert changed
@@ -102,6 +126,92 @@ def test_each_broken_overlay_fails_its_check(case: str, dev: kc.Manifests) -> No
         problems = kc.CHECKS[check](m)
     assert problems, f"{case}: the {check} check passed a broken overlay"
     assert all(p.check == check for p in problems)
+
+
+def test_lake_maintenance_reaches_mlflow_and_a_full_vacuum_is_scheduled(prod: kc.Manifests) -> None:
+    # Both ask the registry which table versions models trained on before deleting anything (launcher/lake.py).
+    mlflow = prod.pods_by_app("mlflow")
+    runs = {}
+    for cron in prod.of("CronJob"):
+        tpl = cron["spec"]["jobTemplate"]["spec"]["template"]
+        args = kc.flywheel_args(tpl["spec"]["containers"][0]) or []
+        if args[:1] == ["lake"]:
+            runs[tuple(args)] = cron
+            pod = next(p for p in prod.pods if p.owner == f"CronJob/{cron['metadata']['name']}")
+            assert mlflow and all(allowed(prod, Peer(pod.labels, pod=pod), Peer(m.labels, pod=m), 5000)
+                                  for m in mlflow), f"{cron['metadata']['name']} cannot reach MLflow"
+    assert ("lake", "compact") in runs  # hourly: compaction, then the vacuum within the retention
+    full = runs.get(("lake", "vacuum", "--full"))
+    assert full is not None, "no CronJob runs the full vacuum (orphaned files of lost commits)"
+    assert kc_cron_ok(full["spec"]["schedule"]) and full["spec"]["concurrencyPolicy"] == "Forbid"
+    alerts = {r["alert"]: r["expr"] for g in prod.of("PrometheusRule")[0]["spec"]["groups"] for r in g["rules"]}
+    assert "kube_job_status_failed" in alerts["FlywheelMaintenanceJobFailed"]
+    assert re.search("flywheel-lake-", alerts["FlywheelMaintenanceJobFailed"])
+
+
+def test_no_rendered_manifest_sets_a_field_an_autoscaler_or_operator_owns(
+    dev: kc.Manifests, prod_overlays: tuple[kc.Manifests, kc.Manifests]
+) -> None:
+    applied, training = prod_overlays
+    for m in (dev, applied, training):
+        assert not kc.CHECKS["ownership"](m)
+    for m in (dev, applied):
+        scaled = {h["spec"]["scaleTargetRef"]["name"] for h in m.of("HorizontalPodAutoscaler")}
+        assert {"flywheel-collector", "flywheel-serving"} <= scaled
+        assert all("replicas" not in m.get("Deployment", name)["spec"] for name in scaled)  # type: ignore[index]
+    # A deploy starts no training run; a run is a job created from overlays/prod-training.
+    assert not applied.of("PyTorchJob") and training.of("PyTorchJob")
+    assert [d for d in training.docs if d["kind"] != "PyTorchJob"] == applied.docs
+    job = training.of("PyTorchJob")[0]
+    assert "suspend" not in job["spec"]["runPolicy"]
+    assert job["metadata"]["labels"]["app.kubernetes.io/component"] == "training"  # what `kubectl create -l` takes
+    images = {c["image"] for spec in job["spec"]["pytorchReplicaSpecs"].values()
+              for c in spec["template"]["spec"]["containers"]}
+    trainer = applied.get("Deployment", "flywheel-trainer")["spec"]["template"]["spec"]["containers"][0]["image"]  # type: ignore[index]
+    assert images == {trainer}  # the trainer's image, bumped in overlays/prod's images: only
+
+
+def test_every_rendered_pod_passes_pod_security_restricted(built: kc.Manifests) -> None:
+    assert not kc.CHECKS["pod-security"](built)
+    pods = [tpl["spec"] for _, tpl in built.workloads()]
+    assert pods and all(p["automountServiceAccountToken"] is False for p in pods)
+    ns = built.of("Namespace")[0]["metadata"]["labels"]
+    assert ns["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_no_secret_value_appears_outside_secret_objects(built: kc.Manifests) -> None:
+    assert not kc.CHECKS["secrets"](built)
+
+
+def test_each_component_gets_only_the_secret_keys_its_settings_read(
+    built: kc.Manifests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flywheel.settings import Settings
+
+    seen = set()
+    for owner, c in containers(built):
+        args = kc.flywheel_args(c)
+        if args is None:
+            continue
+        wanted = secrets_read(args)
+        assert wanted is not None, f"{owner['metadata']['name']}: flywheel {' '.join(args)}"
+        assert not [s for s in c.get("envFrom", []) if "secretRef" in s], owner["metadata"]["name"]
+        env = kc.environment(built, c)
+        assert SECRET_SETTINGS & set(env) == wanted, owner["metadata"]["name"]
+        # As the process sees them in production: it holds exactly those, and none at a default.
+        for key in [k for k in os.environ if k.startswith("FLYWHEEL_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            if key.startswith("FLYWHEEL_") and (key in SECRET_SETTINGS or key == "FLYWHEEL_ENVIRONMENT"):
+                monkeypatch.setenv(key, value)
+        settings = Settings()
+        fields = ("write_keys", "serving_key", "approval_token", "token_store_url")
+        held = {f"FLYWHEEL_{name.upper()}" for name in fields
+                if (v := getattr(settings, name)) is not None and v.get_secret_value()}
+        if settings.environment == "production":
+            assert held == wanted, owner["metadata"]["name"]
+        seen.add(tuple(args[:2]))
+    assert {("ingest", "collector"), ("serve",), ("gate", "serve"), ("lake", "compact")} <= seen
 
 
 def test_every_check_has_a_broken_overlay() -> None:

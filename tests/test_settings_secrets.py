@@ -77,3 +77,41 @@ def test_an_invalid_value_next_to_a_secret_does_not_echo_the_input() -> None:
     with pytest.raises(ValidationError) as err:
         Settings(approval_token=f"{GOOD}-visible?", topic_partitions="many")  # type: ignore[arg-type]
     assert "visible?" not in str(err.value) and "many" not in str(err.value)
+
+
+@pytest.mark.parametrize("placeholder", [
+    "REPLACE-with-the-hmac-key-serving-signs-generations-with",  # k8s/overlays/prod/secrets.example
+    "replace-me-0123456789abcdefghijklmnop",
+    "an-example-secret-0123456789abcdefghij",
+    "changeme-changeme-changeme-changeme",
+    "<generate-one-with-python-secrets-token>",
+])
+@pytest.mark.parametrize("field", SECRET_FIELDS)
+def test_production_refuses_a_placeholder_secret_without_its_value(field: str, placeholder: str) -> None:
+    with pytest.raises(ValidationError, match=f"FLYWHEEL_{field.upper()} is still a placeholder") as err:
+        production(**{field: placeholder})
+    assert placeholder not in str(err.value)
+
+
+def test_the_token_store_url_is_a_secret_whose_password_production_checks() -> None:
+    url = f"postgresql+psycopg2://mlflow:{GOOD}@flywheel-postgres:5432/flywheel"
+    s = production(token_store_url=url)
+    assert isinstance(s.token_store_url, SecretStr) and s.token_store_url.get_secret_value() == url
+    assert GOOD not in repr(s) and GOOD not in str(s.model_dump())
+    for password, why in (("REPLACE-postgres-password", "placeholder"), ("pw-0123", "too short")):
+        leaked = f"postgresql+psycopg2://mlflow:{password}@flywheel-postgres:5432/flywheel"
+        with pytest.raises(ValidationError, match=f"FLYWHEEL_TOKEN_STORE_URL .*{why}") as err:
+            production(token_store_url=leaked)
+        assert password not in str(err.value)
+    assert Settings().token_store_url is None  # unset: SQLite under data_dir (flywheel.identity.store_url)
+
+
+def test_production_holds_only_the_secrets_it_is_given() -> None:
+    # k8s/ gives each component only the secret keys it reads: the collector its write keys, serving its key.
+    collector = Settings(environment="production", write_keys=GOOD)  # type: ignore[arg-type]
+    assert collector.write_key_set == {GOOD}
+    assert collector.serving_key.get_secret_value() == "" and collector.approval_token.get_secret_value() == ""
+    serving = Settings(environment="production", serving_key=GOOD)  # type: ignore[arg-type]
+    assert serving.write_key_set == frozenset()  # accepts no event: it was given no write key
+    # Development keeps its defaults, so one machine runs with nothing set.
+    assert Settings().serving_key.get_secret_value() == "dev-serving-key"

@@ -7,8 +7,11 @@ refuse, caught without one.
   schema fails.
 - The other `check_*` functions cover what schemas cannot see: names, ports and enums, selectors that
   select, references that resolve, NetworkPolicies that let the loop's flows through and nothing else in
-  from outside, Kafka resources that fit their cluster, images, resources, and Flywheel's own contract
-  (every variable a setting, every command in the CLI, probes on the health endpoints).
+  from outside (selectors and address blocks alike), Kafka resources that fit their cluster, images,
+  resources, Flywheel's own contract (every variable a setting, every command in the CLI, probes on the
+  health endpoints), and what a platform engineer reads for (`security.py`): pod-security "restricted" on
+  every pod, secrets only in Secrets and only where read, nothing an HPA or operator owns, servers that
+  drain, state services bounded, values no schema types.
 
 Each check returns `Problem`s (empty: it passes); `CHECKS` names them, and tests/k8s_broken/ holds one
 deliberately broken overlay per name, each asserted to fail that check.
@@ -52,6 +55,15 @@ from tests.k8s_checks.objects import (
     check_services,
 )
 from tests.k8s_checks.schemas import check_schemas
+from tests.k8s_checks.security import (
+    check_drain,
+    check_ownership,
+    check_pod_security,
+    check_secret_keys,
+    check_secrets,
+    check_state_services,
+    check_values,
+)
 
 __all__ = [
     "BIN", "CHECKS", "K8S", "REPO", "Manifests", "Problem", "build", "check_schemas", "crd_dir", "environment",
@@ -77,6 +89,13 @@ CHECKS: dict[str, Callable[[Manifests], list[Problem]]] = {
     "probes": check_probes,
     "partitions": check_partitions,
     "redis-users": check_redis_users,
+    "pod-security": check_pod_security,
+    "secrets": check_secrets,
+    "secret-keys": check_secret_keys,
+    "ownership": check_ownership,
+    "drain": check_drain,
+    "state-services": check_state_services,
+    "values": check_values,
 }
 
 

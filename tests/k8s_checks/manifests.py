@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -121,6 +123,8 @@ class Manifests:
             labels = {"strimzi.io/cluster": cluster, "strimzi.io/kind": "Kafka",
                       "strimzi.io/name": f"{cluster}-kafka", "strimzi.io/pool-name": pool["metadata"]["name"]}
             ports = {"controlplane-9090": 9090}
+            if kafka and kafka["spec"]["kafka"].get("metricsConfig"):
+                ports["tcp-prometheus"] = 9404  # every node's metrics, when the Kafka asks for them
             if "broker" in pool["spec"].get("roles", []):
                 labels["strimzi.io/broker-role"] = "true"
                 ports.update({f"{lst['name']}-{lst['port']}": lst["port"] for lst in listeners})
@@ -141,13 +145,25 @@ def build(overlay: Path) -> Manifests:
     return Manifests(list(yaml.safe_load_all(out.stdout)))
 
 
+_PLACEHOLDER = re.compile(r"REPLACE[-A-Za-z0-9]*")
+
+
+def filled(placeholder: str) -> str:
+    """A strong value for a secrets.example placeholder, the same wherever it appears (a password in users.acl
+    and in a Redis URL, in postgres.env and in a database URL), as an operator fills them in."""
+    return "v" + hashlib.sha256(placeholder.encode()).hexdigest()[:39]
+
+
 @contextlib.contextmanager
 def prod_with_example_secrets(tmp: Path) -> Iterator[Path]:
-    """overlays/prod reads secrets from files kept out of git: build a copy with secrets.example in their place."""
+    """overlays/prod reads secrets from files kept out of git: build a copy with secrets.example in their place,
+    every REPLACE placeholder filled in (production settings refuse a placeholder)."""
     copy = tmp / "k8s"
     shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("secrets"))
     prod = copy / "overlays" / "prod"
     shutil.copytree(prod / "secrets.example", prod / "secrets")
+    for path in (prod / "secrets").iterdir():
+        path.write_text(_PLACEHOLDER.sub(lambda m: filled(m.group(0)), path.read_text()))
     yield prod
 
 

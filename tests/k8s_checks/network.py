@@ -108,6 +108,9 @@ OUTSIDE = Peer(namespace={"kubernetes.io/metadata.name": "elsewhere"})
 INGRESS_CONTROLLER = Peer(namespace={"kubernetes.io/metadata.name": "ingress-nginx"})
 PROMETHEUS = Peer(namespace={"kubernetes.io/metadata.name": "monitoring"})
 OBJECT_STORAGE = Peer(address="52.216.0.10")  # an address outside the cluster (an S3 endpoint)
+# "Anyone" as address blocks see them: a client on the internet, and a pod of another namespace (a pod's address
+# is in the cluster's private range; a CNI matches ipBlocks against it too).
+OUTSIDE_ADDRESSES = (Peer(address="203.0.113.7"), Peer(address="10.244.7.7"))
 
 # (source app, destination app, destination port): what the loop needs inside the namespace.
 NEEDED_FLOWS = [
@@ -115,6 +118,8 @@ NEEDED_FLOWS = [
     *[(app, "valkey", 6379) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
     *[(app, "mlflow", 5000) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
     *[(app, "postgres", 5432) for app in ("mlflow", "gate", "rollout", "trainer")],
+    # Lake maintenance asks the registry which table versions models trained on before it vacuums.
+    *[(app, "mlflow", 5000) for app in ("lake-compaction", "lake-vacuum-full")],
 ]
 
 
@@ -128,7 +133,7 @@ PUBLIC = ("collector", "serving")
 
 # What reads or writes object storage: MLflow (its artifacts) and every process on the lake.
 S3_CLIENTS = ("mlflow", "ingest-worker", "signals-worker", "gate", "rollout", "trainer", "lake-compaction",
-              "trainer-multinode")
+              "lake-vacuum-full", "trainer-multinode")
 
 
 def _app_pods(m: Manifests, app: str) -> list[Pod]:
@@ -164,17 +169,27 @@ def check_network_flows(m: Manifests) -> list[Problem]:
         app = dst.labels.get("app", dst.owner)
         for port in sorted(set(dst.ports.values())):
             need(OUTSIDE, Peer(dst.labels, pod=dst), port, f"outside -> {app}:{port}", app in PUBLIC)
+            for address in OUTSIDE_ADDRESSES:
+                need(address, Peer(dst.labels, pod=dst), port, f"{address.address} -> {app}:{port}", app in PUBLIC)
     for dst in m.pods_by_app("gate"):
         need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8002, "ingress controller -> gate:8002")
+    scraped: set[tuple[str, int]] = set()
     for sm in m.of("ServiceMonitor"):
         svc = next((s for s in m.of("Service") if selects(sm["spec"]["selector"], s["metadata"].get("labels") or {})),
                    None)
         if svc is None:
             continue
         for pod in m.pods:
-            if pod.spec and selects({"matchLabels": svc["spec"]["selector"]}, pod.labels):
+            if (pod.spec or pod.ports) and selects({"matchLabels": svc["spec"]["selector"]}, pod.labels):
                 for ep in sm["spec"]["endpoints"]:
-                    port = pod.ports.get(next((p.get("targetPort") for p in svc["spec"]["ports"]
-                                               if p.get("name") == ep.get("port")), ""), 0)
+                    target = next((p.get("targetPort") for p in svc["spec"]["ports"]
+                                   if p.get("name") == ep.get("port")), "")
+                    port = target if isinstance(target, int) else pod.ports.get(target, 0)
                     need(PROMETHEUS, Peer(pod.labels, pod=pod), port, f"prometheus -> {pod.owner}:{port}")
+                    scraped.add((pod.owner, port))
+    # Monitoring reaches the ports it scrapes and no other.
+    for dst in m.pods:
+        for port in sorted(set(dst.ports.values()) - {p for o, p in scraped if o == dst.owner}):
+            if dst.labels.get("app") not in PUBLIC:
+                need(PROMETHEUS, Peer(dst.labels, pod=dst), port, f"prometheus -> {dst.owner}:{port}", False)
     return problems

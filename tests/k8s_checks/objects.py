@@ -222,7 +222,8 @@ def check_services(m: Manifests) -> list[Problem]:
         selector = svc["spec"].get("selector")
         if not selector:
             continue
-        pods = [p for p in m.pods if p.spec and selects({"matchLabels": selector}, p.labels)]
+        # Our templates, and the pods an operator makes (known by their labels and ports).
+        pods = [p for p in m.pods if (p.spec or p.ports) and selects({"matchLabels": selector}, p.labels)]
         if not pods:
             problems.append(Problem("services", where(svc), f"selector {selector} selects no workload"))
             continue
