@@ -1,5 +1,8 @@
 """`flywheel lake ...`: the lake's Delta tables: history, compaction, vacuum, migration from the former format.
 
+On a schedule (k8s/base/apps/lake-compaction.yaml): `compact` hourly, with the vacuum within the retention,
+and `vacuum --full` daily on its own, since a one-off `compact` never reaches its `--full-every` pass.
+
 Here, above the registry, because the vacuum keeps every table version a registered model version
 trained on (its lineage's `data_window.lake_versions`): a model can always be traced to, and retrained
 on, the exact rows it learnt from. Without the registry's answer no vacuum runs, and the command exits
@@ -105,7 +108,10 @@ def compact_command(
     every: float = typer.Option(0.0, min=0, help="Seconds between runs; 0 runs once."),
     vacuum_after: bool = typer.Option(True, "--vacuum/--no-vacuum", help="Vacuum after each compaction."),
     retention_hours: float = typer.Option(DEFAULT_RETENTION_HOURS, min=MIN_RETENTION_HOURS, help="Vacuum retention."),
-    full_every: int = typer.Option(24, min=1, help="Every Nth run's vacuum is full (orphaned files of lost commits)."),
+    full_every: int = typer.Option(
+        24, min=1, help="With --every: every Nth pass's vacuum is full (orphaned files of lost commits). A one-off run "
+        "(a CronJob's) is never the Nth: schedule `flywheel lake vacuum --full` on its own (k8s/base/apps).",
+    ),
 ) -> None:
     """Merge each partition's small files (optimize), then vacuum; readers never see a row twice."""
     tables = _tables(table)
