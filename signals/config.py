@@ -71,6 +71,14 @@ class SignalsConfig(BaseSettings):
         description="Distinct feedback events kept per generation (a real one has a few dozen at most); "
         "later ones are dead-lettered and counted as `capped`.",
     )
+    max_new_surfaces: int = Field(
+        default=32,
+        ge=0,
+        description="New surface names a worker adopts per `new_surfaces_window_s` (each gets its built-in rules "
+        "and a place in the pointer every reader follows); a generation naming one more is dead-lettered and "
+        "counted as `capped`, and is scored when replayed once the window has passed.",
+    )
+    new_surfaces_window_s: float = Field(default=3600.0, gt=0)
     max_feedback_bytes: int = Field(
         default=16_384,
         ge=1024,

@@ -7,8 +7,9 @@ version is active for each product surface is the lake's pointer file (`flywheel
 place the trainer and the deploy gate read too: activating a version is the only thing that changes what
 they read. The built-in rules of every surface (`rules-v1` for code completion, `chat-rules-v1`, and
 `<surface>-rules-v1` for any surface a product names itself) always exist, stored or not; a surface with no
-pointer yet uses its built-in rules, and the worker adds it to the pointer (`adopt`) the first time one of
-its generations comes, so every reader counts its rewards from the first record on.
+pointer yet uses its built-in rules, and the worker adds it to the pointer (`adopt_all`: a micro-batch's new
+surfaces in one write, before its records go out) the first time one of its generations comes, so every reader
+counts its rewards from the first record on.
 """
 
 from __future__ import annotations
@@ -107,6 +108,15 @@ class DefinitionStore:
             active[surface] = builtin_definition(surface).version
             write_active(self._lake, active)
         return active[surface]
+
+    def adopt_all(self, surfaces: dict[str, str]) -> None:
+        """`adopt` for several surfaces `{surface: version}` at once: one read and at most one write of the pointer
+        (the worker adopts a micro-batch's new surfaces together). A surface the pointer already names keeps its
+        version."""
+        active = read_active(self._lake) or self.active_map()
+        missing = {s: v for s, v in surfaces.items() if s not in active}
+        if missing:
+            write_active(self._lake, {**active, **missing})
 
     def active_version(self, surface: str) -> str:
         return self.active_map().get(surface_of(surface)) or builtin_definition(surface).version

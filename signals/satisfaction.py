@@ -205,11 +205,15 @@ class RefitResult:
         return asdict(self)
 
 
-def explicit_labels(settings: Settings, store: DefinitionStore, surface: str) -> pl.DataFrame:
+def explicit_labels(
+    settings: Settings, store: DefinitionStore, surface: str, rewards: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """One row per generation of `surface` with a thumbs vote: generation_id, signals (dict), label
-    (1 = up), sorted by generation id (the fit is the same whatever order records were written in)."""
+    (1 = up), sorted by generation id (the fit is the same whatever order records were written in).
+    `rewards`: the explicit rows of the rewards table, already read (`refit_all` reads them once for every
+    surface); None: read here."""
     empty = pl.DataFrame(schema={"generation_id": pl.String, "signals": pl.Object, "label": pl.Int64})
-    df = read_rewards(REWARDS.at(settings.lake_root))
+    df = _explicit_rows(settings) if rewards is None else rewards
     if df.is_empty():
         return empty
     versions = [v for v in df["reward_version"].unique().to_list() if _surface_of_version(store, v) == surface]
@@ -231,6 +235,32 @@ def explicit_labels(settings: Settings, store: DefinitionStore, surface: str) ->
     )
 
 
+def _explicit_rows(settings: Settings) -> pl.DataFrame:
+    df = read_rewards(REWARDS.at(settings.lake_root))
+    return df if df.is_empty() else df.filter(pl.col("label_source") == "explicit")
+
+
+def refit_all(settings: Settings, config: SignalsConfig | None = None) -> list[RefitResult]:
+    """`refit` for every surface with enough explicit labels to fit (`MIN_FIT_LABELS`), reading the rewards table
+    once for all of them: the worker's periodic refit, whose cost so grows with the labels, not with the number of
+    surfaces (a flood of new surface names made it read the whole table once per surface)."""
+    store = DefinitionStore(settings, redis_client(settings))
+    rows = _explicit_rows(settings)
+    if rows.is_empty():
+        return []
+    counts = rows.group_by("reward_version").agg(pl.col("generation_id").n_unique().alias("n"))
+    by_surface: dict[str, int] = {}
+    for version, n in counts.iter_rows():
+        surface = _surface_of_version(store, version)
+        if surface is not None:
+            by_surface[surface] = by_surface.get(surface, 0) + n
+    return [
+        refit(settings, config, surface=surface, rewards=rows)
+        for surface, n in sorted(by_surface.items())
+        if n >= MIN_FIT_LABELS
+    ]
+
+
 def _surface_of_version(store: DefinitionStore, version: str) -> str | None:
     try:
         return store.get(version).surface
@@ -244,13 +274,15 @@ def refit(
     *,
     surface: str = DEFAULT_SURFACE,
     activate: bool = True,
+    rewards: pl.DataFrame | None = None,
 ) -> RefitResult:
     """Fit on the surface's explicit labels so far; compare with its rules; log to MLflow; store the
-    new definition and activate it only if it beats the rules (see the module docstring)."""
+    new definition and activate it only if it beats the rules (see the module docstring). `rewards`: see
+    `explicit_labels`."""
     config = config or SignalsConfig()
     surface = surface_of(surface)
     store = DefinitionStore(settings, redis_client(settings))
-    labels = explicit_labels(settings, store, surface)
+    labels = explicit_labels(settings, store, surface, rewards)
     n = labels.height
     if n < MIN_FIT_LABELS:
         return RefitResult(

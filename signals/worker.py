@@ -36,7 +36,10 @@ order, each with at most `max_feedback_bytes` of properties; the rest are dead-l
 its state is bounded in bytes (about cap x (bytes + 300) plus its generation), a batch costs each of
 its generations one record at most, and a flood for one generation costs its partition's other
 generations at most the batch it arrived in. A generation whose reward definition cannot be found
-is dead-lettered (`dead_lettered`) and the stream goes on.
+is dead-lettered (`dead_lettered`) and the stream goes on. New surface names: at most `max_new_surfaces` are
+adopted per `new_surfaces_window_s` (a generation naming one more is dead-lettered, `capped`), and a batch's are
+written to the pointer together, once, before the batch commits. The periodic refit runs in a thread of its own
+and reads the rewards table once for every surface (`signals.satisfaction.refit_all`): scoring never waits on it.
 
 Delivery: a batch's state, watermarks, emitted markers and outbox are written in
 one Redis script; offsets are committed after that; the outbox then goes to Kafka
@@ -321,6 +324,10 @@ class _Batch:
             try:
                 gen = GenerationInfo.from_properties(e.generation_id, e.ts_us, e.user_id, e.properties)
                 definition = self.w.definition_for(gen.surface)
+            except TooManyNewSurfaces as exc:  # a flood of new names: not scored now; a replay scores it later
+                st.seen.discard(e.event_id)
+                self.refuse(str(exc), *self._origin(e), outcome="capped")
+                return
             except UnknownRewardVersion as exc:  # the pointer names a version no store holds: not this event's fault,
                 # but it cannot be scored; the stream goes on, and a replay of the letter scores it once fixed
                 st.seen.discard(e.event_id)
@@ -481,6 +488,14 @@ def _now():  # noqa: ANN202 - a seam for reading the clock in one place
     return utcnow()
 
 
+class TooManyNewSurfaces(UnknownRewardVersion):
+    """A generation names a surface past this window's cap on new ones (`SignalsConfig.max_new_surfaces`): like
+    a version no store holds, it cannot be scored now; its generation is dead-lettered and the stream goes on."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class SignalsWorker:
     """Consumes `settings.events_topic`, emits `RewardRecord`s. See the module docstring.
 
@@ -521,6 +536,10 @@ class SignalsWorker:
         self._active: tuple[float, dict[str, RewardDefinition]] | None = None
         self._warned: set[str] = set()
         self._last_refit = time.monotonic()
+        self._refitting: threading.Thread | None = None
+        # New surfaces of the batch in progress, written to the pointer once, before the batch commits.
+        self._adopted: dict[str, str] = {}
+        self._new_surfaces: list[float] = []  # when each new surface of the current window was adopted
 
     @property
     def consumer(self) -> Consumer:
@@ -583,7 +602,18 @@ class SignalsWorker:
         version that no store holds (the caller dead-letters what it could not score)."""
         active = self.active_definitions()
         if surface not in active:
-            active[surface] = self.definitions.get(self.definitions.adopt(surface))
+            now = time.monotonic()
+            window = self.config.new_surfaces_window_s
+            self._new_surfaces = [t for t in self._new_surfaces if now - t < window]
+            if len(self._new_surfaces) >= self.config.max_new_surfaces:
+                raise TooManyNewSurfaces(
+                    f"surface {surface!r} is new, and {len(self._new_surfaces)} new surfaces were adopted in the last "
+                    f"{window:g} s (FLYWHEEL_SIGNALS_MAX_NEW_SURFACES); replay this letter later"
+                )
+            self._new_surfaces.append(now)
+            version = self.definitions.active_map().get(surface) or builtin_definition(surface).version
+            self._adopted[surface] = version
+            active[surface] = self.definitions.get(version)
         return active[surface]
 
     def window_us(self, definition: RewardDefinition) -> int:
@@ -734,6 +764,9 @@ class SignalsWorker:
 
     def _commit(self, batch: _Batch) -> None:
         plan = batch.finish()
+        if self._adopted:  # the batch's new surfaces, in one pointer write, before their first records can go out
+            self.definitions.adopt_all(self._adopted)
+            self._adopted = {}
         if batch.dead:  # before the commit: a crash in between re-reads them, so a letter may repeat, never vanish
             self.producer.send_all([d.outgoing(self.settings.dead_letter_topic) for d in batch.dead], timeout_s=30)
         queued = self.store.commit(plan)
@@ -771,15 +804,23 @@ class SignalsWorker:
         return len(recs)
 
     def _maybe_refit(self) -> None:
+        """Start the periodic refit in a thread of its own, so scoring never waits on it (it reads the rewards
+        table, once for every surface: `refit_all`); one at a time."""
         every = self.config.refit_every_s
         if every <= 0 or time.monotonic() - self._last_refit < every:
             return
+        if self._refitting is not None and self._refitting.is_alive():
+            return
         self._last_refit = time.monotonic()
-        from signals.satisfaction import refit
+        self._refitting = threading.Thread(target=self.refit, name="signals-refit", daemon=True)
+        self._refitting.start()
+
+    def refit(self) -> None:
+        """One refit of every surface with enough labels; failures are logged (an outage once per state change)."""
+        from signals.satisfaction import refit_all
 
         try:
-            for surface in sorted(self.definitions.active_map()):
-                refit(self.settings, self.config, surface=surface)
+            refit_all(self.settings, self.config)
         except Exception as exc:  # noqa: BLE001 - a failed refit keeps the current definition; the stream goes on
             dep = self.health.blame(exc)
             if dep is not None:  # an outage: one line per state change, and the next refit retries

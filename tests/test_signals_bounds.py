@@ -156,3 +156,47 @@ def test_a_flood_for_one_generation_is_capped_coalesced_and_leaves_another_on_ti
     assert worker.stats.capped == len(flood) - 1 - 16
     assert len(dead_letters(settings)) == worker.stats.capped
     assert state is not None and len(state) <= 16 * (config.max_feedback_bytes + 300) + 4096
+
+
+def test_thousands_of_new_surface_names_are_capped_adopted_in_one_write_a_batch_and_leave_another_on_time(
+    settings: Settings, monkeypatch
+) -> None:  # noqa: ANN001
+    """2,000 generations, each naming a new surface, then an unrelated generation with its accept: the worker
+    adopts `max_new_surfaces` of them (their pointer written at most once a micro-batch), dead-letters the rest as
+    `capped` with the reason, and the unrelated generation's first record holds its accept, in the same polls."""
+    import signals.definitions
+
+    ensure_topics(settings)
+    config = CONFIG.model_copy(update={"max_new_surfaces": 8, "poll_max_records": 500})
+    t0 = utcnow() - timedelta(minutes=5)
+    names = [on_surface(generation_event(f"s-{i}", t0), f"made-up-{i}") for i in range(2_000)]
+    other = [generation_event("other", t0), feedback_event("other", "accepted", t0 + timedelta(seconds=1))]
+    producer = make_producer(settings)
+    producer.send_all([Outgoing(settings.events_topic, e.to_bytes(), b"one") for e in [*names, *other]], timeout_s=30)
+    producer.close()
+    writes: list[dict[str, str]] = []
+    real_write = signals.definitions.write_active
+    monkeypatch.setattr(signals.definitions, "write_active", lambda lake, a: (writes.append(a), real_write(lake, a)))
+    worker = SignalsWorker(settings, config)
+    batches = 0
+    real_commit = worker._commit
+
+    def counted(batch) -> None:  # noqa: ANN001
+        nonlocal batches
+        batches += 1
+        real_commit(batch)
+
+    worker._commit = counted  # type: ignore[method-assign]
+    try:
+        drain(worker, lambda: any(r.generation_id == "other" for r in rewards(settings)), timeout_s=120)
+    finally:
+        worker.close()
+    (first,) = [r for r in rewards(settings) if r.generation_id == "other"]
+    assert first.revision == 0 and first.signals.get("accepted") == 1.0
+    adopted = {s for s in read_active(settings.lake_dir) or {} if s.startswith("made-up-")}
+    assert len(adopted) == 8 and len(writes) <= batches
+    # the first batch held all eight: one write of the pointer adopted them together
+    first_write = next(w for w in writes if any(s.startswith("made-up-") for s in w))
+    assert {s for s in first_write if s.startswith("made-up-")} == adopted
+    capped = [d for d in dead_letters(settings) if "FLYWHEEL_SIGNALS_MAX_NEW_SURFACES" in str(d["reason"])]
+    assert len(capped) == 2_000 - 8 == worker.stats.capped
