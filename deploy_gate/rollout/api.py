@@ -78,7 +78,8 @@ def get_experiment(gate: Gate, config: Config) -> ExperimentView:
 
 @router.get("/experiment/series")
 def get_series(gate: Gate, config: Config, bucket: str = "1h") -> SeriesView:
-    """Per-arm satisfaction (per-user ratio and its delta-method interval) per time bucket."""
+    """Per-arm satisfaction (per-user ratio and its delta-method interval) per time bucket, on the reward
+    versions the experiment decides on."""
     check_bucket(bucket)
     split = gate.splits.get()
     rec = RolloutController(gate, config).record()
@@ -90,7 +91,10 @@ def get_series(gate: Gate, config: Config, bucket: str = "1h") -> SeriesView:
         arms["challenger"] = challenger
     if not challenger_live(split) and rec.champion:
         arms["champion"] = rec.champion
-    rewards, _ = data.reward_rows(gate.settings.lake_root, arms, since=rec.started_at, reward_version=None)
+    # The experiment's own reward versions (recorded at its start), so the chart shows what it decides on;
+    # before it has any, the active one of each surface.
+    versions = rec.reward.versions() or None
+    rewards, _ = data.reward_rows(gate.settings.lake_root, arms, since=rec.started_at, reward_versions=versions)
     return SeriesView(
         buckets=[
             SeriesBucket(start=s, arm=a, users=n, mean=m, ci=ci) for s, a, n, m, ci in series(rewards, bucket, config)

@@ -38,6 +38,7 @@ from deploy_gate.rollout.models import (
     SrmPeriod,
     TimelineEntry,
 )
+from deploy_gate.rollout.reward_basis import RewardBasis
 from flywheel.contract import TrafficSplit, utcnow
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 _TICKS = Counter("flywheel_rollout_ticks", "Rollout controller looks at the experiment")
 _DECISIONS = Counter("flywheel_rollout_decisions", "Decisions per look, by action", ["action"])
 _SHARE = Gauge("flywheel_rollout_challenger_share", "The live challenger's share of users (0: none)")
+# The no-data alarm: a live challenger with no rewarded user past its first step's minimum time (its traffic or
+# rewards do not reach the lake); the rules roll it back once its absence cannot be chance, or at the end.
+_NO_DATA = Gauge("flywheel_rollout_no_data", "1 while the live challenger has no rewarded user (the no-data alarm)")
+_ENDED = Counter("flywheel_rollout_ended", "Experiments ended by the controller, by action and why", ["action", "why"])
 
 CONTROLLER_ACTOR = "rollout-controller"
 TIMELINE_MAX = 200
@@ -71,6 +76,8 @@ class ExperimentRecord(BaseModel):
     srm_periods: list[SrmPeriod] = Field(default_factory=list)
     looked_at: datetime | None = None  # the last tick that looked at this experiment
     plan: PowerView | None = None  # before the challenger has rewards, from the champion's users
+    # The reward versions it decides on, per surface, recorded at its start (reward_basis.py says why and how).
+    reward: RewardBasis = Field(default_factory=RewardBasis)
 
     def note(self, at: datetime, event: str, by: str = CONTROLLER_ACTOR) -> None:
         self.timeline = [*self.timeline, TimelineEntry(at=at, event=event, by=by)][-TIMELINE_MAX:]
@@ -122,7 +129,7 @@ class RolloutController:
             timeline=rec.timeline,
             holdout=rec.holdout if split and split.holdout_version else None,
             srm_periods=rec.srm_periods,
-            plan=rec.plan if rec.analysis is None else None,
+            plan=rec.plan if rec.analysis is None or rec.analysis.no_data else None,
             bucket=bucket_for(
                 ((rec.ramp[-1].left_at or rec.looked_at or rec.started_at) - rec.started_at).total_seconds()
                 if rec.started_at and rec.ramp else self.config.max_duration_s
@@ -201,16 +208,23 @@ class RolloutController:
         assert split.challenger_version is not None
         arms = {"champion": split.champion_version, "challenger": split.challenger_version}
         agg = data.load(self.gate.settings.lake_root, arms, since=rec.started_at, cache=self._cache,
-                        pre_period_s=self.config.pre_period_s)  # fmt: skip
+                        pre_period_s=self.config.pre_period_s,
+                        reward_versions=self._reward_versions(rec, now))  # fmt: skip
         step = self._step(rec)
         assert rec.started_at is not None
         starts = [r.entered_at for r in rec.ramp[: step.index + 1] if r.entered_at is not None]
         rec.analysis = analyse(agg, step, self.config, started_at=rec.started_at, now=now, step_starts=starts,
                                srm_periods=rec.srm_periods)  # fmt: skip
-        if rec.analysis is None:
+        if rec.analysis is not None and (unused := rec.reward.unused()):  # an activation is said, never switched in
+            rec.analysis.decision.reason += f"; {unused}"
+        if rec.analysis is None or rec.analysis.no_data:
             rec.plan = plan(agg, self.config, running_s=(now - rec.started_at).total_seconds())
         if rec.analysis is not None and rec.state == "ramping":
             self._act(rec, split, step, now)
+        elif rec.state == "frozen" and (now - rec.started_at).total_seconds() >= self.config.max_duration_s:
+            self._end_frozen(rec, split, step, now)
+        alarm = rec.analysis is not None and any(f.startswith("no_data") for f in rec.analysis.flags)
+        _NO_DATA.set(1.0 if alarm and rec.state in ("ramping", "frozen") else 0.0)
         rec.looked_at = now
         self._holdout(self.gate.splits.get() or split, rec)
         self._save(rec)
@@ -230,10 +244,12 @@ class RolloutController:
             ramp=[RampView(**s.model_dump()) for s in self.config.ramp],
             timeline=old.timeline,
             holdout_since=old.holdout_since,
+            reward=RewardBasis.at_start(data.active_versions(self.gate.settings.lake_root, self._cache)),
         )
         rec.ramp[0].entered_at = now
-        rec.note(now, f"experiment: challenger {split.challenger_version} against champion {split.champion_version}",
-                 by=split.changed_by)
+        basis = f", deciding on reward {rec.reward.describe()}" if rec.reward.decides_on else ""
+        rec.note(now, f"experiment: challenger {split.challenger_version} against champion {split.champion_version}"
+                      f"{basis}", by=split.changed_by)  # fmt: skip
         first = self.config.ramp[0].share
         if abs(split.challenger_share - first) > 1e-9 and self._apply(
             lambda: self.gate.plan_ramp(first, by=CONTROLLER_ACTOR, reason="ramp step 1")
@@ -241,6 +257,13 @@ class RolloutController:
             rec.note(now, f"ramp to {first:.0%}")
             self._new_period(rec, first, now)
         return rec, self.gate.splits.get() or split
+
+    def _reward_versions(self, rec: ExperimentRecord, now: datetime) -> list[str]:
+        """The versions this experiment decides on; what changed in the active ones since the last look is
+        said on the timeline (`reward_basis.py`)."""
+        for said in rec.reward.look(data.active_versions(self.gate.settings.lake_root, self._cache)):
+            rec.note(now, said)
+        return rec.reward.versions()
 
     @staticmethod
     def _since(split: TrafficSplit, rec: ExperimentRecord, now: datetime) -> tuple[datetime, datetime]:
@@ -288,6 +311,7 @@ class RolloutController:
                 rec.state = "rolled_back"
                 rec.ramp[step.index].left_at = now
                 rec.note(now, f"rolled back {split.challenger_version}: {d.reason}")
+                _ENDED.labels("rollback", d.why).inc()
                 if d.inconclusive and split.challenger_version:
                     self._unquarantine(rec, split.challenger_version, now)
         elif d.action == "ramp":
@@ -309,6 +333,17 @@ class RolloutController:
                 rec.state = "promoted"
                 rec.ramp[step.index].left_at = now
                 rec.note(now, f"promoted {version}: {d.reason}")
+                _ENDED.labels("promote", d.why).inc()
+
+    def _end_frozen(self, rec: ExperimentRecord, split: TrafficSplit, step: StepContext, now: datetime) -> None:
+        """Every experiment ends: one frozen (SRM, or paused by a person) is rolled back at the maximum duration.
+        Its served data stays quarantined: what froze it was never explained."""
+        reason = "frozen at the maximum duration: nobody resumed it, so the challenger is not kept"
+        if self._apply(lambda: self.gate.plan_rollback(by=CONTROLLER_ACTOR, reason=reason)):
+            rec.state = "rolled_back"
+            rec.ramp[step.index].left_at = now
+            rec.note(now, f"rolled back {split.challenger_version}: {reason}")
+            _ENDED.labels("rollback", "frozen").inc()
 
     def _unquarantine(self, rec: ExperimentRecord, version: str, now: datetime) -> None:
         """An inconclusive rollback showed no harm: what the version served stays eligible for training

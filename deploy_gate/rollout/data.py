@@ -2,7 +2,7 @@
 
 Users are what the split randomises, so every statistic starts from one row per (arm, user):
 their generations, summed reward and the counts the guardrails need. Rewards (latest revision,
-one reward definition) give reward, explicit thumbs, shown, accepted and undo; generation events
+of the reward versions asked for) give reward, explicit thumbs, shown, accepted and undo; generation events
 give latency, declines, empty outputs, truncation and length. A row is kept only when its model
 version is the one the split names for its arm, so data of an earlier experiment never leaks in.
 
@@ -10,11 +10,17 @@ Declined and empty are kept apart. A decline (`finish_reason` "declined": the po
 suggest nothing) is a legitimate action the reward prices at 0; an empty output is one that was
 not declined yet shows no visible text (nothing, or whitespace only, as the offline gates count
 it), a defect or a way to dodge a reject, which the guardrails still hold against the champion.
+
+Which rewards count: the versions the caller names (a running experiment names those it recorded at its start,
+`deploy_gate/rollout/reward_basis.py`), else the active one of each surface, read as every consumer reads it
+(`flywheel.reward_versions.versions_by_surface`). Never the version emitted last: a backfill of a version nobody
+activated stamps its rows now and would otherwise switch what is measured. With several surfaces, each
+generation is scored by its own surface's version and a user's rewards are pooled over the surfaces they used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +28,7 @@ from pathlib import Path
 import polars as pl
 
 from flywheel.lake.tables import EVENTS, REWARDS, Table
+from flywheel.reward_versions import describe, versions_by_surface
 
 USER_COLUMNS = {
     "arm": pl.String(),
@@ -53,7 +60,7 @@ class Aggregates:
     users: pl.DataFrame  # USER_COLUMNS, one row per (arm, user)
     latency_p95_ms: dict[str, float | None]
     latency_n: dict[str, int]
-    reward_version: str | None
+    reward_version: str | None  # the versions read, `flywheel.reward_versions.describe`d (one per surface)
     pre_rate: float | None = None  # reward per generation over the pre-experiment period (all its users)
 
 
@@ -139,31 +146,37 @@ def _frame(
     return None if lf is None else slim(lf).collect()
 
 
+def active_versions(lake: str | Path, cache: FileCache | None = None) -> dict[str, str]:
+    """`{surface: reward version}` every consumer follows now (`flywheel.reward_versions.versions_by_surface`)."""
+    df = _frame(REWARDS, lake, _slim_rewards, cache)
+    return versions_by_surface(lake, None if df is None else df.lazy())
+
+
 def reward_rows(
     lake: str | Path,
     arms: dict[str, str],
     *,
     since: datetime | None,
-    reward_version: str | None,
+    reward_versions: Sequence[str] | None = None,
     cache: FileCache | None = None,
-) -> tuple[pl.DataFrame | None, str | None]:
-    """The current reward of each generation served by `arms` ({arm: version}) since `since`."""
+) -> tuple[pl.DataFrame | None, list[str]]:
+    """The current reward of each generation served by `arms` ({arm: version}) since `since`, of the
+    `reward_versions` (None: the active one of each surface); (rows, the versions read)."""
+    versions = sorted(active_versions(lake, cache).values()) if reward_versions is None else sorted(reward_versions)
     df = _frame(REWARDS, lake, _slim_rewards, cache)
-    if df is None or not arms:
-        return None, reward_version
-    df = df.filter(_arm_filter(pl.col("arm"), pl.col("model_version"), arms))
+    if df is None or not arms or not versions:
+        return None, versions
+    df = df.filter(_arm_filter(pl.col("arm"), pl.col("model_version"), arms) & pl.col("reward_version").is_in(versions))
     if since is not None:
         df = df.filter(pl.col("window_start") >= since)
     if df.is_empty():
-        return None, reward_version
-    if reward_version is None:
-        reward_version = str(df["reward_version"][df["emitted_at"].arg_max() or 0])
-    df = df.filter(pl.col("reward_version") == reward_version)
+        return None, versions
     if (df["revision"].max() or 0) == 0:
         # No generation revised: rows of one key are copies (a replay), any one is the current one,
-        # and skipping `latest`'s sort halves the tick.
-        return df.unique(["generation_id"], keep="any"), reward_version
-    return REWARDS.latest(df), reward_version
+        # and skipping `latest`'s sort halves the tick. The key holds the version: one surface's version
+        # scores only that surface's generations, so a generation has one row per key.
+        return df.unique(["generation_id", "reward_version"], keep="any"), versions
+    return REWARDS.latest(df), versions
 
 
 def load(
@@ -171,11 +184,12 @@ def load(
     arms: dict[str, str],
     *,
     since: datetime | None = None,
-    reward_version: str | None = None,
+    reward_versions: Sequence[str] | None = None,
     cache: FileCache | None = None,
     pre_period_s: float = 0.0,
 ) -> Aggregates:
-    rewards, version = reward_rows(lake, arms, since=since, reward_version=reward_version, cache=cache)
+    """Per-user aggregates of `arms` since `since`, on the `reward_versions` (None: the active ones)."""
+    rewards, versions = reward_rows(lake, arms, since=since, reward_versions=reward_versions, cache=cache)
     per_user: list[pl.DataFrame] = []
     if rewards is not None and not rewards.is_empty():
         per_user.append(
@@ -216,38 +230,38 @@ def load(
     users = _merge(per_user)
     pre_rate = None
     if since is not None and pre_period_s > 0:
-        pre = pre_period(lake, since, pre_period_s, version, cache)
+        pre = pre_period(lake, since, pre_period_s, versions, cache)
         if pre is not None and not pre.is_empty():
             n, total = int(pre["pre_reward_n"].sum()), float(pre["pre_reward_sum"].sum())
             pre_rate = total / n if n else None
             users = users.drop("pre_reward_n", "pre_reward_sum").join(pre, on="user_id", how="left").with_columns(
                 pl.col("pre_reward_n").fill_null(0), pl.col("pre_reward_sum").fill_null(0.0)
             ).select(list(USER_COLUMNS))
-    return Aggregates(users, latency_p95, latency_n, version, pre_rate)
+    return Aggregates(users, latency_p95, latency_n, describe(versions) or None, pre_rate)
 
 
 def pre_period(
-    lake: str | Path, before: datetime, seconds: float, reward_version: str | None, cache: FileCache | None = None
+    lake: str | Path, before: datetime, seconds: float, reward_versions: Sequence[str], cache: FileCache | None = None
 ) -> pl.DataFrame | None:
-    """Each user's rewards (count, sum) in the `seconds` before `before`, whatever version served them.
+    """Each user's rewards (count, sum) in the `seconds` before `before`, whatever model version served them.
 
-    Fixed before assignment, so adjusting on it cannot bias the difference; one reward definition only, the
-    experiment's, so the covariate and the metric are the same quantity.
+    Fixed before assignment, so adjusting on it cannot bias the difference; the experiment's reward versions
+    only, so the covariate and the metric are the same quantity.
     """
     from datetime import timedelta
 
     df = _frame(REWARDS, lake, _slim_rewards, cache)
-    if df is None or reward_version is None:
+    if df is None or not reward_versions:
         return None
     df = df.filter(
         (pl.col("window_start") < before)
         & (pl.col("window_start") >= before - timedelta(seconds=seconds))
-        & (pl.col("reward_version") == reward_version)
+        & pl.col("reward_version").is_in(list(reward_versions))
     )
     if df.is_empty():
         return None
     revised = int(df["revision"].max() or 0) > 0  # type: ignore[arg-type]
-    df = REWARDS.latest(df) if revised else df.unique(["generation_id"], keep="any")
+    df = REWARDS.latest(df) if revised else df.unique(["generation_id", "reward_version"], keep="any")
     return df.group_by("user_id").agg(
         pl.len().cast(pl.Int64).alias("pre_reward_n"), pl.col("reward").sum().cast(pl.Float64).alias("pre_reward_sum")
     )
