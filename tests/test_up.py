@@ -120,3 +120,27 @@ def test_demo_mode_approves_the_newest_candidate_and_leaves_a_running_one_to_the
     newest = registry.register(tiny_model_dir, ModelLineage(base="t", parent_version=champion))
     assert auto_approve(gate) == []
     assert gate.status().challenger == newer and registry.gate_state(newest) == "pending"
+
+
+def test_the_console_says_each_promotion_and_rollback_once_with_its_reason() -> None:
+    from datetime import UTC, datetime
+
+    from deploy_gate import GateStatus
+    from deploy_gate.views import VersionView
+    from launcher.up import decisions
+
+    def status(*states: tuple[str, str, str]) -> GateStatus:
+        versions = [VersionView(version=v, created_at=datetime(2026, 12, 3, tzinfo=UTC), gate_state=s, aliases=[],
+                                parent_version=None, sample_count=0, run_id=None, reason=why)
+                    for v, s, why in reversed(states)]  # fmt: skip
+        return GateStatus(split=None, champion=None, challenger=None, pending=[], versions=versions)
+
+    said: set[tuple[str, str]] = set()
+    assert decisions(status(("1", "champion", "initial champion")), said) == ["promoted v1: initial champion"]
+    won = ("2", "champion", "accepted +0.03 [0.01, 0.05]")
+    later = status(("1", "approved", "superseded by 2"), won, ("3", "rolled_back", "guardrail: accepted rate"),
+                   ("4", "refused", "offline gates failed"))  # fmt: skip
+    assert decisions(later, said) == [f"promoted v2: {won[2]}", "rolled back v3: guardrail: accepted rate"]
+    # The same state on every later tick, and the quarantine that follows a rollback: nothing new to say.
+    quarantined = status(won, ("3", "quarantined", "quarantined on rollback"))
+    assert decisions(later, said) == [] and decisions(quarantined, said) == []
