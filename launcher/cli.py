@@ -27,6 +27,7 @@ _COMPONENTS = [
     ("registry", "model_registry.cli", "Model versions and their lineage."),
     ("gate", "deploy_gate.cli", "Approvals, traffic split and the A/B dashboard."),
     ("lake", "launcher.lake", "The lake's Delta tables: history, compaction, vacuum, migration."),
+    ("config", "launcher.config_cli", "Every setting's value and source; check them without starting anything."),
 ]
 
 
@@ -34,7 +35,7 @@ _COMPONENTS = [
 def _main(ctx: typer.Context, verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
     # One JSON object per line for every logger of the process, whatever the messages hold.
     configure_logging(verbose)
-    if ctx.invoked_subcommand != "up":
+    if ctx.invoked_subcommand not in ("up", "config"):  # config says what the environment holds, as it is
         _join_a_running_embedded_broker()
 
 

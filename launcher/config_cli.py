@@ -1,0 +1,183 @@
+"""`flywheel config`: every setting's effective value and where it came from, and a check that starts nothing.
+
+The five configuration objects are the ones the reference documents (`launcher/settings_reference.py`):
+`Settings`, `SignalsConfig` and `RolloutConfig` from the environment, `TrainerConfig` and `OfflineGateConfig`
+from a JSON file (`--trainer-config`, `--offline-config`, as `flywheel trainer schedule --config` takes it).
+
+- `show [--component NAME]`: one line per setting: its name (its variable, for the environment's objects), the
+  value in force and its source: `environment`, `file <path>` or `default`. Secrets show as pydantic masks
+  them, and a password in a URL as `***`: what an operator pastes into a ticket must not leak one.
+- `check`: builds each object as its process does, so every check a process makes at start runs here (bounds,
+  unknown variables, secrets in production, the trainer's `__post_init__`), and exits 1 naming the first bad
+  setting and why; 0 when all hold. Nothing is started or connected to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import BaseSettings
+
+from launcher.settings_reference import fields, owners
+
+app = typer.Typer(help=__doc__.splitlines()[0], no_args_is_help=True)
+
+COMPONENTS = {
+    "settings": "Settings",
+    "signals": "SignalsConfig",
+    "rollout": "RolloutConfig",
+    "trainer": "TrainerConfig",
+    "offline": "OfflineGateConfig",
+}
+_URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^:/@\s]*:)[^@\s]+@")
+
+
+@dataclass(frozen=True)
+class Setting:
+    owner: str
+    name: str  # the variable, for an environment object; the key, for a file's
+    value: str
+    source: str
+
+
+class BadSetting(Exception):
+    """The first bad setting of a configuration object: which one, and why."""
+
+    def __init__(self, owner: str, setting: str, why: str) -> None:
+        super().__init__(f"{owner}: {setting}: {why}")
+        self.owner, self.setting, self.why = owner, setting, why
+
+
+def _masked(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
+def _environment() -> dict[str, str]:
+    return {k.upper(): v for k, v in os.environ.items()}  # pydantic-settings reads variables case-insensitively
+
+
+def _variables(owner: str) -> dict[str, tuple[str, ...]]:
+    return {f.name: f.variables for f in fields() if f.owner == owner}
+
+
+def _first_error(owner: str, exc: ValidationError, variables: dict[str, tuple[str, ...]]) -> BadSetting:
+    err = exc.errors()[0]
+    field = str(err["loc"][0]) if err["loc"] else ""
+    env = _environment()
+    names = variables.get(field, ())
+    name = next((v for v in names if v in env), names[0] if names else field)
+    # A model-level check names no field; its message does (RolloutConfig's unknown variables, the secrets).
+    return BadSetting(owner, name or "(the object as a whole)", str(err["msg"]).removeprefix("Value error, "))
+
+
+def _from_file(cls: Any, path: Path | None) -> Any:
+    owner = cls.__name__
+    if path is None:
+        return cls()
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadSetting(owner, str(path), f"not a readable JSON object ({exc})") from exc
+    if not isinstance(values, dict):
+        raise BadSetting(owner, str(path), "not a JSON object")
+    try:
+        return cls.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        text = str(exc).removeprefix(f"invalid {owner}: ").split("; ")[0]
+        key = next((f.name for f in dataclasses.fields(cls) if re.match(rf"{f.name}\b", text)), str(path))
+        raise BadSetting(owner, key, text) from exc
+
+
+def build(owner: str, files: dict[str, Path | None]) -> Any:
+    """The object `owner` as its process builds it; `BadSetting` names the first bad setting."""
+    cls = next(c for c, _ in owners() if c.__name__ == owner)
+    if isinstance(cls, type) and issubclass(cls, BaseSettings):
+        try:
+            return cls()
+        except ValidationError as exc:
+            raise _first_error(owner, exc, _variables(owner)) from exc
+    return _from_file(cls, files.get(owner))
+
+
+def settings_of(owner: str, files: dict[str, Path | None]) -> list[Setting]:
+    """Every setting of `owner`: its effective value and its source."""
+    obj = build(owner, files)
+    env = _environment()
+    if isinstance(obj, BaseModel):
+        values = obj.model_dump(mode="json")  # secrets come out masked
+        out = []
+        for name, variables in _variables(owner).items():
+            given = next((v for v in variables if v in env), None)  # the alias read, where a field has several
+            shown = given or (variables[0] if variables else name)
+            out.append(Setting(owner, shown, _masked(values[name]), "environment" if given else "default"))
+        return out
+    path = files.get(owner)
+    given_keys = set(json.loads(path.read_text())) if path is not None else set()
+    return [
+        Setting(owner, f.name, _masked(getattr(obj, f.name)), f"file {path}" if f.name in given_keys else "default")
+        for f in dataclasses.fields(obj)
+    ]
+
+
+def _owners(component: str | None) -> list[str]:
+    if component is None:
+        return [c.__name__ for c, _ in owners()]
+    key = component.lower()
+    by_class = {v.lower(): v for v in COMPONENTS.values()}
+    if key in COMPONENTS:
+        return [COMPONENTS[key]]
+    if key in by_class:
+        return [by_class[key]]
+    raise typer.BadParameter(f"{component!r}: one of {', '.join(COMPONENTS)}", param_hint="--component")
+
+
+ComponentOpt = typer.Option(None, "--component", "-c", help=f"Only this one: {', '.join(COMPONENTS)}.")
+TrainerOpt = typer.Option(None, "--trainer-config", help="The trainer's JSON file, as `flywheel trainer schedule` "
+                          "takes it (default: TrainerConfig's defaults).", dir_okay=False)  # fmt: skip
+OfflineOpt = typer.Option(None, "--offline-config", help="A JSON file of OfflineGateConfig fields (default: "
+                          "its defaults).", dir_okay=False)  # fmt: skip
+
+
+@app.command("show")
+def show(component: str | None = ComponentOpt, trainer_config: Path | None = TrainerOpt,
+         offline_config: Path | None = OfflineOpt) -> None:  # fmt: skip
+    """Every setting's effective value and where it came from (environment, file or default)."""
+    files = {"TrainerConfig": trainer_config, "OfflineGateConfig": offline_config}
+    bad = None
+    for owner in _owners(component):
+        typer.echo(f"{owner}:")
+        try:
+            rows = settings_of(owner, files)
+        except BadSetting as exc:
+            typer.echo(f"  not valid: {exc.setting}: {exc.why} (flywheel config check)")
+            bad = bad or exc
+            continue
+        width = max(len(r.name) for r in rows)
+        for r in rows:
+            typer.echo(f"  {r.name:<{width}}  {r.value}  [{r.source}]")
+    if bad is not None:
+        raise typer.Exit(1)
+
+
+@app.command("check")
+def check(component: str | None = ComponentOpt, trainer_config: Path | None = TrainerOpt,
+          offline_config: Path | None = OfflineOpt) -> None:  # fmt: skip
+    """Validate the configuration without starting anything; exit 1 naming the first bad setting."""
+    files = {"TrainerConfig": trainer_config, "OfflineGateConfig": offline_config}
+    checked = _owners(component)
+    for owner in checked:
+        try:
+            build(owner, files)
+        except BadSetting as exc:
+            typer.echo(f"bad setting {exc.setting} ({exc.owner}): {exc.why}", err=True)
+            raise typer.Exit(1) from exc
+    typer.echo(f"ok: {', '.join(checked)}")
