@@ -6,7 +6,9 @@
 # from the PyTorch CPU index for `cpu`, from PyPI (its Linux wheels bundle the CUDA libraries; the node only
 # needs the NVIDIA driver) for `cuda`. The process runs as an unprivileged user with a read-only root file
 # system in mind: everything it writes goes under FLYWHEEL_DATA_DIR (a volume).
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+# The interpreter the tests run on (3.11), at its latest security release; pin it by digest for a release build:
+#   docker build --build-arg PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:... .
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ARG VARIANT=cpu

@@ -214,6 +214,21 @@ def test_each_component_gets_only_the_secret_keys_its_settings_read(
     assert {("ingest", "collector"), ("serve",), ("gate", "serve"), ("lake", "compact")} <= seen
 
 
+def test_every_image_is_bumped_in_one_place(built: kc.Manifests) -> None:
+    """Each image a pod runs is set by a kustomization's `images:` (base for the engines, the overlay for
+    Flywheel's and dev's MinIO), never by a tag written in a manifest."""
+    named = set()
+    for k in ("base", "overlays/dev", "overlays/prod"):
+        for entry in yaml.safe_load((kc.K8S / k / "kustomization.yaml").read_text()).get("images", []):
+            named |= {entry["name"], entry.get("newName", entry["name"])}
+    for owner, c in containers(built):
+        image = c["image"].split("@")[0]
+        name = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+        assert name in named, f"{owner['metadata']['name']}: {c['image']} is not set by any images:"
+    for path in (kc.K8S / "base").rglob("*.yaml"):
+        assert not re.search(r"^\s*image: \S+:\S+", path.read_text(), flags=re.MULTILINE), path
+
+
 def test_every_check_has_a_broken_overlay() -> None:
     assert {c.split(".")[0] for c in CASES} == set(kc.CHECKS) | {"schemas"}
 
