@@ -9,7 +9,10 @@ message, and whether it was judged good). Read in place, never copied into the r
   annotated turn judged by several annotators with an error type (E1-E10, empty for none). A turn is bad
   when most of its annotators name an error, good when none does; split ties are left out. In the files,
   annotation `turn` t judges `turns[t-1].response`, and `turns[t].utterance` is the user's reaction
-  (the Self-Feeding Chatbot files judge the last reply, with no turn index).
+  (the Self-Feeding Chatbot files judge the last reply, with no turn index). With `reacted=True`, a bad turn is
+  kept only when most of the annotators who name its error say the user reacted to it in the next message
+  (UR2 repeat or rephrase, UR3 / UR4 make the system aware, UR5 ask for clarification), not UR1 (ignore and go
+  on): the errors a follow-up can show.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ def _is_error(error_type: object) -> bool:
     return isinstance(error_type, str) and error_type.startswith("E")
 
 
-def eurtad(root: Path = SHARED) -> list[JudgedTurn]:
+_REACTED = ("UR2", "UR3", "UR4", "UR5")
+
+
+def eurtad(root: Path = SHARED, *, reacted: bool = False) -> list[JudgedTurn]:
     out = []
     for path in sorted((root / "eurtad" / "data" / "analysis" / "filtered_dialogs").glob("*/*/*.json")):
         corpus = path.parts[-3]
@@ -83,6 +89,10 @@ def eurtad(root: Path = SHARED) -> list[JudgedTurn]:
             errors = sum(_is_error(a.get("error_type")) for a in annotators)
             if 0 < errors <= len(annotators) / 2:
                 continue  # annotators split: no label
+            if reacted and errors:
+                naming = [a for a in annotators if _is_error(a.get("error_type"))]
+                if sum(a.get("user_reaction") in _REACTED for a in naming) <= len(naming) / 2:
+                    continue
             prev, nxt = turns[t - 1], turns[t]
             out.append(
                 JudgedTurn(dialogue, prev["utterance"].strip(), prev["response"].strip(), nxt["utterance"].strip(),
