@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from statsmodels.stats.proportion import proportion_confint
+from scipy.stats import binomtest
 
 from simulator.contexts import held_out_contexts
 from simulator.populations import populations_named
@@ -64,8 +64,8 @@ class Tally:
         n, k = self.shown[version], self.kept[version]
         if n == 0:
             return float("nan"), float("nan"), float("nan"), 0
-        lo, hi = proportion_confint(k, n, alpha=0.05, method="wilson")
-        return k / n, float(lo), float(hi), n
+        ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        return k / n, float(ci.low), float(ci.high), n
 
 
 def gate_status(gate_url: str, token: str) -> dict[str, Any]:
