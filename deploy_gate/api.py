@@ -8,13 +8,19 @@ refused ones included (a viewer's, a revoked token's, a version that is not pend
 audit log (`GET /api/audit`) before the caller gets its answer. An attempt without a token, or with
 one nobody was given, is not an action of anyone: it is counted
 (`flywheel_gate_unauthenticated_total{action}`) and logged at most once per 10 s, never written to
-the durable audit, so nobody can fill it (or push real entries off the dashboard) anonymously.
+the durable audit, so nobody can fill it (or push real entries off the dashboard) anonymously. A known token
+that may not act (a viewer's, a revoked one) is audited refused at most once per token per
+`REFUSAL_AUDIT_WINDOW_S`; its other refusals in the window are counted
+(`flywheel_gate_refusals_not_audited_total{action,role}`) and logged at most once per 10 s, so a held token cannot
+fill the audit either.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -40,6 +46,42 @@ UNAUTHENTICATED = Counter(
     "flywheel_gate_unauthenticated_total", "Release attempts without a known token (not audited)", ["action"]
 )
 _unauthenticated_log = ThrottledLog(log, every_s=10.0)
+REFUSALS_NOT_AUDITED = Counter(
+    "flywheel_gate_refusals_not_audited_total",
+    "Refused attempts of a known token past its one audited refusal per window",
+    ["action", "role"],
+)
+_refusal_log = ThrottledLog(log, every_s=10.0)
+REFUSAL_AUDIT_WINDOW_S = 600.0
+
+
+class RefusalWindow:
+    """When each token's last audited refusal was: at most one per token per `window_s`. In memory, per process:
+    bounded by the tokens ever issued (only known tokens get here)."""
+
+    def __init__(self, window_s: float = REFUSAL_AUDIT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def first(self, key: str) -> bool:
+        """Whether a refusal for `key` is the first in its window (and so is audited); records it if so."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.window_s:
+                return False
+            self._last[key] = now
+            return True
+
+
+def refusal_window(request: Request) -> RefusalWindow:
+    """The app's `RefusalWindow` (one per app: made on first use)."""
+    state = request.app.state
+    if getattr(state, "refusals", None) is None:
+        state.refusals = RefusalWindow()
+    window: RefusalWindow = state.refusals
+    return window
 
 
 def unauthenticated(action: str, who: str, request: Request) -> None:
@@ -229,6 +271,12 @@ def act(
             unauthenticated(action, who, request)
             raise
         known = None
+    if (known is None or not known.allows(needs)) and not refusal_window(request).first(f"{role}:{who}"):
+        # Refused, and this token's refusal is in the audit already this window: counted and logged, not written.
+        REFUSALS_NOT_AUDITED.labels(action, role).inc()
+        _refusal_log.warning("refused release attempt (audited once per token per window)", action=action, who=who,
+                             role=role)  # fmt: skip
+        auth.require(authorization, needs)  # raises the refusal the caller would have had
     with audit.attempt(action, who=who, role=role, target=target, reason=reason) as attempt:
         identity = known or auth.identify(authorization)  # a revoked token: refused here, and recorded
         auth.require(authorization, needs)  # a viewer's refusal is recorded under the viewer's name

@@ -28,7 +28,7 @@ from deploy_gate.errors import MAPPED, GateError, NoChampion, Unauthorized, as_g
 from deploy_gate.gate import DeployGate
 from deploy_gate.policy import AutoApprove
 from deploy_gate.rollout.api import router as experiment_router
-from deploy_gate.security import SECURITY_HEADERS, add_security_headers
+from deploy_gate.security import SECURITY_HEADERS, add_security_headers, token_holder
 from flywheel.identity import Authenticator
 from flywheel.logs import redact_access_log
 from flywheel.ops import ProcessHealth, mlflow_dependency, ops_router, redis_dependency
@@ -106,7 +106,8 @@ def create_app(
     # One audit log for the app's actions and its gate's (an injected gate brings its own).
     app.state.audit = gate.audit if gate is not None else AuditLog.from_settings(settings)
     # The last middleware added runs first: the rate limit's 429 passes through the security headers too.
-    add_rate_limit(app, settings.gate_rate_limit, service="gate")
+    add_rate_limit(app, settings.gate_rate_limit, service="gate", trusted_proxies=settings.trusted_proxies,
+                   token_of=token_holder(app.state.authenticator))  # fmt: skip
     add_security_headers(app)
     redact_access_log()  # a token sent in a query string is refused, and never written by the access log
     app.state.health = health

@@ -173,7 +173,7 @@ def check(
 ) -> None:
     """Run the offline gates on a candidate against the champion and record the results on it.
 
-    Exits 1 when a gate failed (the gate then refuses to approve it).
+    Exits 1 when a gate failed; a pending candidate that failed is marked refused (it can no longer be approved).
     """
     try:
         gate = _gate()
@@ -193,6 +193,8 @@ def check(
         for v in versions:
             report = offline.check(v, champion)
             failed |= not report.passed
+            if gate.refuse_if_failed(v, report):  # a refusal is a state: nothing tries it again
+                console.print(f"version {v} is marked [red]refused[/] (flywheel registry show {v} says why)")
             table = Table("gate", "verdict", "value", "bound", "detail", title=f"version {v} vs champion {champion}")
             for r in report.results:
                 colour = {"passed": "green", "failed": "red"}.get(r.status, "yellow")
@@ -389,4 +391,4 @@ def serve(
     port = port or settings.gate_port
     host = host or settings.bind_host
     console.print(f"Dashboard: http://{host}:{port}/")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, proxy_headers=False)

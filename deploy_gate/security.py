@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 
+from flywheel.identity import Authenticator, NotAuthenticated
+
 CONTENT_SECURITY_POLICY = "; ".join(
     [
         "default-src 'none'",
@@ -41,3 +43,16 @@ def add_security_headers(app: FastAPI) -> None:
         for name, value in SECURITY_HEADERS.items():
             response.headers.setdefault(name, value)
         return response
+
+
+def token_holder(authenticator: Authenticator) -> Callable[[str], str | None]:
+    """Who holds an `Authorization` header's token (None: nobody, or a revoked token): the gate's rate limit
+    counts a known token's requests per token, not per address (`flywheel.ops.rate_limit`)."""
+
+    def holder(authorization: str) -> str | None:
+        try:
+            return authenticator.identify(authorization).name
+        except NotAuthenticated:
+            return None
+
+    return holder

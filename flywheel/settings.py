@@ -151,6 +151,13 @@ class Settings(BaseSettings):
     collector_rate_limit: str = Field(
         default="200/second", description="Requests per client address the collector takes (429 beyond)."
     )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Addresses or networks (CIDR) of the reverse proxies in front of the collector and the gate, "
+        'as JSON (e.g. ["10.0.0.0/8"]): only a request from one of them has its X-Forwarded-For read, and the '
+        "client a rate limit counts is the first address in it, from the right, that is not a trusted proxy. "
+        "Empty: the peer's address, whatever a header says.",
+    )
     gate_rate_limit: str = Field(
         default="100/second",
         description="Requests per client address the gate takes (429 beyond). One dashboard load is about 20 "
@@ -188,6 +195,21 @@ class Settings(BaseSettings):
     train_interval_s: float = Field(default=3 * 3600.0, gt=0)
     min_train_samples: int = Field(default=32, ge=1)
     challenger_share: float = Field(default=0.2, gt=0, le=1)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        bad = []
+        for text in value:
+            try:
+                ipaddress.ip_network(text, strict=False)
+            except ValueError:
+                bad.append(text)
+        if bad:
+            raise ValueError(f"not an address or a network (CIDR): {bad}; write e.g. 10.0.0.0/8 or 192.0.2.7")
+        return value
 
     @field_validator("collector_rate_limit", "gate_rate_limit")
     @classmethod
@@ -288,6 +310,12 @@ class Settings(BaseSettings):
                     problems.append(f"{env} is still a placeholder of an example file; set a secret value")
                 elif any(len(item) < MIN_SECRET_LENGTH for item in items):
                     problems.append(f"{env} is too short for production")
+        if production:
+            # Plain settings whose URL may carry a password (a Redis ACL user's): never an example file's.
+            for name, env in (("redis_url", "REDIS_URL"), ("mlflow_tracking_uri", "MLFLOW_TRACKING_URI")):
+                password = _url_password(getattr(self, name))
+                if password != getattr(self, name) and _PLACEHOLDER.search(password):
+                    problems.append(f"{env}'s password is still a placeholder of an example file; set a secret one")
         if problems:
             raise ValueError(
                 "; ".join(problems) + f" (production secrets need at least {MIN_SECRET_LENGTH} characters, "

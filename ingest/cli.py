@@ -28,7 +28,9 @@ def collector(
         from ingest.collector import create_app
 
         # No access log: a line per tracked batch would drown the process's own (its /metrics counts them).
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, access_log=False)
+        # No proxy headers: who the client is behind a proxy is the rate limit's to decide (`Settings.trusted_proxies`).
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, access_log=False,
+                    proxy_headers=False)
         return
     import os
     import tempfile

@@ -173,7 +173,7 @@ def create_app(
         await run_in_threadpool(holder.close)
 
     app = FastAPI(title="Flywheel collector", lifespan=lifespan)
-    add_rate_limit(app, settings.collector_rate_limit, service="collector")
+    add_rate_limit(app, settings.collector_rate_limit, service="collector", trusted_proxies=settings.trusted_proxies)
     app.state.producer_holder = holder
 
     @app.exception_handler(BodyError)

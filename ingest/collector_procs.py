@@ -42,7 +42,7 @@ def serve_one(host: str, port: int, log_level: str, app: str = COLLECTOR_APP) ->
     sock = listening_socket(host, port)
     # No access log, as with one process (`flywheel ingest collector`): a line per batch drowns the rest, and a
     # client's query string (where one may put its write key) is not ours to keep.
-    config = uvicorn.Config(app, factory=True, log_level=log_level, access_log=False)
+    config = uvicorn.Config(app, factory=True, log_level=log_level, access_log=False, proxy_headers=False)
     uvicorn.Server(config).run(sockets=[sock])
 
 

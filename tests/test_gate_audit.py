@@ -227,3 +227,53 @@ def test_a_gate_client_past_its_rate_gets_429_with_the_security_headers_and_heal
         assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code in (200, 503)
     # refused before the route: nothing approved, nothing audited
     assert gate.registry.gate_state(versions[1]) == "pending" and gate.audit.entries(1000) == []
+
+
+def test_viewer_and_revoked_tokens_are_audited_once_per_window_and_counted_beyond(
+    client: TestClient, versions: tuple[str, str], tokens: dict[str, str]
+) -> None:
+    """A viewer's and a revoked token's attempts, 30 each: each is refused every time (403, 401), audited once in
+    the window, and the rest counted, so a held token cannot grow the audit without bound."""
+    from prometheus_client import REGISTRY
+
+    def counted(role: str) -> float:
+        labels = {"action": "reject", "role": role}
+        return REGISTRY.get_sample_value("flywheel_gate_refusals_not_audited_total", labels) or 0.0
+
+    before = {role: counted(role) for role in ("viewer", "revoked")}
+    for _ in range(30):
+        for name, status in (("victor", 403), ("rita", 401)):
+            r = client.post(f"/api/versions/{versions[1]}/reject", json={"reason": "no"}, headers=bearer(tokens[name]))
+            assert r.status_code == status, r.text
+    entries = client.get("/api/audit").json()["entries"]
+    assert sorted((e["who"], e["role"], e["allowed"]) for e in entries) == [
+        ("rita", "revoked", False), ("victor", "viewer", False)
+    ]
+    assert all(counted(role) - before[role] == 29 for role in ("viewer", "revoked"))
+
+
+def test_a_forged_forwarded_for_does_not_escape_the_rate_limit_and_a_trusted_proxys_does_name_the_client(
+    gate: DeployGate, gate_settings: Settings, versions: tuple[str, str], tokens: dict[str, str]
+) -> None:
+    """From an address that is no trusted proxy, a new X-Forwarded-For per request changes nothing: the peer is
+    limited, and an approver's token is counted on its own. Behind a trusted proxy, clients are told apart by the
+    hop the proxy appended, whatever they wrote to its left."""
+    from flywheel.ops.rate_limit import client_address, networks
+
+    limited = gate_settings.model_copy(update={"gate_rate_limit": "3/minute"})
+    with TestClient(create_app(limited, gate=gate)) as client:
+        codes = [client.get("/api/split", headers={"X-Forwarded-For": f"198.51.100.{i}"}).status_code
+                 for i in range(5)]  # fmt: skip
+        assert codes == [200, 200, 200, 429, 429]
+        assert client.get("/api/me", headers=bearer(tokens["alice"])).status_code == 200, "a token: its own count"
+        assert client.get("/api/me", headers=bearer("fwt_made-up")).status_code == 429, "a made-up one: the address"
+
+    proxies = networks(["10.0.0.0/8"])
+    via_proxy = {"client": ("10.0.0.5", 1)}
+    forged = [client_address({**via_proxy, "headers": [(b"x-forwarded-for", f"1.2.3.{i}, 203.0.113.7".encode())]},
+                             proxies) for i in range(5)]  # fmt: skip
+    assert forged == ["203.0.113.7"] * 5, "what a client writes left of the proxy's hop is not read"
+    direct = {"client": ("203.0.113.8", 1), "headers": [(b"x-forwarded-for", b"10.1.1.1")]}
+    assert client_address(direct, proxies) == "203.0.113.8", "a header from an untrusted peer is not read"
+    with pytest.raises(ValueError, match="not an address"):
+        Settings.model_validate({**gate_settings.model_dump(), "trusted_proxies": ["the-ingress"]})
