@@ -128,7 +128,7 @@ def main() -> None:
 
     def report(final: bool = False) -> None:
         status = gate_status(args.gate, args.token)
-        split = status.get("split") or {}
+        split = (status.get("split") or {}).get("split") or {}
         mins = (time.monotonic() - started) / 60
         with tally.lock:
             versions = sorted(tally.served, key=lambda v: tally.first_seen[v])
