@@ -17,6 +17,7 @@ import pytest
 
 from deploy_gate.gate import DeployGate
 from deploy_gate.rollout import RampStep, RolloutConfig, RolloutController
+from deploy_gate.rollout.api import get_series
 from deploy_gate.rollout.models import AnalysisView
 from flywheel.connections import redis_client
 from flywheel.contract import TrafficSplit
@@ -94,6 +95,8 @@ def test_a_backfill_of_an_unactivated_reward_changes_nothing_and_its_activation_
     assert before.state == "ramping" and before.analysis is not None
     assert before.analysis.reward_version == "chat-rules-v1,rules-v1"
     assert before.analysis.arms["challenger"].mean > before.analysis.arms["champion"].mean  # type: ignore[operator]
+    chart = get_series(gate, _config(), "1h")  # the dashboard's chart of the same experiment
+    assert chart.buckets
 
     # A recompute of a version nobody activated, whose rows are the newest and rank the arms the other way.
     assert _backfill(settings, "rules-v2", clock.now + timedelta(hours=1)) > 0
@@ -101,6 +104,7 @@ def test_a_backfill_of_an_unactivated_reward_changes_nothing_and_its_activation_
     assert _seen(after.analysis) == _seen(before.analysis)
     assert after.analysis is not None and after.analysis.decision.reason == before.analysis.decision.reason
     assert [t.event for t in after.timeline] == [t.event for t in before.timeline]  # nothing to say
+    assert get_series(gate, _config(), "1h") == chart
 
     # Activating it is said on the dashboard's experiment view and in the reason, and still not switched in.
     write_active(settings.lake_root, {**POINTER, "code-completion": "rules-v2"})
@@ -114,6 +118,7 @@ def test_a_backfill_of_an_unactivated_reward_changes_nothing_and_its_activation_
     said = [t.event for t in view.timeline if "rules-v2" in t.event]
     assert len(said) == 1 and said[0].startswith("reward rules-v2 activated for code-completion")
     assert view.analysis is not None and "rules-v2" in view.analysis.decision.reason
+    assert get_series(gate, _config(), "1h") == chart  # the chart keeps the experiment's version too
     controller.tick()  # said once on the timeline, in the reason at every look
     assert [t.event for t in controller.view().timeline if "rules-v2" in t.event] == said
 

@@ -162,8 +162,10 @@ def reward_rows(
 ) -> tuple[pl.DataFrame | None, list[str]]:
     """The current reward of each generation served by `arms` ({arm: version}) since `since`, of the
     `reward_versions` (None: the active one of each surface); (rows, the versions read)."""
-    versions = sorted(active_versions(lake, cache).values()) if reward_versions is None else sorted(reward_versions)
     df = _frame(REWARDS, lake, _slim_rewards, cache)
+    if reward_versions is None:
+        reward_versions = list(versions_by_surface(lake, None if df is None else df.lazy()).values())
+    versions = sorted(set(reward_versions))
     if df is None or not arms or not versions:
         return None, versions
     df = df.filter(_arm_filter(pl.col("arm"), pl.col("model_version"), arms) & pl.col("reward_version").is_in(versions))
