@@ -69,9 +69,10 @@ class Door:
 
     async def deliver(
         self, endpoint: str, intake: Intake, received_at: datetime, ignored: Mapping[str, int], key: str | None = None
-    ) -> None:
+    ) -> Intake:
         """Produce `intake`'s events (keyed by generation id) and its refusals' dead letters; count everything.
-        `key`: the write key the request came with (its limits apply)."""
+        `key`: the write key the request came with (its limits apply). Returns what was kept and refused once the
+        time and scope bounds were applied: what the door's answer must count."""
         settings = self.settings
         intake = self.bound(intake, received_at, key)
         messages = [
@@ -92,3 +93,4 @@ class Door:
         for why, n in ignored.items():
             metrics.IGNORED.labels(endpoint, why).inc(n)
         metrics.REQUESTS.labels(endpoint, "200").inc()
+        return intake

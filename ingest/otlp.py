@@ -329,7 +329,7 @@ def otlp_router(door: Door) -> APIRouter:
             await door.keep_unreadable(exc, ENDPOINT, body, received_at)
             raise
         intake, ignored = await run_in_threadpool(traces_intake, parsed, received_at, door.max_event_bytes)
-        await door.deliver(ENDPOINT, intake, received_at, ignored, key)
-        return _answer(media, intake)
+        intake = await door.deliver(ENDPOINT, intake, received_at, ignored, key)
+        return _answer(media, intake)  # what was kept: a span the time bounds refused is counted refused
 
     return router

@@ -171,7 +171,7 @@ def posthog_router(door: Door) -> APIRouter:
         received_at = datetime.now(UTC)
         sent = await door.read_body(request)
         try:
-            body = door.inflate(request, sent)
+            body = await run_in_threadpool(door.inflate, request, sent)  # off the event loop, as every door
         except BodyError as exc:
             if header_key is None:
                 raise BodyError(401, MISSING_KEY) from None
@@ -182,7 +182,8 @@ def posthog_router(door: Door) -> APIRouter:
         parsed: Body | None = None
         body_key: str | None = None
         if header_key is None:
-            body_key, parsed = body_api_key(body)
+            # a scan for the key (a full parse when the body is unusual): off the event loop too
+            body_key, parsed = await run_in_threadpool(body_api_key, body)
             if body_key is None or body_key not in door.write_keys:
                 raise BodyError(401, MISSING_KEY)
         try:
@@ -198,7 +199,7 @@ def posthog_router(door: Door) -> APIRouter:
         except BodyError as exc:
             await door.keep_unreadable(exc, endpoint, without_key(body, parsed), received_at)
             raise
-        await door.deliver(endpoint, intake, received_at, ignored, header_key or body_key)
+        intake = await door.deliver(endpoint, intake, received_at, ignored, header_key or body_key)  # as kept
         # PostHog's own answer is {"status": 1}; the rest says what became of each event.
         return {
             "status": 1,

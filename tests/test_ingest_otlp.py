@@ -460,3 +460,15 @@ def test_otlp_json_nested_past_the_parsers_depth_is_a_400(client: TestClient, de
     raw = json.dumps(doc).replace('"PLACE"', inner)
     r = client.post("/v1/traces", content=raw, headers={**BEARER, "Content-Type": "application/json"})
     assert r.status_code == 400 and "nested" in r.json()["error"]
+
+
+def test_the_answer_counts_a_span_the_time_bounds_refused_as_rejected(client: TestClient, settings: Settings) -> None:
+    now_ns = int(utcnow().timestamp() * 1e9)
+    recent = good(1)
+    recent.start_time_unix_nano, recent.end_time_unix_nano = now_ns - 10**9, now_ns
+    ancient = good(2)  # 2001: past the arrival window
+    ancient.start_time_unix_nano, ancient.end_time_unix_nano = 978_307_200 * 10**9, 978_307_201 * 10**9
+    r = client.post("/v1/traces", content=body(recent, ancient), headers=PROTOBUF)
+    assert r.status_code == 200
+    assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 1
+    assert len(read_topic(settings, settings.events_topic)) == 1

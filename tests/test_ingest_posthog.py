@@ -183,3 +183,18 @@ def test_a_dead_lettered_message_replays_after_a_fix(client: TestClient, setting
         "posthog",
         {"value": "up"},
     )
+
+
+def test_the_answer_counts_only_what_was_kept_after_the_time_bounds(client: TestClient, settings: Settings) -> None:
+    """An event from before the arrival window passes the mapping and is then refused by the time bounds: the
+    answer lists it refused, not accepted, as the topics hold it."""
+    batch = [
+        {"event": "thumbs", "distinct_id": "u", "uuid": "now", "properties": {"generation_id": "g", "value": "up"}},
+        {"event": "thumbs", "distinct_id": "u", "uuid": "ancient", "timestamp": "2001-01-01T00:00:00Z",
+         "properties": {"generation_id": "g", "value": "up"}},
+    ]  # fmt: skip
+    r = client.post("/batch/", json={"api_key": KEY, "batch": batch})
+    assert r.status_code == 200, r.text
+    assert r.json()["accepted"] == 1 and [x["event_id"] for x in r.json()["refused"]] == ["ancient"]
+    assert [Event.from_bytes(rec.value).event_id for rec in read_topic(settings, settings.events_topic)] == ["now"]
+    assert len(read_topic(settings, settings.dead_letter_topic)) == 1
