@@ -101,3 +101,18 @@ def test_alert_when_reward_rises_while_thumbs_fall() -> None:
     alerts = gaming_alerts(trends)
     assert alerts["alert"].to_list() == ["reward_up_thumbs_down"]
     assert gaming_alerts(trends.with_columns(pl.lit(0.7).alias("thumbs_up_rate"))).is_empty()
+
+
+def test_trends_follow_the_active_reward_not_a_newer_backfill(settings: Settings) -> None:
+    from flywheel.reward_versions import write_active
+
+    recs = _records("champion", "1", 0, 40, decline=0.1, thumbs_up=0.7, seed=1)
+    write_rewards(REWARDS.at(settings.lake_root), recs, "active")
+    later = datetime.now(UTC) + timedelta(days=1)  # a recompute stamps its rows after everything else
+    backfill = [r.model_copy(update={"reward_version": "rules-v9", "reward": -1.0, "emitted_at": later}) for r in recs]
+    write_rewards(REWARDS.at(settings.lake_root), backfill, "backfill")
+    write_active(settings.lake_root, {"code-completion": DEFAULT_DEFINITION.version})
+    trends = signal_trends(settings)
+    assert set(trends["reward_version"]) == {DEFAULT_DEFINITION.version} and min(trends["mean_reward"]) > -1.0
+    write_active(settings.lake_root, {"code-completion": "rules-v9"})  # activated: now it counts
+    assert set(signal_trends(settings)["reward_version"]) == {"rules-v9"}
