@@ -49,7 +49,7 @@ from flywheel.connections import redis_client
 from flywheel.contract import TrafficSplit, utcnow
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
-from model_registry import ArtifactIntegrityError, ModelRegistry
+from model_registry import ArtifactIntegrityError, ModelRegistry, OfflineGateReport
 
 log = logging.getLogger(__name__)
 
@@ -483,12 +483,21 @@ class DeployGate:
         report = self.offline.ensure(version, champion)
         if not report.passed:
             failed = "; ".join(f"{r.name}: {r.detail} (bound {r.bound})" for r in report.failed)
-            why = f"offline gates failed against champion {champion}: {failed}"
-            self.apply(self.plan_refuse(version, reason=why[:_REASON_CHARS]))
+            self.refuse_if_failed(version, report)
             raise OfflineGateFailed(
                 f"version {version} failed offline gates against champion {champion}: {failed}; "
                 f"it is marked refused and cannot be approved (see GET /api/versions/{version})"
             )
+
+    def refuse_if_failed(self, version: str, report: OfflineGateReport) -> bool:
+        """Mark a pending `version` refused when its offline `report` failed (approval and `flywheel gate check`
+        both do); whether it was marked."""
+        if report.passed or self.registry.gate_state(version) != "pending":
+            return False
+        failed = "; ".join(f"{r.name}: {r.detail} (bound {r.bound})" for r in report.failed)
+        why = f"offline gates failed against champion {report.champion}: {failed}"
+        self.apply(self.plan_refuse(version, reason=why[:_REASON_CHARS]))
+        return True
 
     def _put(self, split: TrafficSplit) -> None:
         self.splits.put(split.model_copy(update={"changed_at": utcnow()}))

@@ -509,6 +509,7 @@ def test_cli_check_prints_each_verdict_and_exits_1_on_a_failure(
     assert f"version {bad} vs champion 1" in result.output and "failed" in result.output
     report = registry.offline_gates(bad)
     assert report is not None and not report.passed and "sanity" in [r.name for r in report.failed]
+    assert registry.gate_state(bad) == "refused" and f"version {bad} is marked refused" in result.output
 
 
 def test_a_new_report_replaces_the_old_one_whole(settings: Settings, tmp_path: Path) -> None:
