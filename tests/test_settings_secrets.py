@@ -115,3 +115,12 @@ def test_production_holds_only_the_secrets_it_is_given() -> None:
     assert serving.write_key_set == frozenset()  # accepts no event: it was given no write key
     # Development keeps its defaults, so one machine runs with nothing set.
     assert Settings().serving_key.get_secret_value() == "dev-serving-key"
+
+
+def test_production_refuses_a_placeholder_password_in_a_service_url() -> None:
+    url = "redis://gate:REPLACE-gate-password-000000003@flywheel-valkey:6379/0"  # secrets.example's valkey.env
+    with pytest.raises(ValidationError, match="REDIS_URL's password is still a placeholder") as err:
+        production(redis_url=url)
+    assert "REPLACE-gate" not in str(err.value)
+    assert production(redis_url=f"redis://gate:{GOOD}@flywheel-valkey:6379/0").redis_url.startswith("redis://")
+    Settings(redis_url=url)  # development: whatever the developer runs

@@ -117,7 +117,7 @@ NEEDED_FLOWS = [
     *[(app, "kafka", 9092) for app in ("collector", "serving", "ingest-worker", "signals-worker")],
     *[(app, "valkey", 6379) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
     *[(app, "mlflow", 5000) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
-    *[(app, "postgres", 5432) for app in ("mlflow", "gate", "rollout", "trainer")],
+    *[(app, "postgres", 5432) for app in ("mlflow", "mlflow-migrate", "gate", "rollout", "trainer")],
     # Lake maintenance asks the registry which table versions models trained on before it vacuums.
     *[(app, "mlflow", 5000) for app in ("lake-compaction", "lake-vacuum-full")],
 ]
