@@ -27,7 +27,7 @@ import yaml
 from tests import k8s_checks as kc
 from tests.k8s_checks.network import Peer, allowed
 from tests.k8s_checks.objects import containers
-from tests.k8s_checks.security import SECRET_SETTINGS, secrets_read
+from tests.k8s_checks.security import SECRET_SETTINGS, SECRETS_READ, secrets_read
 from tests.k8s_checks.security import cron_ok as kc_cron_ok
 
 pytestmark = pytest.mark.skipif(kc.tool("kubectl") is None, reason="kubectl missing: pip install -e '.[k8s]'")
@@ -212,6 +212,41 @@ def test_each_component_gets_only_the_secret_keys_its_settings_read(
             assert held == wanted, owner["metadata"]["name"]
         seen.add(tuple(args[:2]))
     assert {("ingest", "collector"), ("serve",), ("gate", "serve"), ("lake", "compact")} <= seen
+
+
+# How the code reads each secret setting: the field, or the names that read it for their caller (the write keys'
+# parsed sets; the approval token and the token store through flywheel.identity's Authenticator and store).
+_READ_BY = {
+    "FLYWHEEL_WRITE_KEYS": r"\.write_key(s|_set|_scopes)\b",
+    "FLYWHEEL_SERVING_KEY": r"\.serving_key\b",
+    "FLYWHEEL_APPROVAL_TOKEN": r"\.approval_token\b|\bAuthenticator\(",
+    "FLYWHEEL_TOKEN_STORE_URL": r"\.token_store_url\b|\bstore_url\(|\bAuthenticator\(|\bAuditLog\b",
+}
+# Where a command's code lives, and the secrets its package reads that the command itself does not, with why.
+_CODE = {"serve": "serving", "ingest": "ingest", "signals": "signals", "gate": "deploy_gate", "trainer": "trainer"}
+_NOT_READ = {
+    (("ingest", "collector"), "FLYWHEEL_SERVING_KEY"): "scrubbed from dead letters only if held; it is not given",
+    (("ingest", "collector"), "FLYWHEEL_APPROVAL_TOKEN"): "the same",
+    (("ingest", "worker"), "FLYWHEEL_WRITE_KEYS"): "the collector's doors only",
+    (("ingest", "worker"), "FLYWHEEL_SERVING_KEY"): "the collector's scrubber only",
+    (("ingest", "worker"), "FLYWHEEL_APPROVAL_TOKEN"): "the collector's scrubber only",
+    (("trainer", "run-once"), "FLYWHEEL_APPROVAL_TOKEN"): "the scheduler's HTTP API only (trainer/api.py)",
+    (("trainer", "run-once"), "FLYWHEEL_TOKEN_STORE_URL"): "the same",
+}
+
+
+def test_the_secrets_each_command_gets_follow_the_code_that_reads_them() -> None:
+    """SECRETS_READ (what the secret-keys check gives each command) against the packages' source: a package
+    that starts reading a secret fails here until its commands get it, or say why not."""
+    for command, given in sorted(SECRETS_READ.items()):
+        package = _CODE.get(command[0])
+        if package is None:
+            continue
+        code = "\n".join(p.read_text() for p in (kc.REPO / package).rglob("*.py"))
+        read = {var for var, pattern in _READ_BY.items() if re.search(pattern, code)}
+        unexplained = read - given - {var for (cmd, var) in _NOT_READ if cmd == command}
+        assert not unexplained, f"flywheel {' '.join(command)}: {package}/ reads {sorted(unexplained)}"
+        assert given <= read, f"flywheel {' '.join(command)} gets {sorted(given - read)}, which {package}/ never reads"
 
 
 def test_every_image_is_bumped_in_one_place(built: kc.Manifests) -> None:
