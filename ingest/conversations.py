@@ -82,12 +82,16 @@ def conversation_events(export: Iterable[Mapping[str, Any]], *, source: str = "c
     """The events of every conversation in `export`, in conversation then turn order (see the module docstring).
 
     >>> conv = {"conversation_id": "c1", "user_id": "u1", "model_version": "m", "turns": [
+    ...     {"role": "assistant", "text": "How can I help?", "ts": "2026-01-01T00:00:00Z"},
     ...     {"role": "user", "text": "hi", "ts": "2026-01-01T00:00:00Z"},
     ...     {"role": "assistant", "text": "hello", "ts": "2026-01-01T00:00:01Z",
     ...      "reactions": [{"type": "rating", "value": 5, "ts": "2026-01-01T00:00:09Z"}]},
     ...     {"role": "user", "text": "thanks", "ts": "2026-01-01T00:00:05Z"}]}
-    >>> [(e.type.value, e.event_id) for e in conversation_events([conv])]
-    [('generation', 'c1-t1-generation'), ('followup', 'c1-t1-followup'), ('thumbs', 'c1-t1-reaction-0')]
+    >>> events = conversation_events([conv])
+    >>> [e.event_id for e in events if e.generation_id == "c1-t2"]
+    ['c1-t2-generation', 'c1-t2-followup', 'c1-t2-reaction-0']
+    >>> [e.properties["prompt"] for e in events if e.type == "generation"]
+    ['', 'hi']
     """
     out: list[Event] = []
     for n, conv in enumerate(export):
@@ -107,9 +111,9 @@ def conversation_events(export: Iterable[Mapping[str, Any]], *, source: str = "c
             after = next((t for t in turns[i + 1 :] if t.get("role") in ("user", "assistant")), None)
 
             event = functools.partial(_event, gid=gid, user=user, session=cid, source=source)
-            props = {"surface": "chat", "completion": str(turn.get("text") or ""), "model_version": model_version}
-            if before is not None:
-                props["prompt"] = str(before.get("text") or "")
+            prompt = str(before.get("text") or "") if before is not None else ""  # an assistant's opening line: none
+            props = {"surface": "chat", "prompt": prompt, "completion": str(turn.get("text") or ""),
+                     "model_version": model_version}  # fmt: skip
             out.append(event("generation", "generation", ts, props))
             if after is not None and after.get("role") == "user":
                 at = _time(after.get("ts"), f"conversation {cid} turn {i + 1}")

@@ -38,17 +38,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import polars as pl
 
 from flywheel.connections import configure_mlflow, experiment_artifact_location, redis_client
 from flywheel.lake.tables import EVENTS
-from flywheel.reward_versions import surface_of
+from flywheel.reward_versions import DEFAULT_SURFACE, surface_of
 from flywheel.settings import Settings
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.events import FeedbackEvent, GenerationInfo, to_us
 from signals.logistic import LogisticModel
 from signals.reward import RewardDefinition
-from signals.satisfaction import FEATURES, Comparison, compare_with_rules, feature_matrix, is_held_out
+from signals.satisfaction import (
+    FEATURES,
+    Comparison,
+    RefitResult,
+    compare_with_rules,
+    feature_matrix,
+    is_held_out,
+)
 from signals.text_features import Hashing, TextModel
 
 log = logging.getLogger(__name__)
@@ -240,14 +248,42 @@ def refit_chat(
     return ChatRefit(surface, n, fit.definition.version, activated, reason, cmp, active.version, run_id)
 
 
+def refit_as_satisfaction(
+    settings: Settings, config: SignalsConfig | None = None, *, surface: str, activate: bool = True
+) -> RefitResult | None:
+    """`refit_chat` as `signals.satisfaction.refit` reports a refit, or None when the surface's reactions with a
+    follow-up are too few to fit a text model (the caller then fits its signals-only model, as before)."""
+    result = refit_chat(settings, config, surface=surface, activate=activate)
+    if result.version is None or result.comparison is None:
+        return None
+    c = result.comparison
+    return RefitResult(
+        result.n_labels, result.surface, result.version, result.activated, c.auc_model.value, c.ece_model.value,
+        c.auc_rules.value, c.ece_rules.value, result.run_id, result.reason,
+    )  # fmt: skip
+
+
+# The feedback a chat definition reads; the rest of a busy lake (code completion's retention checks) is not loaded.
+_READ_TYPES = ("generation", "followup", "thumbs", "copied", "regenerated")
+
+
 def reactions_from_lake(settings: Settings, surface: str) -> list[Reacted]:
-    """The surface's generations in the lake with their feedback events inside the surface's window,
-    grouped by session (the generation itself when it has none)."""
+    """The surface's generations in the lake (the rows the batch recompute reads: from the events topic, or
+    written without one) with their feedback inside the surface's window, grouped by session (the generation
+    itself when it has none)."""
     lf = EVENTS.scan(EVENTS.at(settings.lake_root))
     if lf is None:
         return []
-    frame = lf.select("event_id", "type", "generation_id", "user_id", "session_id", "ts", "properties").collect()
-    frame = frame.unique("event_id", keep="first", maintain_order=True)
+    topic = pl.col("kafka_topic")
+    frame = (
+        lf.filter((topic.is_null() | (topic == settings.events_topic)) & pl.col("type").is_in(_READ_TYPES))
+        .select("event_id", "type", "generation_id", "user_id", "session_id", "ts", "properties")
+        .collect()
+        .unique("event_id", keep="first", maintain_order=True)
+    )
+    named = pl.col("properties").str.json_path_match("$.surface").fill_null("").replace("", DEFAULT_SURFACE)
+    gens = frame.filter((pl.col("type") == "generation") & (named == surface))
+    frame = frame.filter(pl.col("generation_id").is_in(gens["generation_id"].implode()))
     return reactions_from_rows(frame.iter_rows(named=True), surface, settings.window_for(surface))
 
 

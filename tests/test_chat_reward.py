@@ -18,13 +18,13 @@ from fastapi.testclient import TestClient
 
 from flywheel.bus import ensure_topics
 from flywheel.connections import redis_client
-from flywheel.contract import utcnow
+from flywheel.contract import Event, utcnow
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from ingest.collector import create_app
 from ingest.conversations import conversation_events
 from ingest.worker import IngestWorker
-from signals.chat_reward import fit_chat_reward, implicit_proba, refit_chat
+from signals.chat_reward import fit_chat_reward, implicit_proba, reactions_from_lake, refit_chat
 from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
@@ -34,6 +34,7 @@ from signals.reward import RewardDefinition, builtin_definition
 from signals.sycophancy import ArmReply, sycophancy_check
 from signals.text_features import TextModel
 from simulator.chat_users import ChatPopulation
+from simulator.telemetry import write_events
 
 CHAT = builtin_definition("chat")
 CONFIG = SignalsConfig(min_labels=100, bootstrap_samples=200, idle_after_s=1.5, poll_timeout_s=0.2)
@@ -181,3 +182,31 @@ def test_the_stream_and_batch_columns_score_a_learned_definition_as_the_referenc
         want = definition.score(gen, events)
         row = scored[gen.generation_id]
         assert row["reward"] == want.reward and row["followup_sentiment"] == want.signals.get("followup_sentiment")
+
+
+def test_the_refit_reads_a_surfaces_reactions_from_the_lake_and_holds_out_whole_conversations(
+    settings: Settings,
+) -> None:
+    start = utcnow() - timedelta(days=1)
+    events = []
+    for item, reply in ChatPopulation(users=60, seed=1).replies():
+        g, at = item.generation, lambda us: start + timedelta(microseconds=us)
+        props = {"surface": "chat", "prompt": "help me", "completion": reply, "model_version": "acme-chat"}
+        events.append(Event(event_id=f"{g.generation_id}-gen", type="generation", generation_id=g.generation_id,
+                            user_id=g.user_id, session_id=item.group, ts=at(g.ts_us), properties=props))  # fmt: skip
+        events += [
+            Event(event_id=e.event_id, type=e.type, generation_id=g.generation_id, user_id=g.user_id,  # type: ignore[arg-type]
+                  session_id=item.group, ts=at(e.ts_us), properties=dict(e.properties))
+            for e in item.events
+        ]  # fmt: skip
+    write_events(settings, events, at=[(settings.events_topic, 0, i) for i in range(len(events))])
+    settings = settings.model_copy(update={"reward_windows_s": {"chat": 300.0}})
+    items = reactions_from_lake(settings, "chat")
+    assert len(items) == 600 and {i.group for i in items} == {f"chat-user-{u}" for u in range(60)}
+    assert reactions_from_lake(settings, "code-completion") == []
+    result = refit_chat(settings, CONFIG)
+    assert result.activated, result.reason
+    fit = fit_chat_reward(items, CHAT)
+    held = {i.group for i in fit.test_items}
+    trained = {i.group for i in items if i.label is not None and i not in fit.test_items}
+    assert held and trained and not held & trained, "no conversation on both sides"
