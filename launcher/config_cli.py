@@ -57,7 +57,7 @@ class BadSetting(Exception):
 
 
 def _masked(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = (value or '""') if isinstance(value, str) else json.dumps(value, default=str)
     return _URL_PASSWORD.sub(r"\1***@", text)
 
 
@@ -75,8 +75,10 @@ def _first_error(owner: str, exc: ValidationError, variables: dict[str, tuple[st
     env = _environment()
     names = variables.get(field, ())
     name = next((v for v in names if v in env), names[0] if names else field)
+    why = str(err["msg"]).removeprefix("Value error, ")
+    inner = ".".join(str(part) for part in err["loc"][1:])  # where inside a structured value (the ramp's steps)
     # A model-level check names no field; its message does (RolloutConfig's unknown variables, the secrets).
-    return BadSetting(owner, name or "(the object as a whole)", str(err["msg"]).removeprefix("Value error, "))
+    return BadSetting(owner, name or "(the object as a whole)", f"{inner}: {why}" if inner else why)
 
 
 def _from_file(cls: Any, path: Path | None) -> Any:

@@ -42,6 +42,11 @@ def test_check_passes_the_defaults_and_refuses_a_bad_value_by_name(monkeypatch: 
     code, out = _flywheel("check")
     assert code == 1 and "FLYWHEEL_ROLLOUT_SHOWN_RATE_FALL" in out, out
 
+    monkeypatch.delenv("FLYWHEEL_ROLLOUT_SHOWN_RATE_FALL")
+    monkeypatch.setenv("FLYWHEEL_ROLLOUT_RAMP", json.dumps([{"share": 0.5}]))  # a step without its minimums
+    code, out = _flywheel("check")
+    assert code == 1 and "bad setting FLYWHEEL_ROLLOUT_RAMP (RolloutConfig): 0.min_users" in out, out
+
 
 def test_check_refuses_a_bad_trainer_file_naming_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "trainer.json"
