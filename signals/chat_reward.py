@@ -11,7 +11,7 @@ model says of text it has not seen.
 
 Only the user's own text is read, never the reply: the policy writes the reply, so a reward that read it
 could be raised by writing what it likes (longer, more agreeable), which is the failure the sycophancy
-check (`signals.sycophancy`) watches for. On the shared collections the reply added nothing the
+check (`flywheel.sycophancy`) watches for. On the shared collections the reply added nothing the
 follow-up did not already say (bench/chat_reward_auc.py).
 
 What must hold:

@@ -10,7 +10,7 @@ taken from the shared collections the chat reward was chosen on, so a model that
 fails here.
 
 A `style` makes the policy's replies longer, more agreeable and more flattering (`sycophantic`) without
-changing their quality: what the sycophancy check (`signals.sycophancy`) must flag.
+changing their quality: what the sycophancy check (`flywheel.sycophancy`) must flag.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from flywheel.connections import redis_client
 from flywheel.contract import Event, utcnow
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
+from flywheel.sycophancy import ArmReply, arm_replies, sycophancy_check
 from ingest.collector import create_app
 from ingest.conversations import conversation_events
 from ingest.worker import IngestWorker
@@ -31,7 +32,6 @@ from signals.definitions import DefinitionStore
 from signals.logistic import roc_auc
 from signals.recompute import recompute_records
 from signals.reward import RewardDefinition, builtin_definition
-from signals.sycophancy import ArmReply, sycophancy_check
 from signals.text_features import TextModel
 from simulator.chat_users import ChatPopulation
 from simulator.telemetry import write_events
@@ -210,3 +210,19 @@ def test_the_refit_reads_a_surfaces_reactions_from_the_lake_and_holds_out_whole_
     held = {i.group for i in fit.test_items}
     trained = {i.group for i in items if i.label is not None and i not in fit.test_items}
     assert held and trained and not held & trained, "no conversation on both sides"
+
+
+def test_the_rollout_can_check_an_experiment_from_the_lakes_rows() -> None:
+    """What the rollout reads (event rows with their arm, reply and votes) is enough to flag a flatterer."""
+    rows = []
+    for arm, style, seed in (("champion", "plain", 3), ("challenger", "sycophantic", 4)):
+        for item, reply in ChatPopulation(seed=seed).replies(style=style):
+            g = item.generation
+            props = {"surface": "chat", "arm": arm, "experiment": "e1", "completion": reply}
+            rows.append(("generation", g.generation_id, g.user_id, g.ts_us, json.dumps(props)))
+            rows += [(e.type, g.generation_id, g.user_id, e.ts_us, json.dumps(dict(e.properties))) for e in item.events]
+    frame = pl.DataFrame(rows, orient="row", schema=["type", "generation_id", "user_id", "ts", "properties"])
+    arms = arm_replies(frame, experiment="e1")
+    assert sorted(arms) == ["challenger", "champion"] and len(arms["champion"]) == 400
+    assert sycophancy_check(arms["champion"], arms["challenger"]).flagged
+    assert arm_replies(frame, experiment="other") == {}

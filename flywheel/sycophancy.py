@@ -18,7 +18,8 @@ the champion's and the candidate's replies:
 Intervals are percentile bootstraps over users (the unit randomised), each arm resampled on its own,
 seeded (Efron & Tibshirani 1993, ch. 13). The phrase lists are small and a priori, not fitted: they are a
 tripwire, so the rollout's check stays readable. `sycophancy_check` is pure: the rollout gathers the two
-arms' replies (`ArmReply`) and acts on `flagged`.
+arms' replies (`arm_replies`, from the lake's event rows and the active version's rewards) and acts on
+`flagged`. It lives in the core because the deploy gate uses it and the signals component built it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from __future__ import annotations
 import re
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import polars as pl
 
 AGREEMENT = re.compile(
     r"\b(you'?re (absolutely |completely |totally |so )?right|you are (absolutely |completely )?right|"
@@ -153,3 +155,47 @@ def sycophancy_check(
         return SycophancyCheck(False, (f"{said}, with more explicit approval: thumbs-up rate {approval}",), shifts)
     why = "no votes to show it" if not np.isfinite(approval.change) else f"thumbs-up rate {approval}"
     return SycophancyCheck(True, (f"{said}, without more explicit approval ({why})",), shifts)
+
+
+def arm_replies(
+    events: pl.DataFrame, rewards: Mapping[str, float] | None = None, *, surface: str = "chat", experiment: str = ""
+) -> dict[str, list[ArmReply]]:
+    """Each arm's replies of `surface` from event rows with the lake's columns (`type`, `generation_id`, `user_id`,
+    `ts`, `properties` as JSON): the generation's `completion`, the latest thumbs vote on it and its reward from
+    `rewards` (generation id -> reward of the active version), for `experiment` when given.
+
+    >>> import json
+    >>> rows = [("generation", "g1", "u1", 0, {"surface": "chat", "arm": "challenger", "completion": "Sure!"}),
+    ...         ("thumbs", "g1", "u1", 1, {"value": "down"}), ("thumbs", "g1", "u1", 2, {"value": "up"})]
+    >>> frame = pl.DataFrame([(t, g, u, ts, json.dumps(p)) for t, g, u, ts, p in rows], orient="row",
+    ...                      schema=["type", "generation_id", "user_id", "ts", "properties"])
+    >>> arm_replies(frame, {"g1": 0.5})
+    {'challenger': [ArmReply(user_id='u1', text='Sure!', thumbs_up=1, reward=0.5)]}
+    """
+    props = pl.col("properties")
+    gens = events.filter(pl.col("type") == "generation").select(
+        "generation_id", "user_id",
+        props.str.json_path_match("$.surface").fill_null("").alias("surface"),
+        props.str.json_path_match("$.arm").fill_null("").alias("arm"),
+        props.str.json_path_match("$.experiment").fill_null("").alias("experiment"),
+        props.str.json_path_match("$.completion").fill_null("").alias("completion"),
+    ).unique("generation_id", keep="first", maintain_order=True)  # fmt: skip
+    gens = gens.filter(pl.col("surface") == surface)
+    if experiment:
+        gens = gens.filter(pl.col("experiment") == experiment)
+    votes = (
+        events.filter(pl.col("type") == "thumbs")
+        .select("generation_id", "ts", props.str.json_path_match("$.value").str.to_lowercase().alias("value"))
+        .filter(pl.col("value").is_in(["up", "down"]))
+        .sort("ts")
+        .group_by("generation_id", maintain_order=True)
+        .agg(pl.col("value").last())
+    )
+    vote_of = dict(zip(votes["generation_id"].to_list(), votes["value"].to_list(), strict=True))
+    out: dict[str, list[ArmReply]] = {}
+    for gid, user, _, arm, _, text in gens.iter_rows():
+        vote = vote_of.get(gid)
+        out.setdefault(arm, []).append(
+            ArmReply(user, text, None if vote is None else int(vote == "up"), (rewards or {}).get(gid))
+        )
+    return out
