@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import builtins
 import hashlib
 import json
 import re
@@ -65,7 +66,7 @@ class SecretScrubber:
                 raw = raw.replace(form, REDACTED.encode())
         return self._form(raw) if _FORM.match(raw) else raw
 
-    def _form(self, raw: bytes) -> bytes:
+    def _form(self, raw: builtins.bytes) -> builtins.bytes:
         """A URL-encoded form body with each encoded value decoded and scrubbed, or left out (see the module
         docstring). Short values stay as they are (a `compression=lz64` says how the rest was encoded)."""
         try:
