@@ -128,8 +128,10 @@ NEEDED_FLOWS = [
 MULTINODE_FLOWS = [("trainer-multinode", dst, port) for dst, port in (
     ("trainer-multinode", 23456), ("valkey", 6379), ("mlflow", 5000), ("postgres", 5432))]
 
-# The only pods anyone outside the namespace may reach.
-PUBLIC = ("collector", "serving")
+# The only pods anyone outside the namespace may reach (with a write key).
+PUBLIC = ("collector",)
+# Serving answers without a key: only its client namespaces (labelled) and the ingress controller reach it.
+SERVING_CLIENT = Peer(namespace={"kubernetes.io/metadata.name": "product", "flywheel.io/serving-client": "true"})
 
 # What reads or writes object storage: MLflow (its artifacts) and every process on the lake.
 S3_CLIENTS = ("mlflow", "ingest-worker", "signals-worker", "gate", "rollout", "trainer", "lake-compaction",
@@ -163,8 +165,8 @@ def check_network_flows(m: Manifests) -> list[Problem]:
             for store in s3:
                 port = 9000 if store.pod else 443
                 need(Peer(src.labels, pod=src), store, port, f"{app} -> object storage:{port}")
-    # From outside the namespace only the collector and serving answer, on any port any pod declares
-    # (the gate's dashboard only through the ingress controller, /metrics only from Prometheus).
+    # From outside the namespace only the collector answers anyone, on any port any pod declares (serving only
+    # its clients, the gate's dashboard only through the ingress controller, /metrics only from Prometheus).
     for dst in m.pods:
         app = dst.labels.get("app", dst.owner)
         for port in sorted(set(dst.ports.values())):
@@ -173,6 +175,9 @@ def check_network_flows(m: Manifests) -> list[Problem]:
                 need(address, Peer(dst.labels, pod=dst), port, f"{address.address} -> {app}:{port}", app in PUBLIC)
     for dst in m.pods_by_app("gate"):
         need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8002, "ingress controller -> gate:8002")
+    for dst in m.pods_by_app("serving"):
+        need(SERVING_CLIENT, Peer(dst.labels, pod=dst), 8000, "a serving client's namespace -> serving:8000")
+        need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8000, "ingress controller -> serving:8000")
     scraped: set[tuple[str, int]] = set()
     for sm in m.of("ServiceMonitor"):
         svc = next((s for s in m.of("Service") if selects(sm["spec"]["selector"], s["metadata"].get("labels") or {})),
