@@ -28,7 +28,7 @@ from pydantic_settings import BaseSettings
 
 from launcher.settings_reference import fields, owners
 
-app = typer.Typer(help=__doc__.splitlines()[0], no_args_is_help=True)
+app = typer.Typer(help="Every setting's effective value and source; a check that starts nothing.", no_args_is_help=True)
 
 COMPONENTS = {
     "settings": "Settings",
