@@ -50,7 +50,8 @@ def versions(registry: ModelRegistry, gate: DeployGate, tmp_path: Path) -> tuple
 
 def config(**overrides: object) -> RolloutConfig:
     ramp = [RampStep(share=s, min_users=40, min_seconds=300) for s in (0.05, 0.25, 0.5)]
-    return RolloutConfig(ramp=ramp, srm_min_users=100, latency_min_generations=50, **overrides)  # type: ignore[arg-type]
+    fields: dict[str, object] = {"ramp": ramp, "srm_min_users": 100, "latency_min_generations": 50, **overrides}
+    return RolloutConfig(**fields)  # type: ignore[arg-type]
 
 
 class Clock:
@@ -101,17 +102,48 @@ def test_config_refuses_an_unknown_or_renamed_environment_variable(monkeypatch: 
     assert RolloutConfig().accepted_rate_fall == 0.02
 
 
-def test_no_decision_before_the_challenger_has_rewards(gate: DeployGate, versions: tuple[str, str]) -> None:
+def _no_data_alarm() -> float | None:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("flywheel_rollout_no_data")
+
+
+def test_a_challenger_with_no_rewarded_users_is_rolled_back_at_the_maximum_duration_and_the_alarm_fires(
+    gate: DeployGate, settings: Settings, registry: ModelRegistry, versions: tuple[str, str]
+) -> None:
+    _, candidate = versions
     clock = Clock()
-    controller = RolloutController(gate, config(), clock=clock)
+    controller = RolloutController(gate, config(max_duration_s=3600), clock=clock)
+    rng = random.Random(3)
     rec = controller.tick()
-    assert rec.state == "ramping" and rec.analysis is None  # no challenger reward yet: nothing decided
-    split = gate.splits.get()
-    assert split is not None and (split.challenger_share, split.changed_by) == (0.05, CONTROLLER_ACTOR)
-    clock.now += timedelta(days=30)
-    assert controller.tick().state == "ramping"  # time alone decides nothing
-    view = controller.view()
-    assert view.analysis is None and view.share == 0.05 and view.ramp[0].entered_at is not None
+    assert rec.state == "ramping" and rec.analysis is not None and rec.analysis.no_data
+    assert _no_data_alarm() == 0.0  # not before the first step's minimum time
+    lost: Drop = lambda arm, _user: arm == "challenger"  # noqa: E731 - its events never reach the lake
+    while clock.now < datetime(2026, 11, 25, 11, 0, tzinfo=UTC):
+        split = gate.splits.get()
+        assert split is not None
+        # Few users: the champion's never make 20 challenger users expected, so only the maximum duration ends it.
+        write_batch(settings, split, {"champion": CHAMPION, "challenger": CHAMPION}, users=6, at=clock.now, rng=rng,
+                    drop=lost)  # fmt: skip
+        clock.now += timedelta(seconds=600)
+        rec = controller.tick()
+        if clock.now < datetime(2026, 11, 25, 11, 0, tzinfo=UTC):
+            assert rec.state == "ramping" and rec.analysis is not None
+            assert any(f.startswith("no_data") for f in rec.analysis.flags) and _no_data_alarm() == 1.0
+            assert controller.view().plan is not None  # what the traffic could resolve, from the champion's users
+    assert rec.state == "rolled_back" and rec.analysis is not None
+    assert rec.analysis.decision.why == "no_data" and "by the maximum duration" in rec.analysis.decision.reason
+    assert not rec.analysis.decision.inconclusive and registry.gate_state(candidate) == "quarantined"
+    assert _no_data_alarm() == 0.0  # ended: the alarm clears
+
+
+def test_a_challenger_whose_events_never_arrive_is_rolled_back_once_its_absence_cannot_be_chance(
+    gate: DeployGate, settings: Settings, versions: tuple[str, str]
+) -> None:
+    rec, seen = run(gate, settings, CHAMPION, drop=lambda arm, _user: arm == "challenger", users=200)
+    assert rec.state == "rolled_back" and rec.analysis is not None and rec.analysis.decision.why == "no_data"
+    assert len(seen) <= 3  # 20 expected at 5% takes about 380 champion users: the second batch
+    assert "expected from the champion's" in rec.analysis.decision.reason
 
 
 def test_a_worse_challenger_is_rolled_back_within_its_first_step(
@@ -125,6 +157,24 @@ def test_a_worse_challenger_is_rolled_back_within_its_first_step(
     assert split is not None and split.challenger_version is None and split.champion_version == champion
     assert registry.gate_state(candidate) == "quarantined"  # its served data leaves training
     assert any(c.by == CONTROLLER_ACTOR and c.state == "rolled_back" for c in registry.gate_history(candidate))
+
+
+@pytest.mark.parametrize(
+    ("challenger", "why"),
+    [(Behaviour(latency_ms=100.0), {"guardrail"}), (Behaviour(p_good=0.15), {"guardrail", "worse"})],
+    ids=["twice the latency", "much worse reward"],
+)
+def test_a_harmful_challenger_is_rolled_back_before_its_step_minimum(
+    gate: DeployGate, settings: Settings, registry: ModelRegistry, versions: tuple[str, str],
+    challenger: Behaviour, why: set[str],
+) -> None:
+    _, candidate = versions
+    ramp = [RampStep(share=s, min_users=200, min_seconds=3600) for s in (0.05, 0.25, 0.5)]
+    rec, _ = run(gate, settings, challenger, cfg=config(ramp=ramp), users=300, batches=20)
+    assert rec.state == "rolled_back" and rec.step == 0 and rec.analysis is not None
+    assert rec.analysis.decision.why in why, rec.analysis.decision.reason
+    assert rec.analysis.arms["challenger"].users < 200  # the step's minimum was not waited for
+    assert registry.gate_state(candidate) == "quarantined"  # shown harmful: its data leaves training at once
 
 
 def test_a_better_challenger_is_promoted_after_the_whole_ramp(
@@ -153,11 +203,17 @@ def test_a_sample_ratio_mismatch_freezes_the_ramp(
     split = gate.splits.get()
     assert split is not None and split.state == "paused" and split.challenger_share in (0.05, 0.25)
     frozen_share = split.challenger_share
-    # Frozen stays frozen: more data and time change nothing until a person resumes.
-    controller = RolloutController(gate, config(), clock=lambda: datetime(2027, 1, 1, tzinfo=UTC))
+    # Frozen stays frozen within the maximum duration: time changes nothing until a person resumes ...
+    controller = RolloutController(gate, config(), clock=lambda: datetime(2026, 12, 1, tzinfo=UTC))
     assert controller.tick().state == "frozen"
     after = gate.splits.get()
     assert after is not None and (after.state, after.challenger_share) == ("paused", frozen_share)
+    # ... and every experiment ends: nobody resumed it by the maximum duration, so it is rolled back.
+    controller = RolloutController(gate, config(), clock=lambda: datetime(2027, 1, 1, tzinfo=UTC))
+    ended = controller.tick()
+    assert ended.state == "rolled_back" and "frozen at the maximum duration" in ended.timeline[-1].event
+    after = gate.splits.get()
+    assert after is not None and after.challenger_version is None
 
 
 def test_a_challenger_that_declines_where_users_reject_and_keeps_its_accepts_is_promoted(

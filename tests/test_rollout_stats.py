@@ -235,5 +235,9 @@ def test_a_step_that_never_reaches_its_minimum_users_rolls_back_at_the_maximum_d
         step_users=np.array([1, 1]), step_min_users=np.array([2, 2]), in_step_s=np.array([300.0, 900.0]),
         step_min_seconds=np.array([60.0, 60.0]), last=np.array([False, False]), running_s=np.array([599.0, 600.0]),
     )  # fmt: skip
-    codes = rules.judge(cells, np.array([False, False]), clock, config).code
+    rewarded = rules.Clock(**{**clock.__dict__, "rewarded": np.ones((2, 1, 2))})
+    codes = rules.judge(cells, np.array([False, False]), rewarded, config).code
     assert codes.tolist() == [rules.CONTINUE_STEP_USERS, rules.ROLLBACK_STEP_USERS]
+    # Without a single rewarded challenger user it is no data, not too few users: its path is broken.
+    codes = rules.judge(cells, np.array([False, False]), clock, config).code
+    assert codes.tolist() == [rules.CONTINUE_STEP_USERS, rules.ROLLBACK_NO_DATA]

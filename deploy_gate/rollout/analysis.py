@@ -16,9 +16,11 @@ judgement into the views the API and dashboard show, each decision with the reas
 - Declining is not a guardrail: the reward prices a decline at 0 and a reject below it. Accepted
   suggestions per rewarded generation is; the shown and decline rates are reported for information.
 
-What must hold: no decision before the step's minimum challenger users and the evidence floor; no
-ramp or promotion before the step's minimum time (a harmful challenger is rolled back as soon as the
-sample shows it); every decision states why.
+What must hold: every experiment is analysed from its first look, whether or not the challenger has
+data, so the maximum duration, SRM and the no-data rollback act on a challenger that never gets traffic
+or rewards; harm is judged from the first users (past each metric's floor), before any step minimum, and
+a harmful challenger is rolled back as soon as the sample shows it; no ramp or promotion before the
+step's minimum users, the evidence floor and the step's minimum time; every decision states why.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from deploy_gate.rollout.models import (
     EffectView,
     GuardrailView,
     PowerView,
+    RuleView,
     SrmPeriod,
     SrmView,
     StratumView,
@@ -142,16 +145,14 @@ def analyse(
     now: datetime,
     step_starts: list[datetime] | None = None,
     srm_periods: list[SrmPeriod] | None = None,
-) -> AnalysisView | None:
-    """The analysis and decision; None while the challenger has no reward (nothing to decide on).
+) -> AnalysisView:
+    """The analysis and decision, at every look: a challenger without users or rewards is judged too (no data).
 
     Without `step_starts` every user is in one stratum; without `srm_periods` the SRM test runs over the
     current step at its planned share.
     """
     users = first_arm_users(agg)
     challenger = users.filter(pl.col("arm") == "challenger")
-    if challenger.is_empty() or int(challenger["reward_n"].sum()) == 0:
-        return None
     starts = step_starts or [started_at]
     users = _stratum(users, starts)
     c = cells(users, len(starts), agg.pre_rate)
@@ -162,6 +163,7 @@ def analyse(
         step_users=np.array([step_users]), step_min_users=np.array([step.min_users]),
         in_step_s=np.array([(now - step.entered_at).total_seconds()]), step_min_seconds=np.array([step.min_seconds]),
         last=np.array([step.last]), running_s=np.array([(now - started_at).total_seconds()]),
+        rewarded=rewarded(users, len(starts)),
     )  # fmt: skip
     j = rules.judge(c, np.array([srm_view.alarm]), clock, config)
     code = int(j.code[0])
@@ -171,7 +173,8 @@ def analyse(
     diff = difference_view(j, c, config)
     action: DecisionAction = rules.ACTION[code]  # type: ignore[assignment]
     reason = explain(code, j, step, srm_view, rails, power, step_users, config, clock)
-    decision = DecisionView(action=action, reason=reason, at=now, inconclusive=code in rules.INCONCLUSIVE)
+    decision = DecisionView(action=action, reason=reason, at=now, inconclusive=code in rules.INCONCLUSIVE,
+                            why=rules.WHY[code])  # fmt: skip
     arms = {
         a: ArmView(
             users=int(users.filter(pl.col("arm") == a).height),
@@ -181,10 +184,78 @@ def analyse(
         )
         for i, a in enumerate(ARMS)
     }
+    no_data = bool(j.no_data[0])
+    flags = _flags(users, diff)
+    if no_data and (now - started_at).total_seconds() >= config.ramp[0].min_seconds:
+        flags.append(no_data_text(challenger.height, j, config))
     return AnalysisView(
         reward_version=agg.reward_version, arms=arms, difference=diff, srm=srm_view, guardrails=rails,
-        decision=decision, power=power, flags=_flags(users, diff),
+        decision=decision, power=power, flags=flags, no_data=no_data, rule=rule_view(j, power, config),
     )  # fmt: skip
+
+
+def rewarded(users: pl.DataFrame, steps: int) -> np.ndarray:
+    """Users with a reward per (step, arm), shape (1, steps, 2): what the no-data rule counts."""
+    out = np.zeros((1, steps, 2))
+    if users.is_empty():
+        return out
+    table = users.filter(pl.col("reward_n") > 0).group_by("stratum", "arm").len()
+    for row in table.iter_rows(named=True):
+        out[0, row["stratum"], ARMS.index(row["arm"])] = row["len"]
+    return out
+
+
+def no_data_text(challenger_users: int, j: rules.Judgement, config: RolloutConfig) -> str:
+    """The no-data alarm: the challenger has no rewarded user; how many the champion's made expected."""
+    return (f"no_data: the challenger has {challenger_users} users and none with a reward, where the champion's "
+            f"rewarded users at the shares in force make {float(j.expected_challenger[0]):.1f} expected; its "
+            f"traffic or its rewards do not reach the lake (rolled back at {rules.NO_DATA_EXPECTED:g} expected or at "
+            f"the maximum duration, {config.max_duration_s:g}s)")  # fmt: skip
+
+
+def rule_view(j: rules.Judgement, power: PowerView, config: RolloutConfig) -> RuleView:
+    """The rule in force and the chance it promotes a challenger worse by the margin, now and at the end."""
+    from scipy.special import ndtr
+
+    var = float(j.primary.comparison.variance[0])
+    margin = float(j.margin[0])
+    projected = power.users_projected
+    n = float(j.primary.comparison.users[0])
+    end_var = var * n / projected if projected and n > 0 else math.nan
+    if config.decision_rule == "expected_loss":
+        t = float(j.loss_threshold[0])
+        cut = float(rules.low_risk_cutoff(np.array([var]), np.array([t]))[0])
+        end_cut = float(rules.low_risk_cutoff(np.array([end_var]), np.array([t]))[0])
+
+        def shipped(v: float, c: float) -> float | None:
+            p = float(ndtr((-margin - c) / math.sqrt(v))) if v > 0 and math.isfinite(c + margin) else math.nan
+            return _num(p)
+
+        now, end = shipped(var, cut), shipped(end_var, end_cut)
+        summary = (f"expected loss: promotes on a significant win at any look; at the maximum duration, when the "
+                   f"expected loss of shipping (GrowthBook's risk) is below {_g(t)} reward per generation "
+                   f"({config.expected_loss_accept_share:.0%} of the champion's accept rate x "
+                   f"{config.reward_per_accept:g}); harm rolls back at any look")  # fmt: skip
+        risk = (f"a challenger worse by the margin ({_g(margin)}) would be promoted with probability "
+                f"{_pct(now)} at today's precision, {_pct(end)} at the maximum duration's")  # fmt: skip
+        return RuleView(name="expected_loss", summary=summary, threshold=_num(t), ship_above=_num(cut),
+                        margin_worse_promoted=now, margin_worse_promoted_projected=end, note=risk)  # fmt: skip
+    summary = (f"sequential: promotes on a significant win at any look, or at the maximum duration when the "
+               f"always-valid interval's lower end is above -{_g(margin)} (the margin); harm rolls back at any look")
+    a = j.primary.alpha / 2
+    risk = (f"a challenger worse by the margin is promoted with probability at most {a:.2%} (one side of the "
+            f"primary metric's alpha), at any traffic; the price is that a margin the traffic cannot resolve ends "
+            f"inconclusive")  # fmt: skip
+    return RuleView(name="sequential", summary=summary, margin_worse_promoted=a, margin_worse_promoted_projected=a,
+                    note=risk)  # fmt: skip
+
+
+def _g(v: float) -> str:
+    return f"{v:.3g}" if math.isfinite(v) else "none (no accepts yet)"
+
+
+def _pct(p: float | None) -> str:
+    return "unknown (no variance yet)" if p is None else f"{p:.1%}"
 
 
 def plan(agg: Aggregates, config: RolloutConfig, *, running_s: float) -> PowerView | None:
@@ -377,6 +448,11 @@ def explain(
     lo, hi = float(j.primary.lo[0]), float(j.primary.hi[0])
     seq = f"[{lo:.3f}, {hi:.3f}]"
     arm_users = [int(u) for u in j.primary.comparison.arm_users[0]]
+    if code == rules.ROLLBACK_NO_DATA:
+        why = ("by the maximum duration" if clock.running_s[0] >= config.max_duration_s
+               else f"where {float(j.expected_challenger[0]):.1f} were expected from the champion's")  # fmt: skip
+        return (f"no data: the challenger has no rewarded user {why}; its traffic or its rewards do not reach "
+                "the lake, so nothing can show it safe")  # fmt: skip
     if code == rules.FREEZE_SRM:
         return (
             f"sample ratio mismatch: users {srm_view.observed} against the shares in force "
@@ -385,6 +461,9 @@ def explain(
         )
     if code == rules.CONTINUE_STEP_USERS:
         return f"step {step.index + 1}: {step_users} of {step.min_users} challenger users so far"
+    if code == rules.ROLLBACK_STEP_USERS and step_users >= step.min_users:
+        return (f"the ramp did not finish by the maximum duration: still at step {step.index + 1} "
+                f"({step.share:.0%}); too little evidence to keep the challenger")  # fmt: skip
     if code == rules.ROLLBACK_STEP_USERS:
         return (f"step {step.index + 1} saw {step_users} of its {step.min_users} challenger users by the maximum "
                 "duration: too little evidence to keep the challenger")  # fmt: skip
@@ -400,7 +479,8 @@ def explain(
     if code == rules.ROLLBACK_GUARDRAIL:
         return f"guardrail tripped: {', '.join(g.name for g in rails if not g.ok)}"
     if code == rules.ROLLBACK_WORSE:
-        return f"challenger is worse: sequential interval of the difference {seq}"
+        return (f"challenger is worse: sequential interval of the difference {seq} (at step {step.index + 1}, "
+                f"users per arm {arm_users})")  # fmt: skip
     if code == rules.CONTINUE_MIN_TIME:
         left = math.ceil(float(clock.step_min_seconds[0] - clock.in_step_s[0]))
         return f"step {step.index + 1}: {left}s left of its minimum time"
@@ -413,7 +493,15 @@ def explain(
         return (f"non-inferior at the maximum duration: sequential lower bound {lo:.3f} > -{margin:.3g} "
                 f"({config.non_inferiority_accept_share:.0%} of the champion's accept rate "
                 f"{float(j.accept_level[0]):.3g} x {config.reward_per_accept:g} reward per accept)")  # fmt: skip
+    if code == rules.PROMOTE_LOW_RISK:
+        return (f"low risk at the maximum duration: shipping's expected loss {float(j.loss_ship[0]):.3g} is below "
+                f"{float(j.loss_threshold[0]):.3g} reward per generation ({config.expected_loss_accept_share:.0%} of "
+                f"the champion's accept rate x {config.reward_per_accept:g}); estimate "
+                f"{float(j.primary.comparison.adjusted[0]):+.3f}")  # fmt: skip
     if code == rules.ROLLBACK_INCONCLUSIVE:
+        if config.decision_rule == "expected_loss" and math.isfinite(float(j.loss_threshold[0])):
+            return (f"inconclusive at the maximum duration: shipping's expected loss {float(j.loss_ship[0]):.3g} "
+                    f"is not below {float(j.loss_threshold[0]):.3g} reward per generation; {power.note}")  # fmt: skip
         if not math.isfinite(margin):
             return ("inconclusive at the maximum duration: the champion's users accepted nothing, so no margin "
                     "applies and only a significant win promotes")  # fmt: skip

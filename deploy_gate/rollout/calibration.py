@@ -34,7 +34,7 @@ class Scenario:
     drift: float = 0.0  # both arms' accept propensity grows by this share over the maximum duration
     population: Population = field(default_factory=Population)
     srm_loss: float = 0.0  # share of challenger users lost before the lake (a broken logging path)
-    rule: Literal["sequential", "expected_loss"] = "sequential"  # the primary metric's rule (`rules.judge`)
+    rule: Literal["sequential", "expected_loss"] | None = None  # None: the config's `decision_rule`
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Outcomes:
     estimate: np.ndarray  # final adjusted estimate
     raw_estimate: np.ndarray
     pooled_estimate: np.ndarray  # the same users with the steps pooled (what the controller did before strata)
+    tripped: dict[str, np.ndarray]  # guardrail name -> (E,) bool: it showed harm at the decision
 
     def share(self, *codes: int) -> float:
         return float(np.isin(self.code, codes).mean())
@@ -76,6 +77,7 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
     est = np.full(e_, np.nan)
     raw = np.full(e_, np.nan)
     pooled = np.full(e_, np.nan)
+    tripped = {m.name: np.zeros(e_, dtype=bool) for m in rules.GUARDRAILS}
     rate = scenario.users / cfg.max_duration_s * scenario.look_s
     # Past the maximum duration a step may still wait out its minimum time: look until that is over too.
     horizon = cfg.max_duration_s + sum(s.min_seconds for s in cfg.ramp) + scenario.look_s
@@ -120,7 +122,7 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
         live = ~done
         with np.errstate(invalid="ignore"):
             ever |= live & j.enough & ((j.primary.lo > 0) | (j.primary.hi < 0))
-        act = np.array([rules.ACTION[c] for c in range(13)])[j.code]
+        act = np.array([rules.ACTION[c] for c in range(len(rules.ACTION))])[j.code]
         ramp = live & (act == "ramp")
         step = np.where(ramp, step + 1, step)
         entered = np.where(ramp, t, entered)
@@ -136,7 +138,9 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
             margin_users[end] = np.where(np.isfinite(j.margin[end]), need, np.nan)
             est[end], raw[end] = j.primary.comparison.adjusted[end], j.primary.comparison.estimate[end]
             pooled[end] = compare(cells[rules.PRIMARY.name].sum(axis=1, keepdims=True)).estimate[end]
+            for name, harmed in j.harmed.items():
+                tripped[name][end] = harmed[end]
             done |= end
         if done.all():
             break
-    return Outcomes(code, at, seen, ever, mde, margin, margin_users, est, raw, pooled)
+    return Outcomes(code, at, seen, ever, mde, margin, margin_users, est, raw, pooled, tripped)

@@ -7,12 +7,20 @@ reward definition (a share in [0, 0.5], a finite reward per accept in (0, 2]; th
 settings are refused with what replaced them). Defaults follow common practice (a 5% -> 25% ->
 50% ramp, alpha 0.05, SRM alarm at p < 0.001 as GrowthBook and Statsig use, confidence-sequence
 tuning N* = 5000 as GrowthBook's default).
+
+The decision rule defaults to "expected_loss", in production and in `flywheel up` alike, from
+`bench/results/rollout_decisions.md` (users without a pre-period, the default ramp, 14 days): at
+2,000 users the sequential rule promoted 2% of 10%-better and 58% of 30%-better challengers (its
+margin needs hundreds of thousands of users), the expected-loss rule 35% and 96%, with 10%-worse
+challengers promoted at most about 1% under both and A/A wrong decisions (a false win or a harm
+rollback) under 1%; at 20,000 users both promote 10%-better challengers. What the expected-loss rule
+gives up: an equal challenger is shipped at the end some of the time, which costs nothing by definition.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,7 +44,13 @@ RETIRED = {
 
 
 def _default_ramp() -> list[RampStep]:
-    return [RampStep(share=s, min_users=200, min_seconds=600) for s in (0.05, 0.25, 0.5)]
+    """5% -> 25% -> 50%, each step at least `rules.HARM_MIN_ARM_USERS` challenger users (what a harm test needs to
+    decide, reachable at a small product's traffic: 30 users at 5% of 2,000 users in 14 days is about 4 days) and
+    1 hour, 1 day, 5 days: nothing is promoted before about a week, so a weekly cycle is seen (GrowthBook and
+    Statsig recommend a week). The old 200 users a step needed about 4,000 users in step 1 alone, so at 2,000
+    users every experiment ended "too little evidence" at day 14."""
+    times = (3600.0, 86400.0, 5 * 86400.0)
+    return [RampStep(share=s, min_users=30, min_seconds=t) for s, t in zip((0.05, 0.25, 0.5), times, strict=True)]
 
 
 class RolloutConfig(BaseSettings):
@@ -65,6 +79,18 @@ class RolloutConfig(BaseSettings):
     pre_period_s: float = Field(
         default=14 * 86400, ge=0,
         description="Each user's rewards this long before the start adjust the estimate (CUPED); 0: no adjustment.",
+    )
+    decision_rule: Literal["sequential", "expected_loss"] = Field(
+        default="expected_loss",
+        description="What promotes at the maximum duration (`rules.judge`): 'sequential', non-inferiority within "
+        "the margin on the always-valid interval; 'expected_loss', shipping's expected loss (GrowthBook's risk) "
+        "below the threshold, for traffic that cannot resolve the margin. Harm checks and wins are the same.",
+    )
+    expected_loss_accept_share: float = Field(
+        default=0.005, gt=0, le=0.5, allow_inf_nan=False,
+        description="The expected-loss rule's threshold, in reward per generation: this share of the champion's "
+        "accept rate x reward per accept (0.005: shipping may cost, in expectation, 0.5% of the accepts; at 1% a "
+        "10%-worse challenger was promoted 1.7% of the time at 2,000 users, at 0.5% 0.5%).",
     )
     auto_promote: bool = Field(default=True, description="False: hold a winner for a human to promote.")
     interval_s: float = Field(default=30.0, gt=0, description="Seconds between ticks.")

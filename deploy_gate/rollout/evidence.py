@@ -67,6 +67,9 @@ class Comparison:
     level: np.ndarray  # the champion's ratio, weighted like the difference
     arm_ratio: np.ndarray  # (E, 2): each arm's ratio over all its users
     arm_variance: np.ndarray  # (E, 2): delta-method variance of each arm's ratio (users as the unit)
+    null_variance: np.ndarray  # of the adjusted estimate under "no difference": both arms' users pooled
+    events: np.ndarray  # Σy over both arms in the compared steps (thumbs, errors ...: the rare events)
+    exposures: np.ndarray  # Σx over both arms in the compared steps (generations ...)
 
 
 def _cell(m: np.ndarray) -> dict[str, np.ndarray]:
@@ -123,7 +126,20 @@ def compare(m: np.ndarray) -> Comparison:
         pooled = _cell(m.sum(axis=1))  # each arm over all its steps: what the dashboard shows per arm
         arm_ratio = pooled["r"]
         arm_var = pooled["vl"] / pooled["n"]
-    return Comparison(estimate, adjusted, var, raw_var, total, arm_users, level, arm_ratio, arm_var)
+        # Under "no difference" both arms' users are draws of one population: their influence variance is
+        # estimated on the pooled users of the step (the pooled two-sample test). Each arm's own variance
+        # collapses where its events are few (0 thumbs up: 0 variance, however many users); the pooled one
+        # does not, since the other arm's events count too.
+        both = _cell(m.sum(axis=-2))  # (E, K), regression-adjusted with the step's θ as each arm is
+        null_vl = np.maximum(both["vl"] - 2 * theta * both["clz"] + theta**2 * both["vz"], 0.0)
+        null_k = null_vl * (1 / n[..., 1] + 1 / n[..., 0])
+        null_var = np.where(total > 0, np.nansum(wz**2 * np.where(usable, null_k, 0.0), axis=-1), np.nan)
+        null_var = np.where(null_var > 0, null_var, np.nan)
+        events = np.where(usable, m[..., SY].sum(axis=-1), 0.0).sum(axis=-1)
+        exposures = np.where(usable, m[..., SX].sum(axis=-1), 0.0).sum(axis=-1)
+    return Comparison(
+        estimate, adjusted, var, raw_var, total, arm_users, level, arm_ratio, arm_var, null_var, events, exposures
+    )
 
 
 def rho2(alpha: float, tuning: float) -> float:

@@ -106,6 +106,7 @@ class DecisionView(_Model):
     at: datetime
     # A rollback for want of evidence, not for harm shown: the version's served data is not quarantined.
     inconclusive: bool = False
+    why: str = ""  # the rule that decided, machine-readable ("guardrail", "worse", "no_data", "win", ...)
 
 
 class PowerView(_Model):
@@ -129,6 +130,20 @@ class PowerView(_Model):
     margin_reachable: bool | None = None  # users_for_margin within the users projected at the maximum duration
 
 
+class RuleView(_Model):
+    """The decision rule in force (`RolloutConfig.decision_rule`) and what it risks at today's precision."""
+
+    name: Literal["sequential", "expected_loss"]
+    summary: str  # how it decides, in words
+    threshold: float | None = None  # expected_loss: shipping's expected loss must be below this (reward/generation)
+    ship_above: float | None = None  # expected_loss: the estimate above which it would ship, at today's variance
+    # The probability that a challenger worse by the margin is promoted at the maximum duration: at today's
+    # precision, and at the precision the traffic brings by then (None: no variance or margin yet).
+    margin_worse_promoted: float | None = None
+    margin_worse_promoted_projected: float | None = None
+    note: str = ""
+
+
 class AnalysisView(_Model):
     unit: Literal["user"] = "user"
     metric: str = "satisfaction"
@@ -139,8 +154,10 @@ class AnalysisView(_Model):
     guardrails: list[GuardrailView]
     decision: DecisionView
     power: PowerView | None = None
-    # Visible warnings that are not (yet) a rollback, e.g. "reward_up_explicit_down".
+    # Visible warnings that are not (yet) a rollback, e.g. "reward_up_explicit_down", "no_data".
     flags: list[str] = []
+    no_data: bool = False  # the challenger has no rewarded user yet (its traffic or rewards may not arrive)
+    rule: RuleView | None = None
 
 
 class TimelineEntry(_Model):

@@ -8,11 +8,22 @@ whatever the configuration (the bench measures each):
 - **Error budget.** Wrong decisions on an A/A experiment (promote as a win, roll back as worse or
   on a guardrail) stay at most α over every look: the primary metric's confidence sequence gets
   α/2 (two-sided: a win and a loss each), the guardrails share the other α/2 (Bonferroni).
-- **Evidence floor.** No test decides before each arm has `MIN_ARM_USERS` users in comparable
-  steps. The confidence sequence is asymptotic: with a few heavy users carrying most generations,
-  the normal approximation needs users, not generations (measured by `bench/rollout_decisions.py`).
-  It is a constant, not a setting: a demo with eight users must say "not enough evidence yet",
-  not decide on a tuned-down test. Zero or undefined variance is no evidence either.
+- **Every experiment ends.** The maximum duration, SRM and the no-data rule act whether or not the
+  challenger has data: a challenger with no rewarded user is rolled back at the maximum duration, or
+  as soon as the champion's rewarded users make `NO_DATA_EXPECTED` of its own expected.
+- **Harm first.** Guardrails and the primary metric's "worse" run at every look from the first users,
+  before the step minimums and the evidence floor, each once past its own floor: `HARM_MIN_ARM_USERS`
+  per arm and the metric's minimum event count (`Metric.min_events`, latency's
+  `latency_min_generations`). A harmful challenger does not wait for its ramp step.
+- **Rare events.** A deterioration test's null is "no difference", so its variance is the larger of
+  each arm's own and the pooled one (both arms' users as one population): at 0-3 thumbs up an arm's own
+  variance is 0, and a test on it stopped 27.5% of A/A experiments at a champion accept rate of 0.05.
+- **Evidence floor.** No win, non-inferiority or low-risk ship before each arm has `MIN_ARM_USERS`
+  users in comparable steps. The confidence sequence is asymptotic: with a few heavy users carrying
+  most generations, the normal approximation needs users, not generations (measured by
+  `bench/rollout_decisions.py`). It is a constant, not a setting: a demo with eight users must say
+  "not enough evidence yet", not decide on a tuned-down test. Zero or undefined variance is no
+  evidence either.
 - **Guardrails are deterioration tests.** A guardrail trips when its interval shows any harm (the
   whole interval on the harmful side of 0), so a harm smaller than the configured bound is caught
   too; the bound is what the dashboard reports beside it. Two exceptions keep a tolerance: mean
@@ -26,23 +37,24 @@ whatever the configuration (the bench measures each):
   can be negative), so a share of the champion's mean reward collapsed where it averages near 0
   (the demo's 0.03 gave 0.003, resolved by no traffic at all). Without accepts there is no margin
   and nothing is promoted as non-inferior.
-- **Expected loss is shown, not decided on.** Beside the interval, the reward per generation lost
-  by shipping the challenger, E[max(0, −d)], and by keeping the champion, E[max(0, d)], under the
-  normal posterior of the adjusted difference with a flat prior (GrowthBook's Bayesian "risk").
-  `judge(..., rule="expected_loss")` decides on it instead (ship when the loss of shipping is below
-  `LOSS_SHARE` x the margin); the bench runs both on the same scenarios. Looked at after every tick
-  it has no error guarantee: it stopped 64-100% of A/A experiments (about half shipping an equal
-  challenger as a win, half rolling it back) and promoted 1.3% of 10%-worse challengers at 2,000
-  users, where the sequential rule stopped 1-1.6% and promoted none; it gains power (+10%: 90-98%
-  promoted against 51-84%) that the error budget cannot pay for, so the controller keeps the
-  sequential rule.
+- **Expected loss, for traffic that cannot resolve the margin.** Beside the interval, the reward per
+  generation lost by shipping the challenger, E[max(0, −d)], and by keeping the champion, E[max(0, d)],
+  under the normal posterior of the adjusted difference with a flat prior (GrowthBook's Bayesian
+  "risk"). `decision_rule="expected_loss"` promotes at the maximum duration when the loss of shipping
+  is below `loss_threshold` (a share of the accept rate priced in reward, as the margin is) instead of
+  on non-inferiority. Looked at after every tick, an expected-loss rule has no error guarantee (an
+  earlier version stopped 64-100% of A/A experiments, half of them rolling an equal challenger back):
+  here it is read once, at the end, and only to ship; rollbacks stay the sequential harm tests. Its
+  risk is therefore one look's: a challenger whose true difference is δ ships with probability about
+  Φ((δ − cutoff)/σ) (`low_risk_cutoff`), which the dashboard states for δ = −margin. Shipping an equal
+  challenger is not a wrong decision under this rule (nothing is lost); the bench reports it apart.
 - **Honest about the sample.** At the maximum duration, an experiment that has not resolved its
   margin rolls back as inconclusive and says how many users the margin would have needed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -50,11 +62,17 @@ import numpy as np
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.evidence import Comparison, compare, half_width, sequential_p_value
 
-# Users per arm (in comparable steps) before any test may decide; see the module's doc and the bench.
+# Users per arm (in comparable steps) before a win, non-inferiority or a low-risk ship may be decided.
 MIN_ARM_USERS = 200
-# The expected-loss rule's threshold, a share of the margin: 1/20 is GrowthBook's default risk threshold
-# (0.25%) against our 5% accept-rate margin. Only `rule="expected_loss"` (the bench) decides on it.
-LOSS_SHARE = 0.05
+# Users per arm before a harm test (guardrails, the primary metric worse) may decide: harm is looked for
+# from the first users, but a confidence sequence over a dozen users, one of them heavy, is no evidence.
+HARM_MIN_ARM_USERS = 30
+# Events (Σ numerator over both arms) a count metric needs before it may decide: below it the normal
+# approximation of a rate is absurd (a 0.4% thumbs-up rate over a few hundred generations is 0-3 events).
+MIN_EVENTS = 20
+# Rewarded challenger users expected (from the champion's, at the shares in force) before none at all is
+# taken as a broken path rather than chance: P(0 | Poisson(20)) = 2e-9.
+NO_DATA_EXPECTED = 20.0
 
 Harm = Literal["rise", "fall", "drift", "ratio"]
 
@@ -67,6 +85,14 @@ class Metric:
     harm: Harm | None  # None: the primary metric, or information only
     kind: Literal["primary", "guardrail", "reward_hacking", "info"]
     bound_field: str | None = None  # RolloutConfig field holding the bound shown beside it
+    # What must add up to `min_events` (over both arms) before the metric may decide: its numerator's events
+    # (a rate of rare events), or its denominator (latency and length: per-generation values, not events).
+    counts: Literal["numerator", "denominator"] = "numerator"
+    min_events: int = MIN_EVENTS
+
+    def floor(self, config: RolloutConfig) -> int:
+        """The metric's minimum event count; latency's is the configured `latency_min_generations`."""
+        return config.latency_min_generations if self.harm == "ratio" else self.min_events
 
 
 PRIMARY = Metric("satisfaction", "reward_sum", "reward_n", None, "primary")
@@ -75,7 +101,7 @@ PRIMARY = Metric("satisfaction", "reward_sum", "reward_n", None, "primary")
 # drifting in length; explicit thumbs are the one signal it cannot shape. Accepts are known once a
 # generation's reward is, so they are counted per rewarded generation.
 GUARDRAILS = (
-    Metric("latency_ms", "latency_sum", "generations", "ratio", "guardrail", "latency_p95_ratio"),
+    Metric("latency_ms", "latency_sum", "generations", "ratio", "guardrail", "latency_p95_ratio", "denominator"),
     Metric("error_rate", "errors", "generations", "rise", "guardrail", "error_rate_rise"),
     # Per accept, not per generation: a better model is accepted more often, so per generation it would be
     # undone more often too, and a deterioration test would roll it back for being better.
@@ -85,7 +111,7 @@ GUARDRAILS = (
     Metric("empty_rate", "empty", "generations", "rise", "reward_hacking", "empty_rate_rise"),
     Metric("explicit_up_rate", "thumbs_up", "generations", "fall", "reward_hacking", "explicit_up_rate_fall"),
     # Length is of what is suggested: a declined generation shows nothing and is not a short one.
-    Metric("mean_length_chars", "length_sum", "suggested", "drift", "reward_hacking"),
+    Metric("mean_length_chars", "length_sum", "suggested", "drift", "reward_hacking", None, "denominator", 100),
 )
 INFO = (
     Metric("shown_rate", "shown", "generations", None, "info"),
@@ -107,11 +133,23 @@ PROMOTE_WIN = 9
 PROMOTE_NON_INFERIOR = 10
 ROLLBACK_INCONCLUSIVE = 11
 CONTINUE_LAST = 12
+ROLLBACK_NO_DATA = 13
+PROMOTE_LOW_RISK = 14
 ACTION = {
     FREEZE_SRM: "freeze", CONTINUE_STEP_USERS: "continue", ROLLBACK_STEP_USERS: "rollback",
     CONTINUE_EVIDENCE: "continue", ROLLBACK_NO_EVIDENCE: "rollback", ROLLBACK_GUARDRAIL: "rollback",
     ROLLBACK_WORSE: "rollback", CONTINUE_MIN_TIME: "continue", RAMP: "ramp", PROMOTE_WIN: "promote",
     PROMOTE_NON_INFERIOR: "promote", ROLLBACK_INCONCLUSIVE: "rollback", CONTINUE_LAST: "continue",
+    ROLLBACK_NO_DATA: "rollback", PROMOTE_LOW_RISK: "promote",
+}  # fmt: skip
+PROMOTED = (PROMOTE_WIN, PROMOTE_NON_INFERIOR, PROMOTE_LOW_RISK)
+# Machine-readable: what the API's `decision.why` and the ended-experiments counter say.
+WHY = {
+    FREEZE_SRM: "srm", CONTINUE_STEP_USERS: "step_users", ROLLBACK_STEP_USERS: "step_users",
+    CONTINUE_EVIDENCE: "evidence", ROLLBACK_NO_EVIDENCE: "evidence", ROLLBACK_GUARDRAIL: "guardrail",
+    ROLLBACK_WORSE: "worse", CONTINUE_MIN_TIME: "min_time", RAMP: "ramp", PROMOTE_WIN: "win",
+    PROMOTE_NON_INFERIOR: "non_inferior", ROLLBACK_INCONCLUSIVE: "inconclusive", CONTINUE_LAST: "waiting",
+    ROLLBACK_NO_DATA: "no_data", PROMOTE_LOW_RISK: "low_risk",
 }  # fmt: skip
 # Rollbacks for want of evidence: nothing showed the challenger harmful.
 INCONCLUSIVE = (ROLLBACK_STEP_USERS, ROLLBACK_NO_EVIDENCE, ROLLBACK_INCONCLUSIVE)
@@ -137,8 +175,12 @@ class Interval:
     p_value: np.ndarray  # sequential p-value of the adjusted estimate
 
     @classmethod
-    def of(cls, cells: np.ndarray, alpha: float, tuning: float) -> Interval:
+    def of(cls, cells: np.ndarray, alpha: float, tuning: float, pooled: bool = False) -> Interval:
+        """`pooled`: the larger of each arm's own variance and the pooled one under "no difference" (a
+        deterioration test's null), so an arm with 0-3 events cannot shrink the interval to nothing."""
         c = compare(cells)
+        if pooled:  # only where each arm's own is defined: zero spread in both arms is still no evidence
+            c = replace(c, variance=np.where(np.isfinite(c.variance), np.fmax(c.variance, c.null_variance), np.nan))
         h = half_width(c.variance, c.users, alpha, tuning)
         raw_h = half_width(c.raw_variance, c.users, alpha, tuning)
         p = sequential_p_value(c.adjusted, c.variance, c.users, alpha, tuning)
@@ -155,6 +197,8 @@ class Clock:
     step_min_seconds: np.ndarray
     last: np.ndarray  # bool: the current step is the last
     running_s: np.ndarray
+    # (E, steps, 2): users with a reward per step and arm; None: every user in the cells has one (the bench)
+    rewarded: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -163,11 +207,15 @@ class Judgement:
     primary: Interval
     guardrails: dict[str, Interval]
     harmed: dict[str, np.ndarray]  # guardrail name -> (E,) bool: harm shown
+    decidable: dict[str, np.ndarray]  # guardrail name -> (E,) bool: past its users and events floors
     enough: np.ndarray  # (E,) bool: past the evidence floor with a defined variance
     margin: np.ndarray  # (E,) in reward units: accept share × champion accept rate × reward per accept (NaN: none)
     accept_level: np.ndarray  # (E,) the champion's accepted suggestions per rewarded generation
     loss_ship: np.ndarray  # (E,) expected reward per generation lost by shipping the challenger (NaN: none)
     loss_keep: np.ndarray  # (E,) ... by keeping the champion
+    loss_threshold: np.ndarray  # (E,) the expected-loss rule's threshold in reward per generation (NaN: none)
+    no_data: np.ndarray  # (E,) bool: the challenger has no rewarded user
+    expected_challenger: np.ndarray  # (E,) rewarded challenger users expected from the champion's at the shares
     info: dict[str, np.ndarray]  # information-only metric -> (E, 2) each arm's ratio
 
 
@@ -213,68 +261,119 @@ def guardrail_harm(metric: Metric, iv: Interval, config: RolloutConfig) -> np.nd
         return (iv.lo > (config.length_ratio_high - 1) * level) | (iv.hi < (config.length_ratio_low - 1) * level)
 
 
+def loss_threshold(accept_level: np.ndarray, config: RolloutConfig) -> np.ndarray:
+    """The expected-loss rule's threshold in reward per generation, priced as the margin is (NaN without accepts):
+    `expected_loss_accept_share` of the champion's accept rate x reward per accept."""
+    return margin(accept_level, config, config.expected_loss_accept_share)
+
+
+def low_risk_cutoff(variance: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+    """The estimate above which shipping's expected loss is below `threshold`, at this variance.
+
+    E[max(0, -d)] = σ·g(μ/σ) with g(z) = φ(z) − z·Φ(−z), which falls from +∞ to 0 as z grows: the rule ships
+    iff μ > z*·σ with g(z*) = threshold/σ (bisection on z). So a challenger whose true difference is δ is
+    shipped at the end with probability about Φ((δ − z*·σ)/σ): what the dashboard states as the rule's risk.
+    """
+    from scipy.special import ndtr
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sd = np.sqrt(np.where(variance > 0, variance, np.nan))
+        target = threshold / sd
+        lo, hi = np.full(sd.shape, -40.0), np.full(sd.shape, 40.0)
+        for _ in range(60):
+            z = (lo + hi) / 2
+            g = np.exp(-0.5 * z * z) / np.sqrt(2 * np.pi) - z * ndtr(-z)
+            above = g > target  # loss still too high: the cutoff is further up
+            lo, hi = np.where(above, z, lo), np.where(above, hi, z)
+        return np.where(np.isfinite(target), (lo + hi) / 2 * sd, np.nan)
+
+
 def judge(
     cells: dict[str, np.ndarray],
     srm_alarm: np.ndarray,
     clock: Clock,
     config: RolloutConfig,
-    rule: Literal["sequential", "expected_loss"] = "sequential",
+    rule: Literal["sequential", "expected_loss"] | None = None,
 ) -> Judgement:
     """One action code per experiment; `cells[metric.name]` is (E, steps, 2, MOMENTS).
 
-    `rule="expected_loss"` swaps the primary metric's tests for the expected-loss rule (the bench compares
-    the two): a win when shipping loses less than `LOSS_SHARE` x the margin, worse when keeping the champion
-    does, and non-inferior at the maximum duration on the win's condition. Guardrails, SRM, the evidence
-    floor and the ramp are the same.
+    The order is the argument (`np.select` takes the first that holds):
+
+    1. Harm, from the first users: a guardrail whose interval shows harm, or the primary metric's sequential
+       interval below 0, once past the harm floor (`HARM_MIN_ARM_USERS` per arm and the metric's events).
+       Before any step minimum: a harmful challenger does not wait for its sample.
+    2. No data: the challenger has no rewarded user at the maximum duration, or none where the champion's
+       users at the shares in force make `NO_DATA_EXPECTED` of them expected. Rolled back, not waited on.
+    3. SRM: freeze (a person looks; the controller rolls a frozen experiment back at the maximum duration).
+    4. Step minimums (a ramp unfinished at the maximum duration rolls back), the step's minimum time, the ramp
+       (which needs no more: harm was looked for all along); then, on the last step, the evidence floor and a
+       win (the sequential interval above 0).
+    5. At the maximum duration, the rule in force (`rule`, default `config.decision_rule`):
+       "sequential" promotes when non-inferior (the interval's lower end above −margin);
+       "expected_loss" promotes when shipping's expected loss is below `loss_threshold` (GrowthBook's risk),
+       decided once, at the end, so its error is that of one look (`low_risk_cutoff`). Otherwise inconclusive.
     """
+    rule = rule or config.decision_rule
     a_primary, a_guard = alphas(config)
-    primary = Interval.of(cells[PRIMARY.name], a_primary, config.tuning_n)
-    rails = {m.name: Interval.of(cells[m.name], a_guard, config.tuning_n) for m in GUARDRAILS}
+    primary = Interval.of(cells[PRIMARY.name], a_primary, config.tuning_n, pooled=True)
+    rails = {m.name: Interval.of(cells[m.name], a_guard, config.tuning_n, pooled=True) for m in GUARDRAILS}
     enough = (primary.comparison.arm_users.min(axis=-1) >= MIN_ARM_USERS) & np.isfinite(primary.lo)
-    harmed = {
-        m.name: guardrail_harm(m, rails[m.name], config)
-        & (rails[m.name].comparison.arm_users.min(axis=-1) >= MIN_ARM_USERS)
-        for m in GUARDRAILS
-    }
+    decidable, harmed = {}, {}
+    for m in GUARDRAILS:
+        cmp = rails[m.name].comparison
+        count = cmp.events if m.counts == "numerator" else cmp.exposures
+        decidable[m.name] = (cmp.arm_users.min(axis=-1) >= HARM_MIN_ARM_USERS) & (count >= m.floor(config))
+        harmed[m.name] = guardrail_harm(m, rails[m.name], config) & decidable[m.name]
     any_harm = np.zeros_like(enough)
     for h in harmed.values():
         any_harm |= h
+    # No data: rewarded users per (step, arm), and how many challenger ones the champion's make expected.
+    rewarded = clock.rewarded if clock.rewarded is not None else cells[PRIMARY.name][..., 0]
+    steps = rewarded.shape[1]
+    shares = np.array([s.share for s in config.ramp][:steps] + [config.ramp[-1].share] * (steps - len(config.ramp)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        odds = np.where(shares < 1, shares / (1 - shares), np.inf)
+        expected = np.nansum(rewarded[..., 0] * odds, axis=-1)
+    no_data = rewarded[..., 1].sum(axis=-1) == 0
+    over = clock.running_s >= config.max_duration_s
     with np.errstate(invalid="ignore"):
         accept_level = rails["accepted_rate"].comparison.level
         allowed = margin(accept_level, config)
-        worse = primary.hi < 0
+        threshold = loss_threshold(accept_level, config)
+        harm_floor = primary.comparison.arm_users.min(axis=-1) >= HARM_MIN_ARM_USERS
+        worse = (primary.hi < 0) & harm_floor
         win = primary.lo > 0
-        non_inferior = primary.lo > -allowed
         loss_ship, loss_keep = expected_loss(primary.comparison.adjusted, primary.comparison.variance)
         if rule == "expected_loss":
-            threshold = LOSS_SHARE * allowed
-            win = loss_ship < threshold
-            worse = loss_keep < threshold
-            non_inferior = win
-    over = clock.running_s >= config.max_duration_s
+            ship_at_end, ship_code = loss_ship < threshold, PROMOTE_LOW_RISK
+        else:
+            ship_at_end, ship_code = primary.lo > -allowed, PROMOTE_NON_INFERIOR
     few = clock.step_users < clock.step_min_users
-    # np.select takes the first condition that holds: the precedence of the rules.
     code = np.select(
         [
-            srm_alarm,
-            few & ~over,
-            few & over,
-            ~enough & ~over,
-            ~enough & over,
             any_harm,
             worse,
+            no_data & (over | (expected >= NO_DATA_EXPECTED)),
+            srm_alarm,
+            few & ~over,
+            (few | ~clock.last) & over,
             clock.in_step_s < clock.step_min_seconds,
             ~clock.last,
+            ~enough & ~over,
+            ~enough & over,
             win,
-            over & non_inferior,
+            over & ship_at_end,
             over,
         ],
         [
-            FREEZE_SRM, CONTINUE_STEP_USERS, ROLLBACK_STEP_USERS, CONTINUE_EVIDENCE, ROLLBACK_NO_EVIDENCE,
-            ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, CONTINUE_MIN_TIME, RAMP, PROMOTE_WIN, PROMOTE_NON_INFERIOR,
-            ROLLBACK_INCONCLUSIVE,
+            ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, ROLLBACK_NO_DATA, FREEZE_SRM, CONTINUE_STEP_USERS,
+            ROLLBACK_STEP_USERS, CONTINUE_MIN_TIME, RAMP, CONTINUE_EVIDENCE, ROLLBACK_NO_EVIDENCE, PROMOTE_WIN,
+            ship_code, ROLLBACK_INCONCLUSIVE,
         ],  # fmt: skip
         CONTINUE_LAST,
     )
     info = {m.name: compare(cells[m.name]).arm_ratio for m in INFO}
-    return Judgement(code, primary, rails, harmed, enough, allowed, accept_level, loss_ship, loss_keep, info)
+    return Judgement(
+        code, primary, rails, harmed, decidable, enough, allowed, accept_level, loss_ship, loss_keep, threshold,
+        no_data, expected, info,
+    )
