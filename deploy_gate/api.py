@@ -148,7 +148,7 @@ class GateChangeView(BaseModel):
 
 
 class OfflineGateView(BaseModel):
-    """One offline gate's verdict; `status` adds "insufficient_evidence" (shown, never blocks) to pass/fail."""
+    """One offline gate's verdict; `status`: passed, failed, or "insufficient_evidence" / "undecided" (never block)."""
 
     name: str
     passed: bool

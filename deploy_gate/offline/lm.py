@@ -80,7 +80,8 @@ def windows(policy: Policy, texts: Sequence[str], source: str, window_tokens: in
     limit = min(window_tokens, policy.context)
     out = []
     for text in texts:
-        ids = list(policy.tokenizer(text)["input_ids"])[-limit:]
+        # Only the end is kept: cut by characters first (a token is rarely 6), so a long text is not tokenized whole.
+        ids = list(policy.tokenizer(text[-limit * 6 :])["input_ids"])[-limit:]
         if len(ids) >= _MIN_WINDOW_TOKENS:
             out.append(Window(ids, source))
     return out
