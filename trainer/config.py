@@ -32,11 +32,11 @@ class TrainerConfig:
             suggestion's reward as its value. Where suggestions are rejected it raises declining,
             where they are accepted it lowers it. 0 (default) leaves it out.
         ptx_coef: weight gamma of a pretraining-mix term (InstructGPT's PPO-ptx, Ouyang et al. 2022, eq. 2):
-            gamma x the mean next-token log-loss of each batch's logged contexts (its samples' prompts, the text
-            the product served, distinct) is added to the loss, so the policy keeps modelling the product's text
-            while it moves toward what users accept; the KL term holds only the tokens it samples. Costs one
-            more forward and backward pass over the batch's prompts a step. 0 (default) leaves it out; at most
-            10 (beyond, the language-model term drowns the reward).
+            gamma x the mean next-token log-loss of each batch's logged contexts (its samples' distinct prompts,
+            the text the product served; the last `trainer.loop.PTX_WINDOW` tokens of each) is added to the loss,
+            so the policy keeps modelling the product's text while it moves toward what users accept; the KL term
+            holds only the tokens it samples. Costs one more forward and backward pass over those windows a step.
+            0 (default) leaves it out; at most 10 (beyond, the language-model term drowns the reward).
         kto_beta, kto_lambda_desirable, kto_lambda_undesirable, kto_threshold: KTO's beta, class
             weights, and the reward above which a sample counts as desirable.
         rwl_beta, rwl_max_weight: "rwl" weighs each sample's log-likelihood by exp(advantage / rwl_beta),

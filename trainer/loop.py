@@ -303,11 +303,21 @@ def abstain_loss(
     return (gain * p_decline).mean()
 
 
-def context_log_loss(model: torch.nn.Module, batch: Sequence[Sample], pad_id: int) -> Tensor:
-    """Mean next-token log-loss of the batch's distinct logged contexts (prompts) under `model`, differentiable:
-    `pretraining_loss` on the product's own text (`TrainerConfig.ptx_coef`). 0 with a graph when none has two
-    tokens. Scored in one padded pass: this term need not match serving's log-probs, only be their gradient."""
-    contexts = [list(p) for p in dict.fromkeys(tuple(s.prompt_token_ids) for s in batch) if len(p) > 1]
+PTX_WINDOW = 128
+"""Tokens of each logged context the pretraining-mix term reads: its last ones, the bootstrap's training window
+(`flywheel.lm.PRESETS["default"].seq_len`). The term's cost grows with them; a window keeps it under the policy
+loss's own pass, which reads the whole prompt."""
+
+
+def context_log_loss(
+    model: torch.nn.Module, batch: Sequence[Sample], pad_id: int, window: int | None = PTX_WINDOW
+) -> Tensor:
+    """Mean next-token log-loss of the batch's distinct logged contexts (prompts; the last `window` tokens of
+    each, None = all) under `model`, differentiable: `pretraining_loss` on the product's own text
+    (`TrainerConfig.ptx_coef`). 0 with a graph when none has two tokens. Scored in one padded pass: this term
+    need not match serving's log-probs, only be their gradient."""
+    distinct = dict.fromkeys(tuple(s.prompt_token_ids[-window:] if window else s.prompt_token_ids) for s in batch)
+    contexts = [list(p) for p in distinct if len(p) > 1]
     device = next(model.parameters()).device
     if not contexts:
         return torch.zeros((), device=device, requires_grad=True)
