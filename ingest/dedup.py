@@ -8,7 +8,10 @@ transaction `ingest:<topic>/<partition>` whose version is the last offset commit
 - `committed`: the offset the table held when this worker took the partition, then the offsets of
   its own commits: what it expects the table to hold;
 - the event ids of the partition's rows received within the window (`window_s`), to drop a later
-  record that carries an id already written (a client's retry: `duplicates`).
+  record that carries an id already written (a client's retry: `duplicates`);
+- for a record that itself arrived (`received_at`) before the window (a replayed dead letter, which keeps its
+  arrival; an import of history), a check against the table: such a record's earlier copies carry the same old
+  arrival, so memory, which holds the window's, cannot know them, and the lake is asked (`_in_lake`).
 
 Why every record is in the table exactly once (at-least-once from Kafka):
 
@@ -33,7 +36,12 @@ Why every record is in the table exactly once (at-least-once from Kafka):
    them from memory either.
 5. A failed commit is never retried blindly: the worker reloads the table, re-reads the offsets,
    drops what is now committed and seeks to stored + 1 (`ingest.worker`).
-6. Duplicates by event id are recognised among records of the same partition. The collector keys
+6. Duplicates by event id are recognised among records of the same partition, whatever their age, within
+   this bound: a record that arrived within the window is checked against the ids of the window (memory),
+   one that arrived before it against the whole table (one scan of the partition's ids per batch holding
+   such records: replays and imports only). Not recognised: a copy that arrives afresh (a new `received_at`)
+   more than the window after an earlier copy was written, say a client retrying an event after 7 days.
+   The collector keys
    every event by its `generation_id`, part of the event, so a client's retry of an event lands in
    the partition of the first copy; records produced with other keys that repeat an event id
    across partitions are not de-duplicated.
@@ -42,7 +50,8 @@ The dead-letter table is kept exactly the same way, with transactions of its own
 (`dead_letters:<topic>/<partition>`), committed before the events: a batch replayed after a crash
 between the two skips the letters already in the table.
 
-Memory: about 100 bytes an event id, for one to two windows of a partition's events.
+Memory: about 100 bytes an event id, for one to two windows of a partition's events; start-up reads the ids of
+one window. Nothing older is held: the table answers for it.
 """
 
 from __future__ import annotations
@@ -122,7 +131,11 @@ class PartitionLedger:
         now = time.time()
         keep: list[pl.Series] = []
         duplicates = in_lake = 0
-        keys = rows.select("kafka_topic", "kafka_partition", "kafka_offset", "event_id").with_row_index("_row")
+        cutoff = datetime.now(UTC) - timedelta(seconds=self._window_s)
+        arrival = (pl.col("received_at") < cutoff) if "received_at" in rows.columns else pl.lit(False)
+        keys = rows.select(
+            "kafka_topic", "kafka_partition", "kafka_offset", "event_id", arrival.alias("_before_window")
+        ).with_row_index("_row")
         for (topic, partition), part in keys.partition_by("kafka_topic", "kafka_partition", as_dict=True).items():
             key = (str(topic), int(partition))
             committed = self.committed.get(key)
@@ -140,15 +153,17 @@ class PartitionLedger:
                 state.older_ids, state.ids, state.rotated_at = state.ids, set(), now
             event_ids: list[str] = part["event_id"].to_list()
             batch_ids = set(event_ids)
-            if len(batch_ids) == len(event_ids) and batch_ids.isdisjoint(state.ids) and batch_ids.isdisjoint(
-                state.older_ids
-            ):  # the usual case: nothing seen before, set operations in C
+            old = part.filter(pl.col("_before_window"))["event_id"]
+            lake_ids = self._in_lake(key, set(old.to_list())) if old.len() else set()
+            if not lake_ids and len(batch_ids) == len(event_ids) and batch_ids.isdisjoint(
+                state.ids
+            ) and batch_ids.isdisjoint(state.older_ids):  # the usual case: nothing seen before, set operations in C
                 state.ids |= batch_ids
                 keep.append(part["_row"])
                 continue
             kept: list[int] = []
             for row, event_id in zip(part["_row"].to_list(), event_ids, strict=True):
-                if event_id in state.ids or event_id in state.older_ids:
+                if event_id in state.ids or event_id in state.older_ids or event_id in lake_ids:
                     duplicates += 1
                 else:
                     state.ids.add(event_id)
@@ -171,6 +186,13 @@ class PartitionLedger:
         version = self.table.commit(self.snapshot(), rows, transactions, expected)
         self.committed.update(ends)
         return version
+
+    def _in_lake(self, key: Partition, ids: set[str]) -> set[str]:
+        """Which of `ids` the table holds in partition `key` (for records that arrived before the window)."""
+        lf = self.table.scan_table(self.snapshot())
+        mine = (pl.col("kafka_topic") == key[0]) & (pl.col("kafka_partition") == key[1])
+        found = lf.filter(mine & pl.col("event_id").is_in(sorted(ids))).select("event_id").collect()["event_id"]
+        return set(found.to_list())
 
     def _load_ids(self, key: Partition) -> _PartitionState:
         lf = self.table.scan_table(self.snapshot())
