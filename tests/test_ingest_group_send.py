@@ -72,3 +72,31 @@ def test_a_failed_send_fails_every_caller_that_shared_it():
             call.result(timeout=10)
     pool.shutdown()
     assert len(send.sends) == 2
+
+
+def test_a_message_too_large_fails_only_the_request_that_holds_it() -> None:
+    """Two requests share a send; one holds a message past Kafka's limit: the group is sent again request by
+    request, so the other is acknowledged and only the one holding it gets `MessageTooLarge`."""
+    from flywheel.bus import MessageTooLarge
+
+    class SizeLimited(HeldSend):
+        def __call__(self, messages: list[Outgoing]) -> None:
+            super().__call__(messages)
+            if any(len(m.value) > 100 for m in messages):
+                raise MessageTooLarge("a message is too large for Kafka")
+
+    send = SizeLimited()
+    group = GroupSender(send)
+    big = [Outgoing("events", b"x" * 1000)]
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(group.send_all, _messages(0))
+        assert send.started.wait(10)
+        small, large = pool.submit(group.send_all, _messages(1)), pool.submit(group.send_all, big)
+        while group.queued < 2:
+            time.sleep(0.01)
+        send.release.set()
+        first.result(10)
+        small.result(10)
+        with pytest.raises(MessageTooLarge):
+            large.result(10)
+    assert [b"1-0", b"1-1", b"1-2"] in send.sends, "the small request was sent alone and acknowledged"
