@@ -111,7 +111,15 @@ class Manifests:
                      for c in spec.get("containers", []) for p in c.get("ports", [])}
             pods.append(Pod(where(owner), dict(tpl.get("metadata", {}).get("labels") or {}), spec, ports))
         pods += self._strimzi_pods()
+        pods += self._acme_solver_pods()
         return pods
+
+    def _acme_solver_pods(self) -> list[Pod]:
+        """The HTTP-01 solver pod cert-manager starts beside an Ingress whose certificate it issues."""
+        issued = [i for i in self.of("Ingress")
+                  if "cert-manager.io/cluster-issuer" in (i["metadata"].get("annotations") or {})]
+        return [Pod(f"{where(i)} (cert-manager's solver)", {"acme.cert-manager.io/http01-solver": "true"}, {},
+                    {"http": 8089}) for i in issued]
 
     def _strimzi_pods(self) -> list[Pod]:
         """The pods Strimzi's operator makes for each node pool (labels as Strimzi sets them)."""

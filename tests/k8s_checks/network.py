@@ -175,6 +175,8 @@ def check_network_flows(m: Manifests) -> list[Problem]:
                 need(address, Peer(dst.labels, pod=dst), port, f"{address.address} -> {app}:{port}", app in PUBLIC)
     for dst in m.pods_by_app("gate"):
         need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8002, "ingress controller -> gate:8002")
+    for dst in [p for p in m.pods if p.labels.get("acme.cert-manager.io/http01-solver") == "true"]:
+        need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8089, "ingress controller -> cert-manager's solver:8089")
     for dst in m.pods_by_app("serving"):
         need(SERVING_CLIENT, Peer(dst.labels, pod=dst), 8000, "a serving client's namespace -> serving:8000")
         need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8000, "ingress controller -> serving:8000")
