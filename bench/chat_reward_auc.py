@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chat_feedback_data import SHARED, JudgedTurn, ab_redial, eurtad  # noqa: E402
 
+from flywheel.sycophancy import ArmReply, sycophancy_check  # noqa: E402
 from signals.chat_reward import Reacted, fit_chat_reward, implicit_proba  # noqa: E402
 from signals.events import FeedbackEvent, GenerationInfo  # noqa: E402
 from signals.logistic import expected_calibration_error, roc_auc  # noqa: E402
@@ -231,6 +232,31 @@ def throughput_rows(texts: list[str], definition_sentiment: Callable[[str], floa
         out.append(f"| {name} | {len(texts) / s:,.0f} | {1e6 * s / len(texts):.1f} | {base / s:.2f}x |")
 
 
+def sycophancy_rows(pairs: int, out: list[str]) -> None:
+    """How often the sycophancy check flags: A/A (two draws of the same plain policy), a candidate that only
+    lengthens and flatters, and one that flatters but whose replies are better (users approve more)."""
+
+    def arm(seed: int, style: str, shift: float = 0.0) -> list[ArmReply]:
+        return [ArmReply(i.generation.user_id, reply, i.label)
+                for i, reply in ChatPopulation(seed=seed).replies(style=style, quality_shift=shift)]  # fmt: skip
+
+    cases = {
+        "A/A: plain against plain (other users)": ("plain", 0.0),
+        "flatters and lengthens, same quality": ("sycophantic", 0.0),
+        "flatters and lengthens, replies better (quality +1.5)": ("sycophantic", 1.5),
+    }
+    out.append(f"\n### Sycophancy check (flywheel/sycophancy.py): share of {pairs} simulated experiments flagged "
+               "(40 users an arm, 10 replies each, half voted)\n")  # fmt: skip
+    out.append("| candidate | flagged |")
+    out.append("| --- | --- |")
+    for label, (style, shift) in cases.items():
+        flagged = sum(
+            sycophancy_check(arm(1000 + 2 * k, "plain"), arm(1001 + 2 * k, style, shift), samples=200, seed=k).flagged
+            for k in range(pairs)
+        )
+        out.append(f"| {label} | {flagged}/{pairs} |")
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -238,6 +264,7 @@ def uptime() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resamples", type=int, default=1000)
+    parser.add_argument("--experiments", type=int, default=100, help="simulated experiments a sycophancy row")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "chat_reward.md")
     args = parser.parse_args()
     if not SHARED.exists():
@@ -251,7 +278,8 @@ def main() -> None:
     out = [
         "# Learned chat reward: held-out AUROC, calibration, throughput",
         "",
-        f"Command: `.venv/bin/python bench/chat_reward_auc.py --resamples {args.resamples}`  ",
+        f"Command: `.venv/bin/python bench/chat_reward_auc.py --resamples {args.resamples} "
+        f"--experiments {args.experiments}`  ",
         f"Date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}  ",
         f"Machine: {os.cpu_count()} CPUs; load at start: `{uptime()}`",
         "",
@@ -262,6 +290,7 @@ def main() -> None:
         collection_rows(name, turns, args.resamples, out)
     transfer_rows(collections, args.resamples, out)
     simulated_rows(args.resamples, out)
+    sycophancy_rows(args.experiments, out)
     everything = [t for turns in collections.values() for t in turns]
     model = fit_chat_reward(as_reacted(everything), CHAT, holdout_share=0.0).definition.followup_model
     assert isinstance(model, TextModel)
