@@ -58,7 +58,10 @@ def _vote(reaction: Mapping[str, Any], where: str) -> dict[str, Any] | None:
             raise InvalidExport(f"{where}: a thumbs reaction's value is up or down, not {value!r}")
         out: dict[str, Any] = {"value": value}
     elif kind == "rating":
-        rating = float(reaction.get("value", 0))
+        try:
+            rating = float(reaction.get("value", 0))
+        except (TypeError, ValueError):
+            raise InvalidExport(f"{where}: a rating is a number 1-5, not {reaction.get('value')!r}") from None
         if not 1 <= rating <= 5:
             raise InvalidExport(f"{where}: a rating is 1-5, not {rating}")
         if 2 < rating < 4:

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import numpy as np
 import polars as pl
+import pytest
 from fastapi.testclient import TestClient
 
 from flywheel.bus import ensure_topics
@@ -23,7 +24,7 @@ from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from flywheel.sycophancy import ArmReply, arm_replies, sycophancy_check
 from ingest.collector import create_app
-from ingest.conversations import conversation_events
+from ingest.conversations import InvalidExport, conversation_events
 from ingest.worker import IngestWorker
 from signals.chat_reward import fit_chat_reward, implicit_proba, reactions_from_lake, refit_chat
 from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame
@@ -226,3 +227,19 @@ def test_the_rollout_can_check_an_experiment_from_the_lakes_rows() -> None:
     assert sorted(arms) == ["challenger", "champion"] and len(arms["champion"]) == 400
     assert sycophancy_check(arms["champion"], arms["challenger"]).flagged
     assert arm_replies(frame, experiment="other") == {}
+
+
+def test_an_export_that_cannot_be_read_says_which_conversation_and_why() -> None:
+    good_turns = [{"role": "assistant", "text": "hi", "ts": "2026-01-01T00:00:00Z"}]
+    with pytest.raises(InvalidExport, match="conversation #0: conversation_id and user_id are required"):
+        conversation_events([{"user_id": "u", "turns": good_turns}])
+    bad_time = [{"role": "assistant", "text": "hi", "ts": "yesterday"}]
+    with pytest.raises(InvalidExport, match="conversation c turn 0: ts 'yesterday'"):
+        conversation_events([{"conversation_id": "c", "user_id": "u", "turns": bad_time}])
+    bad_vote = [{**good_turns[0], "reactions": [{"type": "rating", "value": 9}]}]
+    with pytest.raises(InvalidExport, match="reaction 0: a rating is 1-5"):
+        conversation_events([{"conversation_id": "c", "user_id": "u", "turns": bad_vote}])
+    middling = [{**good_turns[0], "reactions": [{"type": "rating", "value": 3}]}]
+    assert [e.type for e in conversation_events([{"conversation_id": "c", "user_id": "u", "turns": middling}])] == [
+        "generation"
+    ]
