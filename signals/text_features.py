@@ -32,6 +32,9 @@ import numpy as np
 
 _TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[?!]")
 _KEEP_WEIGHT = 1e-6  # weights smaller than this are dropped when stored: they change no score we report
+# At most this many weights are kept (the largest in magnitude): a model sits in every worker and in Redis, so
+# its size is bounded whatever the number of reactions (about 2 MB of JSON).
+MAX_WEIGHTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ class TextModel:
     True
     >>> TextModel.from_json(m.to_json()) == m
     True
+    >>> len(TextModel.fit(texts, [1, 1, 0, 0] * 5, Hashing(bits=10), max_weights=3).weights)
+    3
     """
 
     hashing: Hashing
@@ -154,6 +159,7 @@ class TextModel:
         l2: float = 1.0,
         prior: TextModel | None = None,
         max_iter: int = 500,
+        max_weights: int = MAX_WEIGHTS,
     ) -> TextModel:
         """Minimise sum of log-losses + l2 / 2 * ||w - w_prior||^2 (the intercept is not penalised) by
         L-BFGS over the buckets the texts use. `prior` (same hashing) gives `w_prior` and the starting point."""
@@ -190,6 +196,9 @@ class TextModel:
                        options={"maxiter": max_iter, "gtol": 1e-6})  # fmt: skip
         b, w = float(res.x[0]), res.x[1:]
         weights = {int(k): float(v) for k, v in zip(used, w, strict=True) if abs(v) >= _KEEP_WEIGHT}
+        if len(weights) > max_weights:
+            kept = sorted(weights, key=lambda k: (-abs(weights[k]), k))[:max_weights]
+            weights = {k: weights[k] for k in sorted(kept)}
         return cls(hashing, b, weights, len(y))
 
     def to_json(self) -> dict[str, Any]:
