@@ -145,7 +145,8 @@ def test_lake_maintenance_reaches_mlflow_and_a_full_vacuum_is_scheduled(prod: kc
     assert full is not None, "no CronJob runs the full vacuum (orphaned files of lost commits)"
     assert kc_cron_ok(full["spec"]["schedule"]) and full["spec"]["concurrencyPolicy"] == "Forbid"
     alerts = {r["alert"]: r["expr"] for g in prod.of("PrometheusRule")[0]["spec"]["groups"] for r in g["rules"]}
-    assert "kube_job_status_failed" in alerts["FlywheelMaintenanceJobFailed"]
+    assert 'kube_job_failed{condition="true"' in alerts["FlywheelMaintenanceJobFailed"]
+    assert "flywheel-lake-vacuum-full" in alerts["FlywheelFullVacuumStale"]
     assert re.search("flywheel-lake-", alerts["FlywheelMaintenanceJobFailed"])
 
 
