@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import json
 import logging
 import threading
 import time
@@ -218,6 +219,25 @@ def score_closed(closed: list[_Closed]) -> list[tuple[int, RecordLine]]:
                 emitted_at=emitted_at,
             ))  # fmt: skip
     return [out[i] for i in range(len(closed))]
+
+
+def score_guarded(
+    closed: list[_Closed], unscorable: Callable[[_Closed, Exception], None]
+) -> list[tuple[int, RecordLine]]:
+    """`score_closed`; should a window still break it (a bug: what a client sends is held to the contract first),
+    each window is scored alone and the ones that break it are handed to `unscorable` (dead-lettered), so one
+    generation never stops the stream."""
+    try:
+        return score_closed(closed)
+    except Exception:  # noqa: BLE001 - one window must not stop the worker on every restart
+        log.exception("scoring %d windows failed; scoring them one by one", len(closed))
+    out: list[tuple[int, RecordLine]] = []
+    for c in closed:
+        try:
+            out += score_closed([c])
+        except Exception as exc:  # noqa: BLE001
+            unscorable(c, exc)
+    return out
 
 
 def _check_scored(scored: pl.DataFrame) -> None:
@@ -436,6 +456,12 @@ class _Batch:
             lag_s = (self.now_us - st.window_end_us - self.w.lateness_us) / 1e6
             metrics.CLOSE_LAG.observe(max(0.0, lag_s))
 
+    def _unscorable(self, c: _Closed, exc: Exception) -> None:
+        original = json.dumps({"generation": c.gen.to_json(), "events": [e.to_json() for e in c.events]},
+                              default=str).encode()  # fmt: skip
+        reason = f"cannot score generation {c.gen.generation_id}: {type(exc).__name__}: {str(exc)[:300]}"
+        self.refuse(reason, f"signals:{self.w.settings.events_topic}", original)
+
     def finish(self) -> CommitPlan:
         # Coalesced: a generation's late events of this batch make one revision, numbered by the late events it
         # holds (so it is the recompute's revision of that number, `signals.recompute`).
@@ -444,7 +470,7 @@ class _Batch:
             self.emit(gid, st, st.late)
         for outcome, n in self.outcomes.items():
             self.w.stats.count(outcome, n)
-        for partition, record in score_closed(self.closed):
+        for partition, record in score_guarded(self.closed, self._unscorable):
             self.emitted[partition].append(record)
         ttl = int(self.w.config.state_ttl_s)
         for gid in sorted(self.dirty):

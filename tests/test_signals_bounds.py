@@ -200,3 +200,32 @@ def test_thousands_of_new_surface_names_are_capped_adopted_in_one_write_a_batch_
     assert {s for s in first_write if s.startswith("made-up-")} == adopted
     capped = [d for d in dead_letters(settings) if "FLYWHEEL_SIGNALS_MAX_NEW_SURFACES" in str(d["reason"])]
     assert len(capped) == 2_000 - 8 == worker.stats.capped
+
+
+def test_a_window_that_breaks_scoring_is_dead_lettered_and_the_others_are_scored(
+    settings: Settings, monkeypatch
+) -> None:  # noqa: ANN001
+    """Should a generation still break the scoring (a bug: simulated here by the scoring raising for one id),
+    its window is dead-lettered with the reason and the batch's other windows are scored: the worker goes on."""
+    import signals.worker
+
+    real = signals.worker.score_frame
+
+    def breaks_on_poison(definition, gens, feedback):  # noqa: ANN001, ANN202
+        if "poison" in gens["generation_id"].to_list():
+            raise ValueError("this window breaks the scoring")
+        return real(definition, gens, feedback)
+
+    monkeypatch.setattr(signals.worker, "score_frame", breaks_on_poison)
+    ensure_topics(settings)
+    t0 = utcnow() - timedelta(minutes=5)
+    send(settings, [generation_event("poison", t0), generation_event("fine", t0),
+                    feedback_event("fine", "accepted", t0 + timedelta(seconds=1))])  # fmt: skip
+    worker = SignalsWorker(settings, CONFIG)
+    try:
+        drain(worker, lambda: any(r.generation_id == "fine" for r in rewards(settings)))
+    finally:
+        worker.close()
+    assert [r.generation_id for r in rewards(settings)] == ["fine"]
+    (letter,) = dead_letters(settings)
+    assert "cannot score generation poison: ValueError: this window breaks the scoring" in str(letter["reason"])
