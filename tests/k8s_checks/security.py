@@ -9,7 +9,8 @@
 - drain: every server stops taking traffic before SIGTERM, within a grace period that covers it;
 - state services: Valkey refuses writes at its memory bound rather than evicting state or being OOM-killed,
   with room for an AOF rewrite; Kafka exports metrics; monitors carry the label Prometheus selects by;
-- values: the settings no schema types (CronJob schedules, topic configs) hold allowed values.
+- values: the settings no schema types (CronJob schedules, topic configs) hold allowed values, and no
+  PodDisruptionBudget keeps as many pods as its workload runs (a node drain would wait forever).
 """
 
 from __future__ import annotations
@@ -391,8 +392,28 @@ _TOPIC_CONFIG: dict[str, Any] = {
 }
 
 
+def _fewest_replicas(m: Manifests, selector: Resource) -> int | None:
+    """The fewest replicas the workloads a PodDisruptionBudget selects run (an HPA's minimum where one scales)."""
+    from tests.k8s_checks.manifests import selects
+
+    total = None
+    for d in m.of("Deployment") + m.of("StatefulSet"):
+        if selects(selector, d["spec"]["template"]["metadata"].get("labels") or {}):
+            hpa = next((h for h in m.of("HorizontalPodAutoscaler")
+                        if h["spec"]["scaleTargetRef"]["name"] == d["metadata"]["name"]), None)
+            n = hpa["spec"].get("minReplicas", 1) if hpa else d["spec"].get("replicas", 1)
+            total = (total or 0) + n
+    return total
+
+
 def check_values(m: Manifests) -> list[Problem]:
     problems = []
+    for pdb in m.of("PodDisruptionBudget"):
+        fewest = _fewest_replicas(m, pdb["spec"].get("selector") or {})
+        least = pdb["spec"].get("minAvailable")
+        if isinstance(least, int) and fewest is not None and least >= fewest:
+            problems.append(Problem("values", where(pdb), f"minAvailable {least} of {fewest} replica(s): no node "
+                                    "drain could ever evict one"))
     for cron in m.of("CronJob"):
         if not cron_ok(str(cron["spec"].get("schedule", ""))):
             problems.append(Problem("values", where(cron), f"schedule {cron['spec'].get('schedule')!r} is no cron"))
