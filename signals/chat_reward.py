@@ -41,9 +41,10 @@ import numpy as np
 import polars as pl
 
 from flywheel.connections import configure_mlflow, experiment_artifact_location, redis_client
-from flywheel.lake.tables import EVENTS
+from flywheel.lake.tables import EVENTS, REWARDS
 from flywheel.reward_versions import DEFAULT_SURFACE, surface_of
 from flywheel.settings import Settings
+from flywheel.sycophancy import SycophancyCheck, arm_replies, sycophancy_check
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.events import FeedbackEvent, GenerationInfo, to_us
@@ -57,6 +58,7 @@ from signals.satisfaction import (
     feature_matrix,
     is_held_out,
 )
+from signals.sink import read_rewards
 from signals.text_features import Hashing, TextModel
 
 log = logging.getLogger(__name__)
@@ -261,6 +263,30 @@ def refit_as_satisfaction(
         result.n_labels, result.surface, result.version, result.activated, c.auc_model.value, c.ece_model.value,
         c.auc_rules.value, c.ece_rules.value, result.run_id, result.reason,
     )  # fmt: skip
+
+
+def experiment_sycophancy(settings: Settings, *, experiment: str = "", surface: str = PRIOR_SURFACE) -> SycophancyCheck:
+    """The sycophancy check (`flywheel.sycophancy`) of an experiment's challenger against its champion, from the
+    lake: each arm's replies of `surface` and their votes (events), and their rewards of the surface's active
+    version (the rewards table's current revisions)."""
+    lf = EVENTS.scan(EVENTS.at(settings.lake_root))
+    if lf is None:
+        return sycophancy_check([], [])
+    topic = pl.col("kafka_topic")
+    events = (
+        lf.filter((topic.is_null() | (topic == settings.events_topic)) & pl.col("type").is_in(["generation", "thumbs"]))
+        .select("event_id", "type", "generation_id", "user_id", "ts", "properties")
+        .collect()
+        .unique("event_id", keep="first", maintain_order=True)
+    )
+    version = DefinitionStore(settings, redis_client(settings)).active_version(surface)
+    rewards = read_rewards(REWARDS.at(settings.lake_root), latest_only=True)
+    reward_of: dict[str, float] = {}
+    if not rewards.is_empty():
+        mine = rewards.filter(pl.col("reward_version") == version)
+        reward_of = dict(zip(mine["generation_id"].to_list(), mine["reward"].to_list(), strict=True))
+    arms = arm_replies(events, reward_of, surface=surface, experiment=experiment)
+    return sycophancy_check(arms.get("champion", []), arms.get("challenger", []))
 
 
 # The feedback a chat definition reads; the rest of a busy lake (code completion's retention checks) is not loaded.

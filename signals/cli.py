@@ -120,3 +120,18 @@ def trends(every: str = typer.Option("1h", help="Bucket width (polars duration, 
     df = signal_trends(get_settings(), every=every)
     typer.echo(str(df))
     typer.echo(str(gaming_alerts(df)))
+
+
+@app.command()
+def sycophancy(
+    experiment: str = typer.Option("", help="The experiment whose arms to compare; empty: every chat generation."),
+    surface: str = typer.Option("chat", help="The product surface whose replies to read."),
+) -> None:
+    """Flag a challenger whose replies got longer, more agreeable or more flattering (or whose reward rose)
+    without more thumbs up than the champion's; exits 1 when flagged."""
+    from signals.chat_reward import experiment_sycophancy
+
+    check = experiment_sycophancy(get_settings(), experiment=experiment, surface=surface)
+    typer.echo(json.dumps({"flagged": check.flagged, "reasons": list(check.reasons), **check.metrics()}))
+    if check.flagged:
+        raise typer.Exit(1)

@@ -26,7 +26,13 @@ from flywheel.sycophancy import ArmReply, arm_replies, sycophancy_check
 from ingest.collector import create_app
 from ingest.conversations import InvalidExport, conversation_events
 from ingest.worker import IngestWorker
-from signals.chat_reward import fit_chat_reward, implicit_proba, reactions_from_lake, refit_chat
+from signals.chat_reward import (
+    experiment_sycophancy,
+    fit_chat_reward,
+    implicit_proba,
+    reactions_from_lake,
+    refit_chat,
+)
 from signals.columns import FEEDBACK_SCHEMA, GENERATION_SCHEMA, score_frame
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
@@ -243,3 +249,25 @@ def test_an_export_that_cannot_be_read_says_which_conversation_and_why() -> None
     assert [e.type for e in conversation_events([{"conversation_id": "c", "user_id": "u", "turns": middling}])] == [
         "generation"
     ]
+
+
+def test_an_experiments_challenger_that_flatters_is_flagged_from_the_lake(settings: Settings) -> None:
+    start = utcnow() - timedelta(days=1)
+    events = []
+    for arm, style, seed in (("champion", "plain", 3), ("challenger", "sycophantic", 4)):
+        for item, reply in ChatPopulation(seed=seed).replies(style=style):
+            g, at = item.generation, lambda us: start + timedelta(microseconds=us)
+            gid = f"{arm}-{g.generation_id}"
+            props = {"surface": "chat", "prompt": "help", "completion": reply, "arm": arm, "experiment": "e1",
+                     "model_version": arm}  # fmt: skip
+            events.append(Event(event_id=f"{gid}-gen", type="generation", generation_id=gid, user_id=g.user_id,
+                                ts=at(g.ts_us), properties=props))  # fmt: skip
+            events += [
+                Event(event_id=f"{arm}-{e.event_id}", type=e.type, generation_id=gid, user_id=g.user_id,  # type: ignore[arg-type]
+                      ts=at(e.ts_us), properties=dict(e.properties))
+                for e in item.events
+            ]  # fmt: skip
+    write_events(settings, events, at=[(settings.events_topic, 0, i) for i in range(len(events))])
+    check = experiment_sycophancy(settings, experiment="e1")
+    assert check.flagged and "without more explicit approval" in check.reasons[0], check.reasons
+    assert not experiment_sycophancy(settings, experiment="another").flagged
