@@ -157,8 +157,9 @@ def fit_chat_reward(
                               l2=l2, prior=prior)  # fmt: skip
             oof[~inside] = m.predict([t for t, o in zip(texts, inside, strict=True) if not o])
     oof_of = {i.generation.generation_id: 2.0 * p - 1.0 for i, p in zip(texted, oof, strict=True)}
+    # over the plain rules: `rules_version` names them, so the next refit starts from them again
     text_only = replace(base, version=f"{base.version}-text", followup_model=model, satisfaction=None,
-                        rules_version="")  # fmt: skip
+                        rules_version=base.version)  # fmt: skip
     signals = []
     for i in train:
         s = text_only.extract(i.generation, i.unreacted(), 2**62)
@@ -176,7 +177,11 @@ def fit_chat_reward(
         text_only, version=f"{version}-rules",
         notes=f"{base.version} with a follow-up model learned from {len(texted)} {base.surface} reactions",
     )  # fmt: skip
-    definition = text_only.with_satisfaction(satisfaction, version=version)
+    definition = text_only.with_satisfaction(
+        satisfaction, version=version,
+        notes=f"{base.version}'s follow-up sentiment learned from {len(texted)} {base.surface} reactions, "
+        f"calibrated with the implicit signals of {len(train)}",
+    )  # fmt: skip
     held = tuple(i for i, t in zip(labelled, test, strict=True) if t)
     proba = np.array([implicit_proba(definition, i) for i in held])
     return ChatFit(definition, text_only, len(labelled), len(train), len(held),
@@ -231,6 +236,8 @@ def refit_chat(
         items = reactions_from_lake(settings, surface)
     n = sum(i.label is not None for i in items)
     base = store.get(active.rules_version) if active.satisfaction is not None and active.rules_version else active
+    if base.followup_model is not None and base.rules_version:  # a learned version: refit over its plain rules
+        base = store.get(base.rules_version)
     prior = None
     if surface != PRIOR_SURFACE:
         prior_def = store.active(PRIOR_SURFACE)
