@@ -82,7 +82,10 @@ _POPULATIONS_OPTION = typer.Option(
 
 @app.command()
 def up(
-    users: int = typer.Option(8, help="Simulated users driving traffic."),
+    users: int = typer.Option(4000, help="Simulated users; 0: none (drive it from outside: bench/outside_traffic.py)."),
+    rate: float = typer.Option(
+        3.0, help="Requests a second from the simulated users, each from a user drawn at random (a small product); "
+        "0: each user a thread of its own asking every 0.2 s on average (a handful of very active users)."),
     bootstrap_seconds: float = typer.Option(120.0, help="CPU seconds to pretrain the embedded model."),
     train_interval: float = typer.Option(120.0, help="Seconds between training cycles (production: hours)."),
     auto_approve: bool = typer.Option(True, help="Approve candidates automatically (demo only)."),
@@ -100,7 +103,8 @@ def up(
         populations_named(names)  # checked before anything starts
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--populations") from exc
-    run_up(get_settings(), users=users, bootstrap_seconds=bootstrap_seconds, train_interval_s=train_interval,
+    run_up(get_settings(), users=users, rate=rate, bootstrap_seconds=bootstrap_seconds,
+           train_interval_s=train_interval,
            auto_approve_candidates=auto_approve, duration_s=duration, trainer_config=trainer_config,
            populations=names or None)  # fmt: skip
 

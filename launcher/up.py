@@ -280,6 +280,7 @@ def run_up(
     *,
     users: int,
     bootstrap_seconds: float,
+    rate: float = 0.0,
     train_interval_s: float,
     auto_approve_candidates: bool,
     duration_s: float | None,
@@ -314,7 +315,7 @@ def run_up(
                       f"serving: {base}:{s.serving_port}/v1/completions   collector: {base}:{s.collector_port}")
         console.print(f"logs: {s.data_dir / 'logs'}   approve a candidate: flywheel gate approve VERSION --by YOU")
         sim = UserSimulator(f"{base}:{s.serving_port}", f"{base}:{s.collector_port}",
-                            sorted(s.write_key_set)[0], n_users=users,
+                            sorted(s.write_key_set)[0], n_users=users, rate_per_s=rate,
                             populations=populations_named(populations) if populations else None)  # fmt: skip
         user_threads = sim.start(stop)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

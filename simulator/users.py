@@ -16,6 +16,7 @@ import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import httpx
 
@@ -87,7 +88,14 @@ class SimulationStats:
 
 
 class UserSimulator:
-    """`n_users` simulated users, each with its own seeded random stream and population."""
+    """`n_users` simulated users, each in one population.
+
+    Two ways to drive them. With `rate_per_s` 0, every user is a thread of its own that asks again after a
+    think time (a handful of very active users). With `rate_per_s` > 0, requests arrive as one Poisson
+    stream at that rate, each from a user drawn uniformly from the `n_users` (a small product: thousands of
+    users who each come back a few times an hour), served by at most `max_in_flight` threads. Per-user
+    analysis needs the second: an A/B test on eight users has eight users, however many requests they make.
+    """
 
     def __init__(
         self,
@@ -101,7 +109,11 @@ class UserSimulator:
         think_time_s: float = 0.2,
         populations: Sequence[Population] | None = None,
         contexts: ContextPool | None = None,
+        rate_per_s: float = 0.0,
+        max_in_flight: int = 16,
     ) -> None:
+        if rate_per_s < 0 or max_in_flight < 1 or n_users < 0:
+            raise ValueError("rate_per_s must be >= 0 (0: a thread per user), max_in_flight >= 1, n_users >= 0")
         self._serving = serving_url.rstrip("/")
         self._collector = collector_url.rstrip("/")
         self._write_key = write_key
@@ -111,6 +123,8 @@ class UserSimulator:
         self._think = think_time_s
         self.populations = list(populations or default_populations())
         self._contexts = contexts or held_out_contexts(200, seed)
+        self._rate = rate_per_s
+        self._max_in_flight = max_in_flight
         self.stats = SimulationStats()
 
     def population_of(self, index: int) -> Population:
@@ -119,7 +133,7 @@ class UserSimulator:
     def run_user(self, index: int, stop: threading.Event, max_steps: int | None = None) -> None:
         rng = random.Random(self._seed * 100_003 + index)
         population = self.population_of(index)
-        user_id = f"sim-{population.name}-{index:04d}"
+        user_id = self.user_id(index)
         steps = 0
         with httpx.Client(base_url=self._serving, timeout=60) as serving, \
                 httpx.Client(base_url=self._collector, timeout=60) as collector:
@@ -136,7 +150,48 @@ class UserSimulator:
                 steps += 1
                 stop.wait(rng.expovariate(1 / self._think) if self._think > 0 else 0)
 
+    def user_id(self, index: int) -> str:
+        return f"sim-{self.population_of(index).name}-{index:04d}"
+
+    def run_stream(self, stop: threading.Event, max_steps: int | None = None) -> None:
+        """Requests as a Poisson stream at `rate_per_s`, each from a uniformly drawn user (see the class doc)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        rng = random.Random(self._seed)
+        local = threading.local()
+
+        def product() -> SimulatedProduct:
+            if not hasattr(local, "product"):
+                serving = httpx.Client(base_url=self._serving, timeout=60)
+                collector = httpx.Client(base_url=self._collector, timeout=60)
+                local.product = SimulatedProduct(serving, collector, self._write_key, self._contexts,
+                                                 max_tokens=self._max_tokens)  # fmt: skip
+            return cast(SimulatedProduct, local.product)
+
+        def one(index: int, seed: int) -> None:
+            try:
+                self.stats.record(product().step(self.population_of(index), self.user_id(index), random.Random(seed)))
+            except (httpx.HTTPError, ValueError) as exc:
+                with self.stats.lock:
+                    self.stats.errors += 1
+                log.warning("simulated user failed", extra={"user_id": self.user_id(index), "error": str(exc)})
+
+        sent = 0
+        with ThreadPoolExecutor(self._max_in_flight, thread_name_prefix="sim-request") as pool:
+            next_at = time.monotonic()
+            while not stop.is_set() and (max_steps is None or sent < max_steps) and self._n_users:
+                next_at += rng.expovariate(self._rate)
+                if stop.wait(max(0.0, next_at - time.monotonic())):
+                    break
+                pool.submit(one, rng.randrange(self._n_users), rng.randrange(2**31))
+                sent += 1
+
     def start(self, stop: threading.Event, max_steps: int | None = None) -> list[threading.Thread]:
+        """Start the users (see the class doc); `max_steps` bounds each user's requests, or the stream's."""
+        if self._rate > 0:
+            stream = threading.Thread(target=self.run_stream, args=(stop, max_steps), name="sim-stream", daemon=True)
+            stream.start()
+            return [stream]
         threads = [
             threading.Thread(target=self.run_user, args=(i, stop, max_steps), name=f"sim-user-{i}", daemon=True)
             for i in range(self._n_users)
