@@ -277,6 +277,28 @@ def rollout(
     controller.run(stop)
 
 
+@app.command("plan")
+def plan_duration(
+    users_per_day: Annotated[float, typer.Option("--users-per-day", help="New users a day, all arms.", min=0.001)],
+    accept_rate: Annotated[float, typer.Option("--accept-rate", help="The champion's accepts per generation.",
+                                               min=0.0001, max=1.0)] = 0.3,
+    per_user_sd: Annotated[float | None, typer.Option("--per-user-sd", help="Measured per-user sd of the reward; "
+                                                      "default: from simulated users at the accept rate.")] = None,
+) -> None:
+    """How long an experiment needs at this traffic, before it starts: each ramp step's days, what the maximum
+    duration resolves (margin, effect sizes) and what the decision rule risks. Configured by FLYWHEEL_ROLLOUT_*.
+    Exits 1 when the ramp's minimums do not fit in the maximum duration."""
+    from deploy_gate.rollout import RolloutConfig
+    from deploy_gate.rollout.duration import plan
+
+    config = RolloutConfig()
+    p = plan(config, users_per_day, accept_rate, per_user_sd)
+    for line in p.lines(config, accept_rate):
+        console.print(line)
+    if not p.reachable:
+        raise typer.Exit(1)
+
+
 def _store() -> TokenStore:
     return TokenStore.from_settings(get_settings())
 

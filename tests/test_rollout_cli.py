@@ -63,3 +63,15 @@ def test_rollout_commands(env_settings: Settings, tmp_path: Path) -> None:
     assert held.exit_code == 0, held.output
     split = splits.get()
     assert split is not None and (split.holdout_version, split.holdout_share) == (champion, 0.05)
+
+
+def test_plan_says_how_long_each_ramp_step_needs_and_fails_when_the_ramp_does_not_fit() -> None:
+    runner = CliRunner()
+    fits = runner.invoke(app, ["plan", "--users-per-day", "143", "--accept-rate", "0.3", "--per-user-sd", "0.43"])
+    assert fits.exit_code == 0, fits.output
+    # 30 challenger users at 5% of 143 a day: about 4.2 days for the first step; 2,000 users by day 14.
+    assert "step 1: 5% of users, from day 0.0: 30 challenger users" in fits.output and "-> 4.2 days" in fits.output
+    assert "fits" in fits.output and "decision rule: expected_loss" in fits.output
+    assert "promoted at the end if worse by the margin" in fits.output
+    small = runner.invoke(app, ["plan", "--users-per-day", "20", "--per-user-sd", "0.43"])
+    assert small.exit_code == 1 and "does NOT fit" in small.output

@@ -5,8 +5,9 @@ generations). Each experiment runs the ramp of a `RolloutConfig` look by look: n
 assigned at the share of the step in force, and belong to that step; after every look the same
 `deploy_gate.rollout.rules.judge` the controller calls decides, and a ramp, promotion, rollback or
 freeze is applied as the controller applies it. The sequential SRM test counts users per step
-against the step's share. Simplification: a user's generations all arrive at their first look
-(nobody is moved across arms by a later step), which is the pooled-ramp case the strata must handle.
+against the step's share. A user's generations arrive at their first look, or with `spread` half
+then and half at a look drawn uniformly over the rest of the experiment (as a product's users return);
+nobody is moved across arms by a later step, which is the pooled-ramp case the strata must handle.
 
 Used by bench/rollout_decisions.py (figures) and tests/test_rollout_decisions.py (seeded bounds).
 """
@@ -35,6 +36,7 @@ class Scenario:
     population: Population = field(default_factory=Population)
     srm_loss: float = 0.0  # share of challenger users lost before the lake (a broken logging path)
     rule: Literal["sequential", "expected_loss"] | None = None  # None: the config's `decision_rule`
+    spread: bool = False  # a user's requests spread over the experiment, not all at their first look
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,27 @@ class Outcomes:
 
     def share(self, *codes: int) -> float:
         return float(np.isin(self.code, codes).mean())
+
+
+def _deliver(
+    cells: dict[str, np.ndarray], flat: np.ndarray, cols: dict[str, np.ndarray], z: np.ndarray, old: float, new: float
+) -> None:
+    """Add to `cells` what users' columns scaled from `old` to `new` of their activity change in each moment.
+
+    A user is counted (n) and their pre-period covariate z added when first delivered (`old` = 0); the per-user
+    sums x, y scale with the share delivered, so their squares and products change by the difference."""
+    size = int(cells[rules.PRIMARY.name][..., 0].size)
+    shape = cells[rules.PRIMARY.name].shape
+    m = flat.size
+    first = np.full(m, 1.0 if old == 0 else 0.0)
+    d1, d2 = new - old, new * new - old * old
+    for metric in rules.METRICS:
+        x, y = cols[metric.denominator], cols[metric.numerator]
+        zz = z if metric is rules.PRIMARY else np.zeros(m)
+        parts = (first, x * d1, y * d1, x * x * d2, y * y * d2, x * y * d2, zz * first, zz * zz * first,
+                 x * zz * d1, y * zz * d1)  # fmt: skip
+        add = np.stack([np.bincount(flat, w, size) for w in parts], axis=-1)
+        cells[metric.name] += add.reshape(shape)
 
 
 def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
@@ -84,8 +107,13 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
     looks = int(math.ceil(horizon / scenario.look_s))
     log_alarm = math.log(1 / cfg.srm_alpha)
     centre = pre_rate(pop)
+    last_look = int(cfg.max_duration_s // scenario.look_s)
+    later: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]]] = {}  # look -> second halves
     for look in range(1, looks + 1):
         t = look * scenario.look_s
+        for flat, cols, z in later.pop(look, []):
+            live_users = ~done[flat // (steps * 2)]
+            _deliver(cells, flat[live_users], {k: v[live_users] for k, v in cols.items()}, z[live_users], 0.5, 1.0)
         arrivals = rng.poisson(rate, e_) * ~done
         m = int(arrivals.sum())
         if m:
@@ -102,12 +130,15 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
             z = covariate(cols, centre)
             flat = (who * steps + st) * 2 + arm
             size = e_ * steps * 2
-            for metric in rules.METRICS:
-                x, y = cols[metric.denominator], cols[metric.numerator]
-                zz = z if metric is rules.PRIMARY else np.zeros(m)
-                parts = (np.ones(m), x, y, x * x, y * y, x * y, zz, zz * zz, x * zz, y * zz)
-                add = np.stack([np.bincount(flat, w, size) for w in parts], axis=-1)
-                cells[metric.name] += add.reshape(e_, steps, 2, MOMENTS)
+            if scenario.spread and look < last_look:
+                _deliver(cells, flat, cols, z, 0.0, 0.5)
+                when = rng.integers(look + 1, last_look + 1, m)
+                needed = {mt.denominator for mt in rules.METRICS} | {mt.numerator for mt in rules.METRICS}
+                for w in np.unique(when):
+                    pick = when == w
+                    later.setdefault(int(w), []).append((flat[pick], {k: cols[k][pick] for k in needed}, z[pick]))
+            else:
+                _deliver(cells, flat, cols, z, 0.0, 1.0)
             srm_counts += np.bincount(flat, minlength=size).reshape(e_, steps, 2)
         # The sequential SRM test: one Bayes factor per step at its share, multiplied over the steps.
         theta = np.stack([1 - shares, shares], axis=-1)  # (steps, 2)
