@@ -258,10 +258,12 @@
       return;
     }
     const d = a.difference;
-    if (d) renderEffect(d, a.power); // null while an arm has too few users for an interval
+    if (d) renderEffect(d, a.power, a.rule); // null while an arm has too few users for an interval
     else {
+      // No challenger reward yet (a.no_data): what the traffic could resolve, from the champion's users.
+      const note = a.no_data && exp.plan ? exp.plan.note : a.power ? a.power.note : '';
       fill('difference', el('p', { class: 'muted' }, 'Too few users in an arm for an interval yet. ',
-        a.power ? el('span', { 'data-field': 'power-note' }, a.power.note) : ''));
+        el('span', { 'data-field': 'power-note' }, note)), ruleLine(a.rule));
     }
     const srm = a.srm;
     fill('srm', el('p', null, badge(!srm.alarm, 'no mismatch', 'MISMATCH: ramp frozen'),
@@ -271,7 +273,15 @@
       el('span', { class: 'muted small' }, ` ${srm.method || ''}`)));
   }
 
-  function renderEffect(d, power) {
+  // The decision rule in force and what it risks (`RuleView`): which rule promotes, and the chance it promotes
+  // a challenger worse by the margin.
+  function ruleLine(rule) {
+    if (!rule) return '';
+    return el('p', { 'data-field': 'decision-rule' }, el('strong', null, `Decision rule: ${rule.name}. `),
+      rule.summary, '. ', el('span', { class: 'muted small', 'data-field': 'rule-risk' }, rule.note));
+  }
+
+  function renderEffect(d, power, rule) {
     // What decides: the always-valid interval of the regression-adjusted, step-stratified difference.
     const seq = d.sequential_ci;
     const decisive = d.decisive !== false;
@@ -288,7 +298,9 @@
       el('dt', null, 'unadjusted always-valid interval'), el('dd', null, ci(d.unadjusted_sequential_ci)),
       el('dt', null, 'expected loss (reward per generation)'), el('dd', { 'data-field': 'diff-loss' },
         `shipping the challenger ${num(d.expected_loss_ship)}, keeping the champion ${num(d.expected_loss_keep)} `,
-        el('span', { class: 'muted small' }, '(shown for reference: the always-valid interval decides)')),
+        el('span', { class: 'muted small' }, rule && rule.name === 'expected_loss'
+          ? `(decides at the maximum duration: ships below ${num(rule.threshold)})`
+          : '(shown for reference: the always-valid interval decides)')),
       el('dt', null, 'variance removed by adjustment'),
       el('dd', { 'data-field': 'diff-reduction' }, d.variance_reduction === null ? '–' : pct(d.variance_reduction)),
       el('dt', null, 'by ramp step'), el('dd', { class: 'small' }, (d.strata || []).map((s) =>
@@ -310,7 +322,7 @@
                 : power.users_for_margin} users`
               + (power.margin_reachable === false ? ' (more than this traffic brings: it cannot decide)' : '')));
     }
-    fill('difference', el('dl', { class: 'facts' }, ...facts));
+    fill('difference', ruleLine(rule), el('dl', { class: 'facts' }, ...facts));
   }
 
   function renderGuardrails(exp) {
