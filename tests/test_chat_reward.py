@@ -191,22 +191,32 @@ def test_the_stream_and_batch_columns_score_a_learned_definition_as_the_referenc
         assert row["reward"] == want.reward and row["followup_sentiment"] == want.signals.get("followup_sentiment")
 
 
-def test_the_refit_reads_a_surfaces_reactions_from_the_lake_and_holds_out_whole_conversations(
-    settings: Settings,
-) -> None:
+def write_chat(settings: Settings, population: ChatPopulation, *, style: str = "plain", arm: str = "") -> None:
+    """The population's replies in the lake's events table, as the events topic's rows (the recompute reads them):
+    text-only chat generations (of `arm` of experiment e1 when given), one session per user."""
     start = utcnow() - timedelta(days=1)
     events = []
-    for item, reply in ChatPopulation(users=60, seed=1).replies():
+    for item, reply in population.replies(style=style):
         g, at = item.generation, lambda us: start + timedelta(microseconds=us)
-        props = {"surface": "chat", "prompt": "help me", "completion": reply, "model_version": "acme-chat"}
-        events.append(Event(event_id=f"{g.generation_id}-gen", type="generation", generation_id=g.generation_id,
-                            user_id=g.user_id, session_id=item.group, ts=at(g.ts_us), properties=props))  # fmt: skip
+        gid = f"{arm}{g.generation_id}"
+        props = {"surface": "chat", "prompt": "help me", "completion": reply, "model_version": arm or "acme-chat"}
+        if arm:
+            props.update(arm=arm, experiment="e1")
+        events.append(Event(event_id=f"{gid}-gen", type="generation", generation_id=gid, user_id=g.user_id,
+                            session_id=item.group, ts=at(g.ts_us), properties=props))  # fmt: skip
         events += [
-            Event(event_id=e.event_id, type=e.type, generation_id=g.generation_id, user_id=g.user_id,  # type: ignore[arg-type]
+            Event(event_id=f"{arm}{e.event_id}", type=e.type, generation_id=gid, user_id=g.user_id,  # type: ignore[arg-type]
                   session_id=item.group, ts=at(e.ts_us), properties=dict(e.properties))
             for e in item.events
         ]  # fmt: skip
-    write_events(settings, events, at=[(settings.events_topic, 0, i) for i in range(len(events))])
+    partition = 1 if arm == "challenger" else 0  # each writer its own Kafka positions
+    write_events(settings, events, at=[(settings.events_topic, partition, i) for i in range(len(events))])
+
+
+def test_the_refit_reads_a_surfaces_reactions_from_the_lake_and_holds_out_whole_conversations(
+    settings: Settings,
+) -> None:
+    write_chat(settings, ChatPopulation(users=60, seed=1))
     settings = settings.model_copy(update={"reward_windows_s": {"chat": 300.0}})
     items = reactions_from_lake(settings, "chat")
     assert len(items) == 600 and {i.group for i in items} == {f"chat-user-{u}" for u in range(60)}
@@ -252,22 +262,8 @@ def test_an_export_that_cannot_be_read_says_which_conversation_and_why() -> None
 
 
 def test_an_experiments_challenger_that_flatters_is_flagged_from_the_lake(settings: Settings) -> None:
-    start = utcnow() - timedelta(days=1)
-    events = []
-    for arm, style, seed in (("champion", "plain", 3), ("challenger", "sycophantic", 4)):
-        for item, reply in ChatPopulation(seed=seed).replies(style=style):
-            g, at = item.generation, lambda us: start + timedelta(microseconds=us)
-            gid = f"{arm}-{g.generation_id}"
-            props = {"surface": "chat", "prompt": "help", "completion": reply, "arm": arm, "experiment": "e1",
-                     "model_version": arm}  # fmt: skip
-            events.append(Event(event_id=f"{gid}-gen", type="generation", generation_id=gid, user_id=g.user_id,
-                                ts=at(g.ts_us), properties=props))  # fmt: skip
-            events += [
-                Event(event_id=f"{arm}-{e.event_id}", type=e.type, generation_id=gid, user_id=g.user_id,  # type: ignore[arg-type]
-                      ts=at(e.ts_us), properties=dict(e.properties))
-                for e in item.events
-            ]  # fmt: skip
-    write_events(settings, events, at=[(settings.events_topic, 0, i) for i in range(len(events))])
+    write_chat(settings, ChatPopulation(seed=3), arm="champion")
+    write_chat(settings, ChatPopulation(seed=4), style="sycophantic", arm="challenger")
     check = experiment_sycophancy(settings, experiment="e1")
     assert check.flagged and "without more explicit approval" in check.reasons[0], check.reasons
     assert not experiment_sycophancy(settings, experiment="another").flagged
