@@ -221,3 +221,49 @@ def test_the_posthog_door_keeps_the_same_bounds(settings: Settings) -> None:
     reasons = {json.loads(d.original)["event_id"]: d.reason for d in letters(settings)}
     assert "may not speak for user 'victim'" in reasons["other-user"]
     assert "FLYWHEEL_EVENT_TIME_AHEAD_S" in reasons["far"]
+
+
+def test_a_requests_memory_and_its_dead_letters_are_bounded_by_multiples_of_the_body_limit(
+    settings: Settings,
+) -> None:
+    """Requests at a 1 MB body limit built to amplify: thousands of refused items, refused spans under one large
+    resource, junk. Each one's dead letters add up to a constant factor of its body, and the collector's peak of
+    Python memory while taking it (traced, producer included) to a constant multiple of the limit."""
+    import gc
+    import tracemalloc
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tests.test_ingest_otlp import good, kv
+
+    limit = 1_000_000
+    ensure_topics(settings)
+    trace = ExportTraceServiceRequest()
+    spans = trace.resource_spans.add()
+    spans.resource.attributes.extend([kv("enduser.id", "u"), kv("host.blob", "b" * 500_000)])
+    spans.scope_spans.add().spans.extend(good(n, **{"user.id": None, "gen_ai.input.messages": None})
+                                         for n in range(1, 1200))  # fmt: skip
+    refused = {"events": [native(f"e{i}", type="not-a-type") for i in range(9000)]}
+    protobuf = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/x-protobuf"}
+    requests = [
+        ("/v1/traces", trace.SerializeToString(), protobuf),
+        ("/v1/events", json.dumps(refused).encode(), AUTH),
+        ("/v1/events", b"z" * (limit - 10), AUTH),
+    ]
+    with TestClient(create_app(settings, max_body_bytes=limit, max_event_bytes=64_000)) as client:
+        client.post("/v1/events", json={"events": []}, headers=AUTH)  # the producer made before measuring
+        letter_bytes = 0
+        for path, body, headers in requests:
+            assert len(body) <= limit
+            gc.collect()
+            tracemalloc.start()
+            try:
+                r = client.post(path, content=body, headers=headers)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert r.status_code in (200, 400), r.text
+            assert peak < 32 * limit, (path, peak)
+            total = sum(len(rec.value) for rec in read_topic(settings, settings.dead_letter_topic))
+            assert 0 < total - letter_bytes < 8 * len(body), (path, total - letter_bytes)
+            letter_bytes = total
