@@ -168,9 +168,9 @@ def rules_compared(experiments: int) -> None:
     from deploy_gate.rollout import rules
     from deploy_gate.rollout.calibration import Scenario, simulate
 
-    promoted = (rules.PROMOTE_WIN, rules.PROMOTE_NON_INFERIOR)
-    print(f"decision rules compared ({experiments} experiments a cell; expected loss: ship when it is under "
-          f"{rules.LOSS_SHARE:g} x the margin):")  # fmt: skip
+    promoted = rules.PROMOTED
+    print(f"decision rules compared ({experiments} experiments a cell; expected loss: ship at the maximum duration "
+          f"when it is under {RolloutConfig().expected_loss_accept_share:g} x the accept rate):")  # fmt: skip
     for name, cfg, n, look, pop in configurations():
         cells = []
         for rule in ("sequential", "expected_loss"):

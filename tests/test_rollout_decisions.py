@@ -380,6 +380,19 @@ def test_the_analysis_shows_the_expected_loss_of_shipping_and_of_keeping() -> No
     assert d.expected_loss_ship > 0 and d.expected_loss_keep > 0
     # E[max(0, d)] − E[max(0, −d)] = E[d]: the two losses differ by the adjusted estimate.
     assert d.expected_loss_keep - d.expected_loss_ship == pytest.approx(d.adjusted_estimate, rel=1e-9, abs=1e-12)
+    # The rule in force and what it risks: the chance a challenger worse by the margin ships at today's precision.
+    rule = view.rule
+    assert rule is not None and rule.name == "expected_loss" and rule.threshold is not None
+    assert rule.ship_above is not None and rule.margin_worse_promoted is not None
+    assert 0 < rule.margin_worse_promoted < 0.5 and "worse by the margin" in rule.note
+
+
+def test_the_low_risk_cutoff_is_where_shippings_expected_loss_meets_the_threshold() -> None:
+    variance, threshold = np.array([1e-4, 4e-4, np.nan]), np.array([2e-3, 2e-3, 2e-3])
+    cut = rules.low_risk_cutoff(variance, threshold)
+    ship, _ = rules.expected_loss(cut[:2], variance[:2])
+    assert ship == pytest.approx(threshold[:2], rel=1e-6)
+    assert cut[0] < cut[1] and np.isnan(cut[2])  # noisier: a higher estimate is needed to ship; no variance: never
 
 
 def test_the_default_reward_per_accept_is_the_default_definitions_accept_minus_reject() -> None:
