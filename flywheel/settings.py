@@ -148,6 +148,12 @@ class Settings(BaseSettings):
         "Give the gate, its rollout controller and the trainer the same one (e.g. the PostgreSQL that holds "
         "MLflow). A secret: the URL carries the database password.",
     )
+    collector_max_surfaces_per_key: int = Field(
+        default=64,
+        ge=1,
+        description="Distinct surfaces one write key's generations may name per hour (each new one is a place in "
+        "the reward pointer every reader follows); a generation naming one more is dead-lettered.",
+    )
     collector_rate_limit: str = Field(
         default="200/second", description="Requests per client address the collector takes (429 beyond)."
     )

@@ -71,6 +71,7 @@ from ingest.intake import (
 from ingest.otlp import otlp_router
 from ingest.posthog import posthog_router
 from ingest.redact import SecretScrubber
+from ingest.surfaces import SurfaceCap
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ def create_app(
     redact_access_log()
     kafka = kafka_dependency(settings)
     health = ProcessHealth("collector", [kafka])
+    surfaces = SurfaceCap(settings.collector_max_surfaces_per_key)  # new surface names, per write key (ingest.surfaces)
 
     def send_all(messages: list[Outgoing]) -> None:
         """`holder.send_all`, and Kafka marked up once it acknowledged: readiness reflects the broker's state, so a
@@ -236,6 +238,7 @@ def create_app(
                 raise BodyError(400, f"body cannot be read: {type(exc).__name__}: {exc}") from None
             intake = bound_by_arrival(intake, received_at, settings.event_time_ahead_s, settings.event_time_behind_s,
                                       key_scopes.get(header_key or body_key or ""))
+            intake = surfaces.bound(intake, header_key or body_key)
         except BodyError as exc:
             if exc.status == 400:
                 # A body we cannot read is still kept (as a dead letter) for the sender to inspect, less its keys.
@@ -315,8 +318,8 @@ def create_app(
     # The doors for telemetry products already send: OpenTelemetry GenAI traces, PostHog's capture API.
     door = Door(
         settings, send_all, write_keys, max_body_bytes, max_event_bytes,
-        bound=lambda intake, at, key: bound_by_arrival(intake, at, settings.event_time_ahead_s,
-                                                       settings.event_time_behind_s, key_scopes.get(key or "")),
+        bound=lambda intake, at, key: surfaces.bound(bound_by_arrival(intake, at, settings.event_time_ahead_s,
+                                                       settings.event_time_behind_s, key_scopes.get(key or "")), key),
         scrub=scrub.letter,
     )  # fmt: skip
     app.include_router(otlp_router(door))

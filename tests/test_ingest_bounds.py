@@ -267,3 +267,23 @@ def test_a_requests_memory_and_its_dead_letters_are_bounded_by_multiples_of_the_
             total = sum(len(rec.value) for rec in read_topic(settings, settings.dead_letter_topic))
             assert 0 < total - letter_bytes < 8 * len(body), (path, total - letter_bytes)
             letter_bytes = total
+
+
+def test_a_write_key_naming_too_many_surfaces_has_the_rest_refused_with_the_reason(settings: Settings) -> None:
+    """3,000 generations each naming a new surface, in one request: the key's first 64 surfaces are taken, the
+    rest refused (answered and dead-lettered) with the reason; a generation of an already named surface still
+    lands."""
+    ensure_topics(settings)
+
+    def generation(i: int, surface: str) -> dict[str, Any]:
+        return native(f"g{i}", type="generation", properties={"prompt": "p", "completion": "c",
+                                                              "model_version": "m", "surface": surface})  # fmt: skip
+
+    body = {"events": [generation(i, f"made-up-{i}") for i in range(3000)] + [generation(3000, "made-up-0")]}
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/v1/events", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["accepted"] == 65 and len(r.json()["refused"]) == 2936
+    assert all("FLYWHEEL_COLLECTOR_MAX_SURFACES_PER_KEY" in x["reason"] for x in r.json()["refused"])
+    assert r.json()["refused"][0]["index"] == 64
+    assert len(read_topic(settings, settings.dead_letter_topic)) == 2936
