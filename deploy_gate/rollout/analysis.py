@@ -224,8 +224,8 @@ def rule_view(j: rules.Judgement, power: PowerView, config: RolloutConfig) -> Ru
     end_var = var * n / projected if projected and n > 0 else math.nan
     if config.decision_rule == "expected_loss":
         t = float(j.loss_threshold[0])
-        cut = float(rules.low_risk_cutoff(np.array([var]), np.array([t]))[0])
-        end_cut = float(rules.low_risk_cutoff(np.array([end_var]), np.array([t]))[0])
+        cut = float(rules.ship_cutoff(np.array([var]), np.array([t]), np.array([margin]))[0])
+        end_cut = float(rules.ship_cutoff(np.array([end_var]), np.array([t]), np.array([margin]))[0])
 
         def shipped(v: float, c: float) -> float | None:
             p = float(ndtr((-margin - c) / math.sqrt(v))) if v > 0 and math.isfinite(c + margin) else math.nan
@@ -234,8 +234,9 @@ def rule_view(j: rules.Judgement, power: PowerView, config: RolloutConfig) -> Ru
         now, end = shipped(var, cut), shipped(end_var, end_cut)
         summary = (f"expected loss: promotes on a significant win at any look; at the maximum duration, when the "
                    f"expected loss of shipping (GrowthBook's risk) is below {_g(t)} reward per generation "
-                   f"({config.expected_loss_accept_share:.0%} of the champion's accept rate x "
-                   f"{config.reward_per_accept:g}); harm rolls back at any look")  # fmt: skip
+                   f"({config.expected_loss_accept_share:.1%} of the champion's accept rate x "
+                   f"{config.reward_per_accept:g}) and a challenger {rules.HARM_MARGINS:g} margins worse would ship "
+                   f"at most {rules.HARM_SHIP_RATE:.0%} of the time; harm rolls back at any look")  # fmt: skip
         risk = (f"a challenger worse by the margin ({_g(margin)}) would be promoted with probability "
                 f"{_pct(now)} at today's precision, {_pct(end)} at the maximum duration's")  # fmt: skip
         return RuleView(name="expected_loss", summary=summary, threshold=_num(t), ship_above=_num(cut),

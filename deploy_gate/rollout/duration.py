@@ -10,7 +10,7 @@ pre-period), which is an assumption the plan says it makes. What it computes:
 - the users the maximum duration brings, each arm's share of them, and what they resolve (80% power,
   the deciding alpha, the same confidence sequence as the rules: `evidence.detectable`);
 - the rule in force and what it risks: under "expected_loss" the probability that a challenger worse
-  by the margin, or by 10% of the accept rate, is promoted at the end (`rules.low_risk_cutoff`).
+  by the margin, or by 10% of the accept rate, is promoted at the end (`rules.ship_cutoff`).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def plan(config: RolloutConfig, users_per_day: float, accept: float, sd: float |
     sd_d = math.sqrt(var)
     if config.decision_rule == "expected_loss":
         threshold = rules.loss_threshold(level, config)
-        cut = float(rules.low_risk_cutoff(np.array([var]), threshold)[0])
+        cut = float(rules.ship_cutoff(np.array([var]), threshold, np.array([margin]))[0])
         worse_margin = float(ndtr((-margin - cut) / sd_d))
         worse_10 = float(ndtr((-0.1 * accept * config.reward_per_accept - cut) / sd_d))
     else:  # the sequential rule's promotion of a worse challenger is bounded by its alpha, at any traffic

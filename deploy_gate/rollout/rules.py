@@ -73,6 +73,11 @@ MIN_EVENTS = 20
 # Rewarded challenger users expected (from the champion's, at the shares in force) before none at all is
 # taken as a broken path rather than chance: P(0 | Poisson(20)) = 2e-9.
 NO_DATA_EXPECTED = 20.0
+# The expected-loss rule also keeps a frequentist bound: a challenger worse by `HARM_MARGINS` margins (10% of
+# the accept rate at the default 5% margin) ships at most `HARM_SHIP_RATE` of the time, its one look at the end
+# a one-sided fixed-sample test. Expected loss alone does not bound it where the noise dwarfs the harm.
+HARM_MARGINS = 2.0
+HARM_SHIP_RATE = 0.01
 
 Harm = Literal["rise", "fall", "drift", "ratio"]
 
@@ -288,6 +293,18 @@ def low_risk_cutoff(variance: np.ndarray, threshold: np.ndarray) -> np.ndarray:
         return np.where(np.isfinite(target), (lo + hi) / 2 * sd, np.nan)
 
 
+def ship_cutoff(variance: np.ndarray, threshold: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """The estimate above which the expected-loss rule ships: shipping's expected loss under `threshold`
+    (`low_risk_cutoff`) and the one-sided (1 − `HARM_SHIP_RATE`) lower bound above −`HARM_MARGINS` x the margin.
+    NaN (never ships) without a variance or a margin."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(1 - HARM_SHIP_RATE)
+    with np.errstate(invalid="ignore"):
+        bound = -HARM_MARGINS * allowed + z * np.sqrt(np.where(variance > 0, variance, np.nan))
+        return np.maximum(low_risk_cutoff(variance, threshold), bound)  # NaN (never ships) when either is
+
+
 def judge(
     cells: dict[str, np.ndarray],
     srm_alarm: np.ndarray,
@@ -310,8 +327,9 @@ def judge(
        win (the sequential interval above 0).
     5. At the maximum duration, the rule in force (`rule`, default `config.decision_rule`):
        "sequential" promotes when non-inferior (the interval's lower end above −margin);
-       "expected_loss" promotes when shipping's expected loss is below `loss_threshold` (GrowthBook's risk),
-       decided once, at the end, so its error is that of one look (`low_risk_cutoff`). Otherwise inconclusive.
+       "expected_loss" promotes when shipping's expected loss is below `loss_threshold` (GrowthBook's risk) and
+       a challenger `HARM_MARGINS` margins worse would ship at most `HARM_SHIP_RATE` of the time, decided once,
+       at the end, so its error is that of one look (`ship_cutoff`). Otherwise inconclusive.
     """
     rule = rule or config.decision_rule
     a_primary, a_guard = alphas(config)
@@ -345,7 +363,8 @@ def judge(
         win = primary.lo > 0
         loss_ship, loss_keep = expected_loss(primary.comparison.adjusted, primary.comparison.variance)
         if rule == "expected_loss":
-            ship_at_end, ship_code = loss_ship < threshold, PROMOTE_LOW_RISK
+            cutoff = ship_cutoff(primary.comparison.variance, threshold, allowed)
+            ship_at_end, ship_code = primary.comparison.adjusted > cutoff, PROMOTE_LOW_RISK
         else:
             ship_at_end, ship_code = primary.lo > -allowed, PROMOTE_NON_INFERIOR
     few = clock.step_users < clock.step_min_users
