@@ -137,6 +137,26 @@ def test_four_identical_users_give_no_decision_through_analyse() -> None:
     assert view.difference is None and view.power is not None and view.power.detectable_now is None
 
 
+def test_users_served_by_both_arms_are_counted_once_and_flagged() -> None:
+    from deploy_gate.rollout.analysis import StepContext, analyse
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    rng = np.random.default_rng(41)
+    n = 400
+    cols = users(rng, n, Population(), np.ones(n), np.ones(n))
+    arm = np.where(np.arange(n) % 2 == 0, "challenger", "champion")
+    frame = _frame(cols, arm, t0)
+    later = pl.lit(t0 + timedelta(hours=1)).alias("first_seen")  # two challenger users later also on the champion
+    moved = frame.filter(pl.col("arm") == "challenger").head(2).with_columns(pl.lit("champion").alias("arm"), later)
+    from deploy_gate.rollout.data import Aggregates
+
+    step = StepContext(index=0, share=0.5, min_users=1, min_seconds=0, entered_at=t0, last=True)
+    view = analyse(Aggregates(pl.concat([frame, moved]), {}, {}, "r"), step, RolloutConfig(), started_at=t0,
+                   now=t0 + timedelta(hours=2))  # fmt: skip
+    assert view.arms["challenger"].users + view.arms["champion"].users == n  # each counted once, in the first arm
+    assert any(f.startswith("users_in_both_arms: 2 users") for f in view.flags), view.flags
+
+
 def _frame(cols: dict[str, np.ndarray], arm: np.ndarray, t0: datetime) -> pl.DataFrame:
     from deploy_gate.rollout.data import USER_COLUMNS
 

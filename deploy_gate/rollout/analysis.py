@@ -80,6 +80,12 @@ def first_arm_users(agg: Aggregates) -> pl.DataFrame:
     return users.sort("first_seen", "arm").unique("user_id", keep="first", maintain_order=True)
 
 
+def both_arms(agg: Aggregates) -> int:
+    """Users with rows in both the champion's and the challenger's arm (GrowthBook's and Statsig's warning)."""
+    users = agg.users.filter(pl.col("arm").is_in(list(ARMS)))
+    return 0 if users.is_empty() else users.height - users["user_id"].n_unique()
+
+
 def _stratum(users: pl.DataFrame, step_starts: list[datetime]) -> pl.DataFrame:
     """Index of the last step that had started when the user was first seen (0 for anyone earlier)."""
     expr = pl.lit(0, pl.Int64)
@@ -186,6 +192,10 @@ def analyse(
     }
     no_data = bool(j.no_data[0])
     flags = _flags(users, diff)
+    both = both_arms(agg)
+    if both:  # counted in their first arm (the split moved them, or assignment is not sticky): say so
+        flags.append(f"users_in_both_arms: {both} users were served by both arms; each is counted in the arm that "
+                     "served them first (a ramp moves some champion users; more than that means assignment leaks)")
     if no_data and (now - started_at).total_seconds() >= config.ramp[0].min_seconds:
         flags.append(no_data_text(challenger.height, j, config))
     return AnalysisView(
