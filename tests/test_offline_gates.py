@@ -684,3 +684,21 @@ def test_product_text_comes_from_signed_traffic_on_prompts_held_out_of_training(
     held = product_texts(settings, 100, share)
     assert held == [t for t in texts if in_holdout(next(p for p in prompts if t.startswith(p)), share)]
     assert len(product_texts(settings, 2, None)) == 2
+
+
+def test_a_check_scores_the_product_s_own_text_and_names_the_reference(
+    gate: DeployGate, registry: ModelRegistry, gate_settings: Settings, champion: Policy, tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    import re
+
+    log_champion_traffic(gate_settings, champion, "1", n=40)
+    lineage = ModelLineage(base="tiny", parent_version="1")  # trained on no traffic: all of it is unseen
+    candidate = registry.register(healthy(tiny_model_dir, tmp_path / "h"), lineage)
+    assert gate.offline is not None
+    results = {r.name: r for r in gate.offline.check(candidate, "1").results}
+    step = results["lm_vs_champion"]
+    found = re.search(r"decided by (\d+) text windows \((\d+) from the product's held-out traffic", step.detail)
+    assert found and int(found.group(2)) > 0 and int(found.group(1)) > int(found.group(2)), step.detail
+    # v1 is the lineage's first champion: the drift bound is judged on the same comparison, and says so.
+    assert "the champion itself: the lineage's first" in results["lm_vs_reference"].detail
