@@ -101,7 +101,8 @@ class Running:
 # users for hours between cycles): on a few hundred samples every two minutes the embedded model's accept
 # rate should move within minutes. Its baseline is the reward of not suggesting (0 under Cursor's rewards),
 # so each suggestion is weighed against silence, and a declined request teaches nothing by itself.
-# No sample cap: a cycle trains on all eligible data since its parent champion's window, within a 90-s
+# A cycle reads at most 1,000 of the eligible samples since its parent champion's window (a seeded uniform
+# sample, the rest reported as left out; they stay eligible for the next cycle) and trains within a 90-s wall
 # budget (cycles start every two minutes); past it, it stops and reports how many samples it did not reach
 # (visited in a seeded random order, so the trained ones are a uniform sample), never "the newest N".
 # `flywheel up --trainer-config FILE` replaces it (TrainerConfig fields as JSON, trainer/config.py).
@@ -112,8 +113,21 @@ class Running:
 # the batches' KL to the champion passes 0.025 nats: chosen on the tuning populations (README, "Does it make
 # users happier?"), where it doubled one cycle's gain on `length` (+42% against +20%) and left `style` where
 # the logged samples leave it (+3% against +4%, both inside the noise).
+# Preparing own samples is bounded in CPU, not wall time (which on a loaded machine counts everyone's work):
+# unbounded, one cycle beside the running demo scored and sampled for 894 s before its first step. 30 CPU-s
+# from the logged samples' scoring on (at most 1,000: ~17 CPU-s), the rest for own samples of a seeded uniform
+# sample of the prompts (~0.15 CPU-s a prompt: 90 or more, 360 samples, more than a 90-s cycle trains on under
+# load); the reason says how many prompts it covered. Chosen on `length`: budgets of 15 and 30 CPU-s reached
+# the unbounded cycle's gain within the noise (+29% and +39% against +35%; 20 CPU-s without the wall budget:
+# +38%), as `target_kl` stops training after ~250 own samples (bench/results/trainer_ptx_budget.md). With the
+# pretraining mix at 0.1
+# (ptx_coef: InstructGPT's PPO-ptx on each batch's logged contexts) the gain on `length` stayed (+37.7% against
+# +37.9%) while the held-out text's log-loss rose +0.025 nats a token instead of +0.045 (the product's own
+# contexts: +0.003 instead of +0.037); 0.3 halved the gain, 1.0 removed it. On `brackets` (reporting, never
+# tuned on) it changed nothing measurable, the reward model predicting nothing there.
 DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline": 0.0, "time_budget_s": 90,
-                       "ope_holdout_share": 0.2, "own_samples": 4, "target_kl": 0.025}
+                       "ope_holdout_share": 0.2, "own_samples": 4, "target_kl": 0.025, "max_samples": 1000,
+                       "own_cpu_budget_s": 30, "ptx_coef": 0.1}
 
 
 def start_components(
