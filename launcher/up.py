@@ -80,6 +80,23 @@ def ensure_champion(settings: Settings, *, bootstrap_seconds: float = 120.0, pro
     return version
 
 
+def forget_an_earlier_deployment(settings: Settings) -> int:
+    """A registry without a champion is a new deployment: whatever Redis holds under its prefix was written by
+    an earlier one (another data dir, a deleted `var/`) and would leak into this one (the traffic split, the
+    rollout's experiment and timeline, the signals' window state and active reward definitions, a training
+    lock). `flywheel up` clears it, saying so; `flywheel init` (production) never does."""
+    from flywheel.connections import delete_prefix
+    from model_registry import ModelRegistry
+
+    if ModelRegistry(settings).alias("champion") is not None:
+        return 0
+    deleted = delete_prefix(redis_client(settings), settings.redis_prefix)
+    if deleted:
+        console.print(f"[yellow]a new deployment: cleared {deleted} keys an earlier run left under "
+                      f"'{settings.redis_prefix}' in Redis[/]")
+    return deleted
+
+
 def bootstrap_checkpoint(settings: Settings, seconds: float, progress: bool) -> Path:
     from flywheel.lm import bootstrap_model
 
@@ -318,6 +335,7 @@ def run_up(
     stop = threading.Event()
     try:
         ensure_topics(s)
+        forget_an_earlier_deployment(s)
         ensure_champion(s, bootstrap_seconds=bootstrap_seconds)
         if trainer_config is None:
             trainer_config = s.data_dir / "trainer-demo.json"

@@ -144,3 +144,21 @@ def test_the_console_says_each_promotion_and_rollback_once_with_its_reason() -> 
     # The same state on every later tick, and the quarantine that follows a rollback: nothing new to say.
     quarantined = status(won, ("3", "quarantined", "quarantined on rollback"))
     assert decisions(later, said) == [] and decisions(quarantined, said) == []
+
+
+def test_a_new_deployment_forgets_what_an_earlier_run_left_in_redis(settings: Settings, tiny_model_dir: Path) -> None:
+    """A fresh registry (a new data dir) must not inherit the earlier run's experiment, window state or
+    training lock from a shared Redis; once it has a champion, a restart keeps everything."""
+    from flywheel.connections import redis_client
+    from launcher.up import ensure_champion, forget_an_earlier_deployment
+
+    client = redis_client(settings)
+    left = [f"{settings.redis_prefix}rollout:default", f"{settings.redis_prefix}trainer:cycle-lock"]
+    for key in left:
+        client.set(key, "from an earlier run")
+    assert forget_an_earlier_deployment(settings) == len(left)
+    assert not any(client.exists(k) for k in left)
+    ensure_champion(settings.model_copy(update={"model_path": str(tiny_model_dir)}), progress=False)
+    client.set(left[0], "this deployment's")
+    assert forget_an_earlier_deployment(settings) == 0
+    assert client.get(left[0]) == b"this deployment's"
