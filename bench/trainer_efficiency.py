@@ -403,7 +403,11 @@ def main() -> None:
             at_kl = frontier_accept(base, kl) / base.accept() - 1
             name = json.dumps(overrides) if overrides else "product default"
             stop = f", {trained.stopped_at}" if trained.stopped_at else ""
-            covered = trained.own_note.removeprefix("own samples for ").split(" distinct")[0] or "-"
+            covered = "-"
+            if trained.own_note.startswith("own samples for "):
+                covered = trained.own_note.removeprefix("own samples for ").split(" distinct")[0]
+            elif trained.own_note:
+                covered = "none: logged samples"  # the reward model predicted nothing (its note says why)
             lm_text = paired_delta(text_log_losses(trained.policy, general), base_text)
             lm_contexts = paired_delta(text_log_losses(trained.policy, context_ids), base_contexts)
             line = (f"| {pop.name} | `{name}` | {trained.trained_on}/{trained.samples} ({trained.steps}{stop}) "
