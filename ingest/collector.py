@@ -189,8 +189,8 @@ def create_app(
         metrics.REQUESTS.labels(request.url.path, "413").inc()
         log.warning("a message was too large for Kafka", extra={"path": request.url.path, "detail": str(exc)[:200]})
         return JSONResponse(
-            {"error": "an event or dead letter of this request is larger than Kafka takes; nothing was accepted, "
-                      "send smaller events"},
+            {"error": "an event or dead letter of this request is larger than Kafka takes; the request is not "
+                      "accepted: send smaller events (a retry is de-duplicated by event id)"},
             status_code=413,
         )  # fmt: skip
 

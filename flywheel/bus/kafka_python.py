@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from flywheel.bus.murmur2 import key_partitions
 from flywheel.bus.types import BrokerUnavailable, MessageTooLarge, Outgoing, Record, RecordBatch
@@ -22,6 +22,8 @@ class KafkaPythonProducer:
         from kafka import KafkaProducer
 
         max_block_ms = config.pop("max_block_ms", 10_000)
+        # kafka-python's own default; a message past it is refused by `send` (checked first: `send_all`)
+        self._max_request_size = int(cast(int, config.get("max_request_size", 1024 * 1024)))
         # keys are partitioned a batch at a time (`flywheel.bus.murmur2`) unless a partitioner of one's own is set
         self._own_partitioner = "partitioner" in config
         self._p = KafkaProducer(
@@ -46,6 +48,14 @@ class KafkaPythonProducer:
     def send_all(self, messages: Sequence[Outgoing], timeout_s: float = 10.0) -> None:
         from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
+        # The client's own limit, checked before anything is sent, so a refusal for size leaves none of the call's
+        # messages written (the broker's own, lower, limit can still refuse some after others were written).
+        for m in messages:
+            size = len(m.value or b"") + len(m.key or b"") + sum(len(k) + len(v) for k, v in m.headers) + 128
+            if size > self._max_request_size:
+                raise MessageTooLarge(
+                    f"a message of about {size} bytes; the producer's limit is {self._max_request_size}"
+                )
         try:
             partitions = self._partitions(messages)
             futures = [
