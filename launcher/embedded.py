@@ -129,6 +129,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env: dict[str, str] = {}
     for name in Settings.model_fields:
         value = getattr(settings, name)
+        if value is None:  # unset stays unset: str(None) would hand the child the string "None" as its value
+            continue
         # str() of a SecretStr is its mask; a child needs the real value.
         env[f"FLYWHEEL_{name.upper()}"] = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
     return env

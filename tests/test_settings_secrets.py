@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from pydantic import SecretStr, ValidationError
 
@@ -124,3 +126,23 @@ def test_production_refuses_a_placeholder_password_in_a_service_url() -> None:
     assert "REPLACE-gate" not in str(err.value)
     assert production(redis_url=f"redis://gate:{GOOD}@flywheel-valkey:6379/0").redis_url.startswith("redis://")
     Settings(redis_url=url)  # development: whatever the developer runs
+
+
+def test_a_child_process_gets_the_settings_it_was_handed_unset_ones_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`flywheel up` hands its settings to each component through the environment: an unset optional setting
+    (the token store, a SASL password) stays unset there, never the string "None" (which once made every
+    rollout controller's token store an unparseable URL)."""
+    from launcher.embedded import settings_env
+
+    for name in list(os.environ):
+        if name.startswith("FLYWHEEL_"):
+            monkeypatch.delenv(name)
+    parent = Settings(token_store_url=None, kafka_sasl_password=None, write_keys=SecretStr("k1,k2"))
+    env = settings_env(parent)
+    assert "FLYWHEEL_TOKEN_STORE_URL" not in env and "FLYWHEEL_KAFKA_SASL_PASSWORD" not in env
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    child = Settings()
+    assert child.token_store_url is None and child.kafka_sasl_password is None
+    assert child.write_keys.get_secret_value() == "k1,k2"
+    assert child.model_dump() == parent.model_dump()
