@@ -320,7 +320,8 @@ def judge(
        interval below 0, once past the harm floor (`HARM_MIN_ARM_USERS` per arm and the metric's events).
        Before any step minimum: a harmful challenger does not wait for its sample.
     2. No data: the challenger has no rewarded user at the maximum duration, or none where the champion's
-       users at the shares in force make `NO_DATA_EXPECTED` of them expected. Rolled back, not waited on.
+       users at the shares in force make `NO_DATA_EXPECTED` of them expected or SRM shows its users missing.
+       Rolled back, not frozen for a person: there is nothing to look at.
     3. SRM: freeze (a person looks; the controller rolls a frozen experiment back at the maximum duration).
     4. Step minimums (a ramp unfinished at the maximum duration rolls back), the step's minimum time, the ramp
        (which needs no more: harm was looked for all along); then, on the last step, the evidence floor and a
@@ -372,7 +373,7 @@ def judge(
         [
             any_harm,
             worse,
-            no_data & (over | (expected >= NO_DATA_EXPECTED)),
+            no_data & (over | (expected >= NO_DATA_EXPECTED) | srm_alarm),
             srm_alarm,
             few & ~over,
             (few | ~clock.last) & over,
