@@ -200,7 +200,7 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
 # apply unless FLYWHEEL_ROLLOUT_* says otherwise; production keeps the defaults. The decision rule is
 # production's default, expected loss, on purpose: harm rolls back at any look from 30 users an arm, a
 # challenger whose users never arrive is rolled back (no data) at the 10 minutes instead of stalling the
-# loop, and at 2,000 users in 10 minutes it promoted 42% of 10%-better and 97% of 30%-better
+# loop, and at 2,000 users in 10 minutes it promoted 40% of 10%-better and 97% of 30%-better
 # challengers with no 10%-worse one promoted (bench/results/rollout_decisions.md); the sequential
 # rule's margin cannot be resolved at a demo's traffic.
 DEMO_ROLLOUT_ENV = {

@@ -9,12 +9,13 @@ settings are refused with what replaced them). Defaults follow common practice (
 tuning N* = 5000 as GrowthBook's default).
 
 The decision rule defaults to "expected_loss", in production and in `flywheel up` alike, from
-`bench/results/rollout_decisions.md` (users without a pre-period, the default ramp, 14 days): at
-2,000 users the sequential rule promoted 2% of 10%-better and 58% of 30%-better challengers (its
-margin needs hundreds of thousands of users), the expected-loss rule 35% and 96%, with 10%-worse
-challengers promoted at most about 1% under both and A/A wrong decisions (a false win or a harm
-rollback) under 1%; at 20,000 users both promote 10%-better challengers. What the expected-loss rule
-gives up: an equal challenger is shipped at the end some of the time, which costs nothing by definition.
+`bench/results/rollout_decisions.md` (users without a pre-period, requests spread over the
+experiment, the default ramp, 14 days): at 2,000 users the sequential rule promoted no 10%-better
+and 19% of 30%-better challengers (its margin needs tens of thousands of users), the expected-loss
+rule 23% and 63% (52% and 96% with a pre-period), with 10%-worse challengers promoted 0.5% (1,000
+experiments) and no A/A wrong decision (a false win or a harm rollback); at 20,000 users 98% of
+10%-better challengers against 82%. What the expected-loss rule gives up: an equal challenger is
+shipped at the end some of the time, which costs nothing by definition.
 """
 
 from __future__ import annotations
