@@ -392,10 +392,30 @@ def table(experiments: int) -> None:
         print(f"| {name} {cells} {time.perf_counter() - t0:.0f} |", flush=True)
 
 
+def worse_only(experiments: int) -> None:
+    """The goals closest to their bound on more experiments: 10%-worse challengers promoted under the defaults at
+    2,000 users, without and with a pre-period, A/A wrong decisions on the same draws, and A/A at 20,000 users."""
+    from deploy_gate.rollout import rules
+    from deploy_gate.rollout.calibration import Scenario, simulate
+
+    for name, pop in (("no pre-period", PLAIN), ("70% with a pre-period", Population(accept_concentration=4.0))):
+        worse = simulate(Scenario(RolloutConfig(), 2000, 4 * 3600.0, 0.9, population=pop, spread=True), experiments, 7)
+        aa = simulate(Scenario(RolloutConfig(), 2000, 4 * 3600.0, population=pop, spread=True), experiments, 8)
+        print(f"defaults, 2,000 users, {name}, {experiments} experiments: 10%-worse promoted "
+              f"{worse.share(*rules.PROMOTED):.2%}; A/A wrong {aa.share(*rules.WRONG_ON_AA):.2%}, never ended "
+              f"{aa.share(rules.CONTINUE_LAST):.2%}", flush=True)  # fmt: skip
+    for name, cfg in (("defaults", RolloutConfig()), ("sequential rule", RolloutConfig(decision_rule="sequential"))):
+        aa = simulate(Scenario(cfg, 20000, 4 * 3600.0, population=PLAIN, spread=True), experiments // 5, 9)
+        print(f"{name}, 20,000 users, no pre-period, {experiments // 5} A/A experiments: wrong "
+              f"{aa.share(*rules.WRONG_ON_AA):.2%} (false wins {aa.share(rules.PROMOTE_WIN):.2%}), never ended "
+              f"{aa.share(rules.CONTINUE_LAST):.2%}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experiments", type=int, default=200)
     ap.add_argument("--legacy", action="store_true", help="the earlier sections (pre-period population, no spread)")
+    ap.add_argument("--worse-only", type=int, default=0, metavar="N", help="10%%-worse and A/A at 2,000 users, N each")
     ap.add_argument("--through-analyse", type=int, default=0, metavar="N")
     ap.add_argument("--rules-only", action="store_true", help="only the sequential against the expected-loss rule")
     args = ap.parse_args()
@@ -403,6 +423,9 @@ def main() -> None:
         through_analyse(args.through_analyse)
         return
     check_demo_matches_launcher()
+    if args.worse_only:
+        worse_only(args.worse_only)
+        return
     if not (args.legacy or args.rules_only):
         table(args.experiments)
         return
