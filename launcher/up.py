@@ -374,10 +374,10 @@ def run_up(
                             if line == last_refusal:
                                 continue
                             last_refusal = line
-                        console.print(f"[gate] {line}")
+                        console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
                 status = gate.status()
                 for line in decisions(status, decided):
-                    console.print(f"[gate] {line}")
+                    console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
                 live.update(progress_table(sim, status, started, rollout_line(gate)))
                 if duration_s is not None and time.monotonic() - started > duration_s:
                     break
