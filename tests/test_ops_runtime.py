@@ -404,3 +404,111 @@ def test_a_library_repeating_itself_writes_one_line_not_a_flood(log_stream: io.S
     docs = [json.loads(line) for line in log_stream.getvalue().splitlines()]
     assert [d["logger"] for d in docs] == ["kafka.net.example"] + ["signals.example"] * 3
     assert docs[0]["msg"] == "<connection 0>: socket disconnected"
+
+
+# ------------------------------------------------------------------ liveness: the worker loop's heartbeat
+
+
+def test_a_wedged_worker_loop_fails_healthz_and_recovers_when_it_moves_again() -> None:
+    from flywheel.ops import run_loop
+
+    health = ProcessHealth("wedgeable", loop_stale_after_s=0.5)
+    release, stop = threading.Event(), threading.Event()
+    steps = {"n": 0}
+
+    def step() -> None:
+        steps["n"] += 1
+        if steps["n"] == 3:
+            release.wait(60)  # the wedge: one iteration that does not return
+        else:
+            stop.wait(0.01)
+
+    server = serve_ops(0, health)
+    thread = threading.Thread(target=run_loop, args=(step, stop, health), daemon=True)
+
+    def healthz() -> httpx.Response:
+        return httpx.get(f"http://127.0.0.1:{server.port}/healthz")
+
+    try:
+        assert healthz().json()["checks"] == {}, "no loop yet: nothing to be stale"
+        thread.start()
+        wait_until(lambda: steps["n"] >= 3, "the loop reaches its wedged step")
+        wait_until(lambda: healthz().status_code == 503, "healthz fails while the loop is wedged")
+        body = healthz().json()
+        assert body["status"] == "not_alive" and body["checks"]["loop"]["ok"] is False
+        assert "wedged" in body["checks"]["loop"]["detail"]
+        release.set()
+        wait_until(lambda: steps["n"] >= 5 and healthz().status_code == 200, "alive once the loop moves again")
+        assert healthz().json()["status"] == "alive"
+    finally:
+        release.set()
+        stop.set()
+        thread.join(timeout=10)
+        server.stop()
+    alive, body = health.liveness()
+    assert alive and body["checks"] == {}, "a loop that returned is shutting down, not wedged"
+
+
+def test_a_loop_waiting_out_a_down_dependency_stays_alive() -> None:
+    from flywheel.ops import run_loop
+
+    up = threading.Event()
+    probes = {"n": 0}
+
+    def probe() -> str:
+        probes["n"] += 1
+        if not up.is_set():
+            raise ConnectionRefusedError("nothing listens")
+        return "answers"
+
+    dep = Dependency("thing", probe, lambda exc: isinstance(exc, OSError), hold_s=0.0)
+    health = ProcessHealth("waiter", [dep], loop_stale_after_s=2.0)
+    stop, done = threading.Event(), threading.Event()
+
+    def step() -> None:
+        if not up.is_set():
+            raise ConnectionRefusedError("nothing listens")
+        done.set()
+        stop.wait(0.01)
+
+    thread = threading.Thread(target=run_loop, args=(step, stop, health), kwargs={"max_backoff_s": 0.05},
+                              daemon=True)  # fmt: skip
+    thread.start()
+    try:
+        # Sampled over well past the bound: the wait with backoff beats, so the loop never looks wedged.
+        started, samples = time.monotonic(), []
+        while time.monotonic() - started < 3 * health.heartbeat.stale_after_s:
+            samples.append(health.liveness()[0])
+            time.sleep(0.1)
+        assert probes["n"] > 10 and dep.reported_failures == 1, "it waited, probing with backoff"
+        assert all(samples), "a loop waiting for its dependency is alive"
+        up.set()
+        wait_until(done.is_set, "the loop works once the dependency answers")
+        assert health.liveness()[0]
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def test_healthz_on_the_fastapi_router_answers_503_for_a_stale_heartbeat() -> None:
+    from fastapi import FastAPI
+
+    from flywheel.ops import ops_router
+    from flywheel.ops.health import Heartbeat
+
+    now = {"t": 100.0}
+    health = ProcessHealth("p")
+    health.heartbeat = Heartbeat(60.0, clock=lambda: now["t"])
+    app = FastAPI()
+    app.include_router(ops_router(health))
+    with TestClient(app) as client:
+        assert client.get("/healthz").status_code == 200  # disarmed: no loop
+        health.heartbeat.arm()
+        now["t"] += 59.0
+        assert client.get("/healthz").status_code == 200
+        now["t"] += 2.0
+        reply = client.get("/healthz")
+        assert reply.status_code == 503 and reply.json()["checks"]["loop"]["detail"].startswith(
+            "no loop iteration for 61 s (bound 60 s)")
+    with pytest.raises(ValueError, match="must be > 0"):
+        ProcessHealth("p", loop_stale_after_s=0)

@@ -139,14 +139,18 @@ class Dependency:
 
     # ------------------------------------------------------------ waiting
 
-    def wait_until_up(self, stop: threading.Event, *, max_wait_s: float = 5.0) -> bool:
+    def wait_until_up(self, stop: threading.Event, *, max_wait_s: float = 5.0,
+                      on_wait: Callable[[], None] | None = None) -> bool:
         """Probe with exponential backoff (0.25 s doubling to `max_wait_s`) until it answers or `stop` is set.
 
+        `on_wait` is called after each wait (a loop's heartbeat: waiting for a dependency is not wedged).
         Logs nothing itself: the caller reported the failure (`failed`) and reports the success of its
         next use (`recovered`). Returns whether it answered.
         """
         def sleep(seconds: float) -> None:
             stop.wait(seconds)  # a stop request ends the wait at once
+            if on_wait is not None:
+                on_wait()
 
         retrying = Retrying(
             wait=wait_exponential(multiplier=0.25, max=max_wait_s),

@@ -4,7 +4,8 @@
 - `serve_ops(port, health)`: a standard-library HTTP server in a daemon thread, for plain workers.
 
 Both answer the `ProcessHealth` body (`flywheel.ops.health`); `/readyz` is 503 with Retry-After when
-not ready. `/metrics` is the process's default Prometheus registry unless a process passes its own.
+not ready, `/healthz` 503 when the worker loop's heartbeat is stale.
+`/metrics` is the process's default Prometheus registry unless a process passes its own.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def ops_router(health: ProcessHealth, metrics: Metrics = default_metrics) -> API
     # Plain functions: FastAPI runs them in its thread pool, so a slow probe never blocks the event loop.
     @router.get("/healthz")
     def healthz() -> JSONResponse:
-        return JSONResponse(health.liveness())
+        alive, body = health.liveness()
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @router.get("/readyz")
     def readyz() -> JSONResponse:
@@ -79,7 +81,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._send(200, self.server.metrics(), CONTENT_TYPE_LATEST)
         elif path == "/healthz":
-            self._json(200, self.server.health.liveness())
+            alive, body = self.server.health.liveness()
+            self._json(200 if alive else 503, body)
         elif path == "/readyz":
             ready, body = self.server.health.readiness()
             self._json(200 if ready else 503, body, {} if ready else {"Retry-After": str(RETRY_AFTER_S)})

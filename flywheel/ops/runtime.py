@@ -6,7 +6,9 @@
   otherwise walks every start-up object after each batch's few thousand allocations);
 - `run_loop(step, stop, health)`: call `step` until stopped; a failure the process's `ProcessHealth`
   blames on a dependency marks it down (one log line), waits for it with backoff and goes on where it
-  stopped (the step's own commit protocol makes the retry safe); any other error is a bug and raises;
+  stopped (the step's own commit protocol makes the retry safe); any other error is a bug and raises.
+  It beats `health.heartbeat` before each step and after each backoff wait, so `/healthz` fails only
+  when one step runs past the heartbeat's bound (a wedged loop), never while an outage is waited out;
 - `run_worker(...)`: the above plus the side HTTP server for `/metrics`, `/healthz`, `/readyz`.
 """
 
@@ -41,9 +43,20 @@ def freeze_startup() -> None:
 def run_loop(step: Callable[[], object], stop: threading.Event, health: ProcessHealth, *,
              max_backoff_s: float = 5.0) -> None:
     """Run `step` until `stop` is set, waiting out the outages of `health`'s dependencies."""
+    beat = health.heartbeat.beat
+    health.heartbeat.arm()
+    try:
+        _loop(step, stop, health, beat, max_backoff_s)
+    finally:
+        health.heartbeat.disarm()  # returned (stopped, or raised a bug): shutting down, not wedged
+
+
+def _loop(step: Callable[[], object], stop: threading.Event, health: ProcessHealth, beat: Callable[[], None],
+          max_backoff_s: float) -> None:
     blamed: set[Dependency] = set()
     failures = 0
     while not stop.is_set():
+        beat()
         try:
             step()
         except Exception as exc:
@@ -54,7 +67,7 @@ def run_loop(step: Callable[[], object], stop: threading.Event, health: ProcessH
             dep.failed(exc)
             blamed.add(dep)
             failures += 1
-            dep.wait_until_up(stop, max_wait_s=max_backoff_s)
+            dep.wait_until_up(stop, max_wait_s=max_backoff_s, on_wait=beat)
             # Answering again is not serving again (a broker electing leaders): back off before the retry too.
             stop.wait(min(max_backoff_s, 0.05 * 2**failures))
             continue
