@@ -380,6 +380,8 @@ def table(experiments: int) -> None:
          Population(returning=0.0, accept_concentration=4.0, accept=0.6)),
         ("sequential rule, 2,000 users, champion accept rate 0.05", seq, 2000, 4 * 3600.0,
          Population(returning=0.0, accept_concentration=4.0, accept=0.05)),
+        ("defaults, 2,000 users, heavy-tailed activity (lognormal sigma 1.5)", RolloutConfig(), 2000, 4 * 3600.0,
+         Population(returning=0.0, accept_concentration=4.0, activity_sigma=1.5, light_generations=10.0)),
     ]  # fmt: skip
     print(f"{experiments} experiments a cell (20,000-user rows: {experiments // 2}); users without a pre-period unless "
           "said, requests spread over the experiment, Beta(4) propensities; looks every 4 h (10 s for flywheel up)")
@@ -416,6 +418,7 @@ def main() -> None:
     ap.add_argument("--experiments", type=int, default=200)
     ap.add_argument("--legacy", action="store_true", help="the earlier sections (pre-period population, no spread)")
     ap.add_argument("--worse-only", type=int, default=0, metavar="N", help="10%%-worse and A/A at 2,000 users, N each")
+    ap.add_argument("--heavy-tail", type=int, default=0, metavar="N", help="only the heavy-tailed row, N experiments")
     ap.add_argument("--through-analyse", type=int, default=0, metavar="N")
     ap.add_argument("--rules-only", action="store_true", help="only the sequential against the expected-loss rule")
     args = ap.parse_args()
@@ -425,6 +428,11 @@ def main() -> None:
     check_demo_matches_launcher()
     if args.worse_only:
         worse_only(args.worse_only)
+        return
+    if args.heavy_tail:
+        pop = Population(returning=0.0, accept_concentration=4.0, activity_sigma=1.5, light_generations=10.0)
+        print("| defaults, 2,000 users, heavy-tailed activity (lognormal sigma 1.5) "
+              + _row(RolloutConfig(), 2000, 4 * 3600.0, pop, args.heavy_tail, seed=1100) + " |")
         return
     if not (args.legacy or args.rules_only):
         table(args.experiments)

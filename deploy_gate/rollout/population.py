@@ -32,6 +32,9 @@ class Population:
     latency_ms: float = 50.0
     returning: float = 0.7  # share of users seen before the experiment (a pre-period to adjust on)
     persistence: float = 1.0  # 1: a user's propensity is the same before and during; 0: independent
+    # > 0: generations per user are 1 + Poisson(lognormal with this sigma) around `light_generations`, a heavy tail
+    # of its own instead of the two classes of users (heavy_share is then ignored)
+    activity_sigma: float = 0.0
 
 
 def users(
@@ -40,6 +43,10 @@ def users(
     """Per-user columns (the controller's USER_COLUMNS that the rules read) for `m` users."""
     heavy = rng.random(m) < pop.heavy_share
     k = np.where(heavy, rng.poisson(pop.heavy_generations, m), 1 + rng.poisson(pop.light_generations - 1, m))
+    if pop.activity_sigma > 0:  # mean light_generations, lognormal spread: a few users with thousands
+        s = pop.activity_sigma
+        heavy = np.zeros(m, dtype=bool)
+        k = 1 + rng.poisson(rng.lognormal(math.log(pop.light_generations - 1) - s * s / 2, s, m))
     c = pop.accept_concentration
     base = rng.beta(pop.accept * c, (1 - pop.accept) * c, m)
     p = np.clip(base * factor * level, 0.0, 1.0)
