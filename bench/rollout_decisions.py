@@ -47,12 +47,10 @@ import numpy as np
 
 from deploy_gate.rollout.config import RampStep, RolloutConfig
 from deploy_gate.rollout.population import Population, users
+from launcher.up import DEMO_ROLLOUT_ENV
 
 # The demo's rollout configuration, as `flywheel up` sets it (launcher/up.py, DEMO_ROLLOUT_ENV).
-DEMO = {
-    "ramp": [{"share": 0.25, "min_users": 1, "min_seconds": 60}, {"share": 0.5, "min_users": 2, "min_seconds": 120}],
-    "max_duration_s": 600, "tuning_n": 100, "interval_s": 10, "srm_min_users": 50,
-}  # fmt: skip
+DEMO = {k.removeprefix("FLYWHEEL_ROLLOUT_").lower(): json.loads(v) for k, v in DEMO_ROLLOUT_ENV.items()}
 DAY = 86400.0
 
 

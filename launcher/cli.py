@@ -84,7 +84,7 @@ _POPULATIONS_OPTION = typer.Option(
 def up(
     users: int = typer.Option(4000, help="Simulated users; 0: none (drive it from outside: bench/outside_traffic.py)."),
     rate: float = typer.Option(
-        3.0, help="Requests a second from the simulated users, each from a user drawn at random (a small product); "
+        6.0, help="Requests a second from the simulated users, each from a user drawn at random (a small product); "
         "0: each user a thread of its own asking every 0.2 s on average (a handful of very active users)."),
     bootstrap_seconds: float = typer.Option(120.0, help="CPU seconds to pretrain the embedded model."),
     train_interval: float = typer.Option(120.0, help="Seconds between training cycles (production: hours)."),
