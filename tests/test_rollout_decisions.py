@@ -344,6 +344,9 @@ def test_the_demo_states_its_margin_the_users_it_needs_and_that_its_traffic_cann
     assert view.decision.reason.startswith("not enough evidence yet")
     assert f"needs {p.users_for_margin} users" in view.decision.reason
     assert "cannot show non-inferiority" in view.decision.reason
+    # Which rule ends it is said: the expected-loss rule (the demo's) does not wait on the margin.
+    assert ("expected-loss rule in force" in view.decision.reason) == (DEMO.decision_rule == "expected_loss")
+    assert ("will end inconclusive" in view.decision.reason) == (DEMO.decision_rule == "sequential")
 
 
 # ---- the expected-loss rule, compared ----------------------------------------------------------------

@@ -437,10 +437,14 @@ def margin_text(
     if users is None:
         return f"{made} cannot be resolved at any realistic size"
     if projected is not None and users > projected:
-        return (f"{made} needs {users} users, more than the about {projected} this traffic brings by the maximum "
-                "duration: it cannot show non-inferiority and will end inconclusive unless it runs longer "
-                "(FLYWHEEL_ROLLOUT_MAX_DURATION_S) or the margin is wider "
-                "(FLYWHEEL_ROLLOUT_NON_INFERIORITY_ACCEPT_SHARE)")  # fmt: skip
+        short = (f"{made} needs {users} users, more than the about {projected} this traffic brings by the maximum "
+                 "duration: it cannot show non-inferiority")  # fmt: skip
+        if config.decision_rule == "expected_loss":
+            # The rule in force does not wait on the margin: saying "will end inconclusive" would be false.
+            return (f"{short}, so the expected-loss rule in force decides at the maximum duration (it ships when "
+                    "shipping's expected loss is below its threshold, see the rule)")  # fmt: skip
+        return (f"{short} and will end inconclusive unless it runs longer (FLYWHEEL_ROLLOUT_MAX_DURATION_S) or the "
+                "margin is wider (FLYWHEEL_ROLLOUT_NON_INFERIORITY_ACCEPT_SHARE)")  # fmt: skip
     return f"{made} needs {users} users"
 
 
