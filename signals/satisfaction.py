@@ -281,6 +281,12 @@ def refit(
     `explicit_labels`."""
     config = config or SignalsConfig()
     surface = surface_of(surface)
+    if surface != DEFAULT_SURFACE:  # chat-like: learn the follow-up's words when its reactions have text
+        from signals.chat_reward import refit_as_satisfaction  # imports this module
+
+        learned = refit_as_satisfaction(settings, config, surface=surface, activate=activate)
+        if learned is not None:
+            return learned
     store = DefinitionStore(settings, redis_client(settings))
     labels = explicit_labels(settings, store, surface, rewards)
     n = labels.height

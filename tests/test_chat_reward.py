@@ -39,6 +39,7 @@ from signals.definitions import DefinitionStore
 from signals.logistic import roc_auc
 from signals.recompute import recompute_records
 from signals.reward import RewardDefinition, builtin_definition
+from signals.satisfaction import refit as satisfaction_refit
 from signals.text_features import TextModel
 from simulator.chat_users import ChatPopulation
 from simulator.telemetry import write_events
@@ -267,3 +268,14 @@ def test_an_experiments_challenger_that_flatters_is_flagged_from_the_lake(settin
     check = experiment_sycophancy(settings, experiment="e1")
     assert check.flagged and "without more explicit approval" in check.reasons[0], check.reasons
     assert not experiment_sycophancy(settings, experiment="another").flagged
+
+
+def test_the_satisfaction_refit_of_chat_learns_the_follow_up_from_reactions_in_the_lake(settings: Settings) -> None:
+    """`flywheel signals refit --surface chat` and the worker's scheduled refit both go through `refit`."""
+    write_chat(settings, ChatPopulation(users=60, seed=1))
+    settings = settings.model_copy(update={"reward_windows_s": {"chat": 300.0}})
+    result = satisfaction_refit(settings, CONFIG, surface="chat")
+    assert result.activated and result.version is not None and result.version.startswith("text-chat-"), result
+    store = DefinitionStore(settings, redis_client(settings))
+    assert store.active_version("chat") == result.version and store.get(result.version).followup_model is not None
+    assert store.active_version("code-completion") == "rules-v1"
