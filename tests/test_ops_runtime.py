@@ -4,7 +4,10 @@
 - serving and the signals worker started while Kafka and Redis are down wait them out (real broker and
   Valkey started later on the ports they were given), say not ready meanwhile, log one line per outage,
   and then work;
-- a log line stays one valid JSON line whatever a user typed into it.
+- a log line stays one valid JSON line whatever a user typed into it;
+- a wedged worker loop fails `/healthz`, one waiting out an outage does not;
+- SIGTERM during a training cycle ends it after its current optimizer step, with nothing registered and the
+  cycle run at the next start.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -512,3 +517,83 @@ def test_healthz_on_the_fastapi_router_answers_503_for_a_stale_heartbeat() -> No
             "no loop iteration for 61 s (bound 60 s)")
     with pytest.raises(ValueError, match="must be > 0"):
         ProcessHealth("p", loop_stale_after_s=0)
+
+
+# ------------------------------------------------------------------ the trainer's bounded shutdown
+
+CYCLE_STEPS: list[int] = []
+
+
+def cycle_stopped_during_step_2(settings: Settings, config: Any, progress: bool = False,
+                                stop: threading.Event | None = None) -> Any:
+    """The real cycle, whose second optimizer step lasts until the stop is asked: the SIGTERM lands mid-step."""
+    from trainer.cycle import run_cycle
+
+    def hold(stats: Any) -> None:
+        CYCLE_STEPS.append(stats.step)
+        if stats.step == 2 and stop is not None:
+            stop.wait(120)
+
+    return run_cycle(settings, config, progress=progress, on_step=hold, stop=stop)
+
+
+def test_sigterm_during_a_training_cycle_ends_it_after_the_current_step_and_runs_it_at_the_next_start(
+    settings: Settings, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    from flywheel.lm import load_policy
+    from flywheel.ops import stop_on_signals
+    from model_registry import ModelRegistry
+    from simulator.lake_feedback import consent_events, simulate_feedback
+    from simulator.telemetry import write_events
+    from trainer.config import TrainerConfig
+    from trainer.cycle import TRAINER_EXPERIMENT, watermark
+    from trainer.scheduler import TrainerScheduler
+
+    registry = ModelRegistry(settings)
+    champion = registry.register(tiny_model_dir, ModelLineage(base=str(tiny_model_dir)))
+    registry.set_alias("champion", champion)
+    users = ("u0", "u1")
+    write_events(settings, consent_events(users))
+    simulate_feedback(settings, load_policy(registry.fetch(champion)), ["def add(a, b):", "x = "],
+                      lambda g: 1.0 if g.finish_reason != "length" else -1.0, model_version=champion, n=16,
+                      seed=4, users=users)  # fmt: skip
+    config = TrainerConfig(batch_size=4, epochs=5, min_samples=4)  # 20 optimizer steps if never stopped
+    store = f"sqlite:///{tmp_path / 'jobs.db'}"
+    scheduler = TrainerScheduler(settings, config, interval_s=3600, jobstore_url=store,
+                                 cycle="test_ops_runtime:cycle_stopped_during_step_2")  # fmt: skip
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    CYCLE_STEPS.clear()
+    scheduler.start()
+    try:
+        sigterm = stop_on_signals()
+        # What `flywheel trainer schedule` does on SIGTERM (trainer/cli.py): shut the scheduler down, waiting.
+        stopper = threading.Thread(target=lambda: sigterm.wait() and scheduler.shutdown(wait=True), daemon=True)
+        stopper.start()
+        scheduler.run_now()
+        wait_until(lambda: 2 in CYCLE_STEPS, "the cycle's second optimizer step")
+        os.kill(os.getpid(), signal.SIGTERM)
+        stopper.join(timeout=120)
+        assert not stopper.is_alive(), "the shutdown waited on the cycle past any grace period"
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        scheduler.shutdown()
+
+    (result,) = scheduler.results
+    assert CYCLE_STEPS == [1, 2], "no optimizer step after the stop"
+    assert result.status == "stopped" and result.metrics == {"steps": 2.0}
+    assert result.reason.startswith("stopped on request between optimizer steps, after 2 optimizer steps")
+    assert [v.version for v in registry.versions()] == [champion], "nothing registered"
+    assert watermark(registry, champion) is None, "the data stays for the next cycle"
+    client = MlflowClient(settings.resolved_mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(TRAINER_EXPERIMENT).experiment_id])
+    assert run.info.status == "KILLED" and run.data.tags["flywheel.status"] == "stopped"
+
+    restarted = TrainerScheduler(settings, interval_s=3600, jobstore_url=store, cycle="test_ops_runtime:quick_cycle")
+    try:
+        next_run = restarted.start()
+        assert next_run is not None and next_run < utcnow() + timedelta(minutes=1), "not an interval later"
+    finally:
+        restarted.shutdown()

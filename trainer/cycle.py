@@ -9,6 +9,15 @@ trained, and a candidate that is rejected or still in its A/B test throws away n
 one sees that data again, plus what came since). It moves only when a candidate is promoted, so a
 crash anywhere before registration changes nothing. Every cycle is one MLflow run.
 
+Stopping (`stop`, set by the scheduler on SIGTERM): a cycle asked to stop registers nothing and returns
+"stopped", saying how far it got. It looks at `stop` before it trains, between chunks of its scoring of the
+champion (`_SCORE_CHUNK_BATCHES` batches), between own-sample prompts and after every optimizer step, so it
+ends within one of those units (plus closing its MLflow run, marked KILLED). What it loses is bounded by the
+cycle's own computation, nothing of its data: the watermark has not moved, so the next cycle trains on the same
+samples and what came since. Loading the champion and selecting samples, and the tail after the last optimizer
+step (the KL pass, saving and registering the candidate), are not interrupted: a cycle that has trained to the
+end registers.
+
 Distributed (torchrun): every process selects the same samples and trains on its share of
 each batch; process 0 alone logs to MLflow and registers.
 """
@@ -21,6 +30,7 @@ import logging
 import math
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,21 +48,22 @@ from flywheel.lm import Policy, load_policy, round_parameters_to_bfloat16_
 from flywheel.settings import Settings
 from model_registry import ModelRegistry, ensure_experiment
 from trainer.config import TrainerConfig
-from trainer.data import Selection, load_selection, over_cap_reason, quarantined_versions
+from trainer.data import Sample, Selection, load_selection, over_cap_reason, quarantined_versions
 from trainer.loop import StepStats, kl_to_reference, mismatch_report, score_samples, train_policy
 from trainer.retokenize import text_encoder
 from trainer.reward_model import CpuBudget, cpu_seconds, own_samples
-from trainer.scoring import scorer_for
+from trainer.scoring import Scorer, scorer_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRAINER_EXPERIMENT = "flywheel-trainer"
 _METRIC_FLUSH_EVERY = 20
+_SCORE_CHUNK_BATCHES = 8  # batches of the champion's scoring between two looks at `stop`
 
 
 @dataclass(frozen=True)
 class CycleResult:
-    status: Literal["registered", "skipped"]
+    status: Literal["registered", "skipped", "stopped"]
     reason: str
     version: str | None = None
     parent_version: str | None = None
@@ -85,11 +96,13 @@ def run_cycle(
     *,
     progress: bool = True,
     on_step: Callable[[StepStats], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> CycleResult:
     """Train one candidate from the champion on the rewards since the champion's data window and register it.
 
     Under torchrun, process 0 decides (champion, samples, or a skip) and sends the plan to the
-    others, so every process trains on exactly the same samples or skips together.
+    others, so every process trains on exactly the same samples or skips together. `stop` set meanwhile ends
+    the cycle early with nothing registered (the module docstring says where it looks and what is lost).
     """
     config = config or TrainerConfig()
     rank, world = distributed_rank_world()
@@ -108,12 +121,60 @@ def run_cycle(
                        enabled=rank == 0)  # fmt: skip
     try:
         result = _train_and_register(
-            settings, config, registry, policy, selection, champion, tracker, rank, world, progress, on_step
-        )
+            settings, config, registry, policy, selection, champion, tracker, rank, world, progress, on_step,
+            _Stopping(stop, policy.model, world),
+        )  # fmt: skip
+    except CycleStopped as stopped:
+        reason = (f"stopped on request {stopped.where}, after {stopped.steps} optimizer steps; nothing registered"
+                  f" (the watermark is unchanged: the next cycle trains on these {len(selection.samples)} samples"
+                  " and what came since)")  # fmt: skip
+        tracker.stopped(reason)
+        log.warning("trainer cycle %s", reason, extra={"steps": stopped.steps})
+        return CycleResult("stopped", reason, parent_version=champion, sample_count=len(selection.samples),
+                           run_id=tracker.run_id, metrics={"steps": float(stopped.steps)})  # fmt: skip
     except BaseException as exc:
         tracker.failed(exc)
         raise
     return result
+
+
+class CycleStopped(Exception):
+    """The cycle's `stop` was set: raised where it looked, caught by `run_cycle`."""
+
+    def __init__(self, where: str, steps: int) -> None:
+        super().__init__(f"stopped {where}")
+        self.where, self.steps = where, steps
+
+
+class _Stopping:
+    """Whether the cycle's `stop` is set, agreed by every process (they must all stop at the same point)."""
+
+    def __init__(self, stop: threading.Event | None, model: torch.nn.Module, world: int) -> None:
+        self._stop, self._model, self._world = stop, model, world
+
+    def __call__(self) -> bool:
+        if self._stop is None:
+            return False
+        if self._world == 1:
+            return self._stop.is_set()
+        return _any_process(self._stop.is_set(), self._model)
+
+    def check(self, where: str, steps: int = 0) -> None:
+        if self():
+            raise CycleStopped(where, steps)
+
+
+def _score_stoppable(
+    model: torch.nn.Module, samples: list[Sample], scorer: Scorer, pad_id: int, batch_size: int, stopping: _Stopping
+) -> list[list[float]]:
+    """`score_samples`, looking at `stop` between chunks of whole batches (so the batches, and the scores, are
+    those of one call)."""
+    chunk = batch_size * _SCORE_CHUNK_BATCHES
+    out: list[list[float]] = []
+    for i in range(0, len(samples), chunk):
+        stopping.check("while scoring the champion's log-probs")
+        out.extend(score_samples(model, samples[i : i + chunk], scorer, pad_id, batch_size))
+    return out
 
 
 def select_samples(
@@ -161,13 +222,14 @@ def _train_and_register(
     world: int,
     progress: bool,
     on_step: Callable[[StepStats], None] | None,
+    stopping: _Stopping,
 ) -> CycleResult:
     samples = selection.samples
     scorer = scorer_for(config.exact_logprobs)
     started, cpu_started = time.monotonic(), cpu_seconds()
     # The starting weights are the champion: their log-probs are both the KL reference and the
     # trainer's side of the train / inference comparison (with the scorer training uses).
-    reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
+    reference = _score_stoppable(policy.model, samples, scorer, policy.pad_id, config.batch_size, stopping)
     mismatch = mismatch_report(samples, reference, champion, config.mismatch_threshold)
     # Serving's own scoring function, per sample, must reproduce the logged numbers exactly;
     # anything else means a different device, dtype, kernel or checkpoint between the two.
@@ -191,8 +253,10 @@ def _train_and_register(
         # The logged rewards fit a reward model; the champion's own samples, scored by it, are trained on.
         # Sized to a CPU budget from the logged samples' scoring on: their scoring, the fit and the sampling.
         budget = CpuBudget(config.own_cpu_budget_s, cpu_started)
-        stop = budget.exhausted if world == 1 else lambda: _any_process(budget.exhausted(), policy.model)
-        own = own_samples(policy, logged, reference, config, scorer, budget=budget, stop=stop)
+        spent = budget.exhausted if world == 1 else lambda: _any_process(budget.exhausted(), policy.model)
+        own = own_samples(policy, logged, reference, config, scorer, budget=budget,
+                          stop=lambda: spent() or stopping())  # fmt: skip
+        stopping.check("while sampling its own samples")
         own_note = own.note
         if own.fresh:
             samples, reference = own.samples, own.reference
@@ -215,6 +279,7 @@ def _train_and_register(
             advance(stats)
             if on_step is not None:
                 on_step(stats)
+            stopping.check("between optimizer steps", stats.step)
 
         deadline = prepared + config.time_budget_s if config.time_budget_s else None
         training = train_policy(
@@ -339,6 +404,15 @@ class _Tracker:
         self._client.log_batch(self.run_id, tags=[RunTag("flywheel.status", "registered"),
                                                   RunTag("flywheel.version", version)])  # fmt: skip
         self._client.set_terminated(self.run_id, "FINISHED")
+
+    def stopped(self, reason: str) -> None:
+        if self.run_id is None:
+            return
+        with contextlib.suppress(Exception):  # stopping must not wait on a registry that does not answer
+            self.flush()
+            self._client.log_batch(self.run_id, tags=[RunTag("flywheel.status", "stopped"),
+                                                      RunTag("flywheel.reason", reason[:4000])])  # fmt: skip
+            self._client.set_terminated(self.run_id, "KILLED")
 
     def failed(self, exc: BaseException) -> None:
         if self.run_id is None:

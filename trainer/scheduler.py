@@ -12,17 +12,23 @@
   with backoff (from 5 s, doubling, at most the interval) instead of waiting a whole interval;
   `health` answers the trainer API's `/readyz`.
 - Every finished cycle is counted by outcome on `/metrics` (`flywheel_trainer_cycles_total`:
-  registered, skipped, failed, outage), so an alert can say a cycle failed without reading logs.
+  registered, skipped, stopped, failed, outage), so an alert can say a cycle failed without reading logs.
+- Shutdown is bounded: `shutdown()` (SIGTERM) sets the running cycle's stop, so it ends within one optimizer
+  step or scoring chunk with nothing registered (`trainer.cycle`'s docstring: where it looks, what is lost),
+  and stores that cycle's next run `OWED_RUN_DELAY_S` after the shutdown, so the next start runs it at once
+  instead of an interval later.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -42,10 +48,22 @@ from trainer.cycle import CycleResult
 log = logging.getLogger(__name__)
 JOB_ID = "flywheel-trainer-cycle"
 DEFAULT_CYCLE = "trainer.cycle:run_cycle"
+OWED_RUN_DELAY_S = 30.0  # a stopped cycle runs this long after the shutdown at the earliest (or at the next start)
 # The settings of each scheduler in this process, by scheduler id: what a stored job names
 # instead of the settings themselves.
 _SETTINGS: dict[str, Settings] = {}
+_RUNS: dict[str, _Run] = {}  # and how each one stops its cycle
 CYCLES = Counter("flywheel_trainer_cycles", "Training cycles finished, by outcome", ["outcome"])
+
+
+@dataclass
+class _Run:
+    """A scheduler's cycle as its shutdown sees it: `stop` asks it to end, `lock` is held while it runs, `owed`
+    says the last one was stopped (so it is run again at the next start)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    owed: bool = False
 
 
 def lock_key(settings: Settings) -> str:
@@ -88,12 +106,17 @@ def _resolve(ref: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def guarded_cycle(settings: Settings, config: TrainerConfig, cycle: str = DEFAULT_CYCLE) -> CycleResult:
-    """One cycle under the replica-wide lock; skipped (with the reason) when another replica trains."""
+def guarded_cycle(settings: Settings, config: TrainerConfig, cycle: str = DEFAULT_CYCLE,
+                  stop: threading.Event | None = None) -> CycleResult:
+    """One cycle under the replica-wide lock; skipped (with the reason) when another replica trains.
+
+    `stop` goes to a cycle that takes one (`run_cycle` does; a stand-in without it runs to its end)."""
     with cycle_lock(redis_client(settings), lock_key(settings)) as held:
         if not held:
             return CycleResult("skipped", "another replica is training right now")
-        result: CycleResult = _resolve(cycle)(settings, config, progress=False)
+        run = _resolve(cycle)
+        stoppable = stop is not None and "stop" in inspect.signature(run).parameters
+        result: CycleResult = run(settings, config, progress=False, **({"stop": stop} if stoppable else {}))
     log.info("trainer cycle %s: %s", result.status, result.reason)
     return result
 
@@ -105,7 +128,13 @@ def scheduled_cycle(scheduler_id: str, config: dict[str, Any], cycle: str = DEFA
     before starting), else the environment's.
     """
     settings = _SETTINGS.get(scheduler_id) or get_settings()
-    return guarded_cycle(settings, TrainerConfig.from_dict(config), cycle)
+    run = _RUNS.get(scheduler_id)
+    if run is None:
+        return guarded_cycle(settings, TrainerConfig.from_dict(config), cycle)
+    with run.lock:
+        result = guarded_cycle(settings, TrainerConfig.from_dict(config), cycle, run.stop)
+        run.owed = result.status == "stopped"
+    return result
 
 
 class TrainerScheduler:
@@ -126,6 +155,7 @@ class TrainerScheduler:
             jobstore_url = f"sqlite:///{(settings.data_dir / 'trainer-schedule.db').resolve()}"
         self._id = uuid.uuid4().hex
         _SETTINGS[self._id] = settings
+        self._run = _RUNS[self._id] = _Run()
         self._kwargs = {"scheduler_id": self._id, "config": (config or TrainerConfig()).to_dict(), "cycle": cycle}
         self._scheduler = BackgroundScheduler(
             jobstores={"default": SQLAlchemyJobStore(url=jobstore_url)},
@@ -196,7 +226,22 @@ class TrainerScheduler:
             raise RuntimeError("the scheduler is not started")
         job.modify(next_run_time=datetime.now(UTC))
 
+    def _owe_at_next_start(self) -> None:
+        """Not from the job listener (APScheduler's shutdown holds the job store's lock while it waits), and a
+        little ahead of now: its shutdown processes due jobs once more, which would move a due one an interval on."""
+        job = self._scheduler.get_job(JOB_ID)
+        if job is not None:
+            job.modify(next_run_time=datetime.now(UTC) + timedelta(seconds=OWED_RUN_DELAY_S))
+
     def shutdown(self, wait: bool = True) -> None:
+        """Stop: a cycle in progress is asked to stop (see the module docstring) and, with `wait`, waited for."""
         if self._scheduler.running:
+            self._scheduler.pause()  # no new run starts
+            self._run.stop.set()
+            if wait:
+                with self._run.lock:  # a cycle in progress ends within a step (trainer.cycle)
+                    if self._run.owed:  # run it as soon as a scheduler starts on this job store again
+                        self._owe_at_next_start()
             self._scheduler.shutdown(wait=wait)
         _SETTINGS.pop(self._id, None)
+        _RUNS.pop(self._id, None)
