@@ -1,6 +1,7 @@
 """The operational runtime every long-running Flywheel process shares.
 
-- `health`: `ProcessHealth`, one `/healthz` / `/readyz` body shape for every process;
+- `health`: `ProcessHealth`, one `/healthz` / `/readyz` body shape for every process, and the worker loop's
+  `Heartbeat` that `/healthz` reads;
 - `deps`: Kafka, Redis, MLflow and the lake's disk as `Dependency`s: probes, one log line per state change,
   backoff waits;
 - `http`: the endpoints as a FastAPI router (`ops_router`) or a side server for plain workers (`serve_ops`);
@@ -19,7 +20,7 @@ from flywheel.ops.deps import (
     mlflow_dependency,
     redis_dependency,
 )
-from flywheel.ops.health import ProcessHealth
+from flywheel.ops.health import Heartbeat, ProcessHealth
 from flywheel.ops.http import OpsServer, default_metrics, ops_router, serve_ops
 from flywheel.ops.producer import LazyProducer
 from flywheel.ops.runtime import freeze_startup, run_loop, run_worker, stop_on_signals
@@ -27,6 +28,7 @@ from flywheel.ops.runtime import freeze_startup, run_loop, run_worker, stop_on_s
 __all__ = [
     "CheckResult",
     "Dependency",
+    "Heartbeat",
     "LazyProducer",
     "OpsServer",
     "ProcessHealth",
