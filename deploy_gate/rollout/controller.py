@@ -148,10 +148,13 @@ class RolloutController:
             run_loop,
             serve_ops,
         )
+        from flywheel.ops.health import LOOP_STALE_AFTER_S
 
         settings = self.gate.settings
+        # A step includes the wait between ticks: liveness allows several of them before it calls the loop wedged.
         health = ProcessHealth(
-            "rollout", [redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_root)]
+            "rollout", [redis_dependency(settings), mlflow_dependency(settings), lake_dependency(settings.lake_root)],
+            loop_stale_after_s=max(LOOP_STALE_AFTER_S, 4 * self.config.interval_s),
         )
 
         def step() -> None:
