@@ -510,9 +510,10 @@ def explain(
                 f"{float(j.accept_level[0]):.3g} x {config.reward_per_accept:g} reward per accept)")  # fmt: skip
     if code == rules.PROMOTE_LOW_RISK:
         return (f"low risk at the maximum duration: shipping's expected loss {float(j.loss_ship[0]):.3g} is below "
-                f"{float(j.loss_threshold[0]):.3g} reward per generation ({config.expected_loss_accept_share:.0%} of "
+                f"{float(j.loss_threshold[0]):.3g} reward per generation ({config.expected_loss_accept_share:.1%} of "
                 f"the champion's accept rate x {config.reward_per_accept:g}); estimate "
-                f"{float(j.primary.comparison.adjusted[0]):+.3f}")  # fmt: skip
+                f"{float(j.primary.comparison.adjusted[0]):+.3f}, always-valid interval {seq}, users per arm "
+                f"{arm_users}")  # fmt: skip
     if code == rules.ROLLBACK_INCONCLUSIVE:
         if config.decision_rule == "expected_loss" and math.isfinite(float(j.loss_threshold[0])):
             return (f"inconclusive at the maximum duration: shipping's expected loss {float(j.loss_ship[0]):.3g} "
