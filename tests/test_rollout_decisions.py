@@ -34,7 +34,7 @@ from deploy_gate.stats import RatioStats, ratio_difference
 
 DEMO = RolloutConfig(
     ramp=[RampStep(share=0.25, min_users=1, min_seconds=60), RampStep(share=0.5, min_users=2, min_seconds=120)],
-    max_duration_s=600, tuning_n=100, interval_s=10, srm_min_users=50,
+    max_duration_s=480, tuning_n=100, interval_s=10, srm_min_users=50,
 )  # fmt: skip
 ONE_STEP = RolloutConfig(ramp=[RampStep(share=0.5, min_users=200, min_seconds=600)], decision_rule="sequential")
 CASES = {
