@@ -78,7 +78,8 @@ def test_bracket_population_likes_closed_calls_and_dislikes_open_ones() -> None:
 
 
 def test_tuning_and_reporting_populations_are_apart() -> None:
-    """No population both chose the defaults and reports on them (bench/results/closed_loop_history.md: which chose the defaults)."""
+    """No population both chose the defaults and reports on them (bench/results/closed_loop_history.md: "Which
+    populations chose the defaults")."""
     tuning, reporting = tuning_populations(), reporting_populations()
     assert {p.name for p in tuning} == {"length", "style", "declining"}
     assert not {p.name for p in tuning} & {p.name for p in reporting}
