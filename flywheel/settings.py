@@ -47,7 +47,10 @@ class Settings(BaseSettings):
         env_prefix="FLYWHEEL_", extra="forbid", populate_by_name=True, hide_input_in_errors=True
     )
 
-    environment: Literal["development", "production"] = "development"
+    environment: Literal["development", "production"] = Field(
+        default="development",
+        description="production refuses empty, short, development-default and placeholder secrets.",
+    )
     data_dir: Path = Field(default=Path("var"), description="Lake, models, MLflow and embedded state.")
     lake_uri: str = Field(
         default="",
@@ -68,16 +71,32 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("FLYWHEEL_KAFKA_BOOTSTRAP_SERVERS", "KAFKA_BOOTSTRAP_SERVERS"),
         description="host:port[,host:port]; empty starts the embedded Tansu broker.",
     )
-    kafka_client: Literal["kafka-python", "confluent"] = "kafka-python"
-    embedded_kafka_port: int = 19092
-    topic_partitions: int = Field(default=4, ge=1)
-    events_topic: str = "flywheel.events"
-    rewards_topic: str = "flywheel.rewards"
-    dead_letter_topic: str = "flywheel.dead-letter"
+    kafka_client: Literal["kafka-python", "confluent"] = Field(
+        default="kafka-python", description="Kafka client library: kafka-python, or confluent (librdkafka, faster)."
+    )
+    embedded_kafka_port: int = Field(
+        default=19092, description="Loopback port of the broker `flywheel up` starts when no Kafka is configured."
+    )
+    topic_partitions: int = Field(
+        default=4, ge=1,
+        description="Partitions of each topic Flywheel creates: at most this many ingest or signals workers.",
+    )
+    events_topic: str = Field(
+        default="flywheel.events", description="Product and generation events, keyed by generation_id."
+    )
+    rewards_topic: str = Field(
+        default="flywheel.rewards", description="Reward records, one per generation and definition."
+    )
+    dead_letter_topic: str = Field(
+        default="flywheel.dead-letter",
+        description="Refused input with its reason and original bytes (credentials removed).",
+    )
     # A cluster that enforces ACLs (Strimzi's KafkaUsers) knows each process by its SASL user.
     kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = "SCRAM-SHA-512"
-    kafka_sasl_username: str = ""
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = Field(
+        default="SCRAM-SHA-512", description="SASL mechanism when the protocol is SASL_*."
+    )
+    kafka_sasl_username: str = Field(default="", description="This process's Kafka user when the protocol is SASL_*.")
     kafka_sasl_password: SecretStr | None = Field(
         default=None, description="The SASL user's password; needed (with the username) when the protocol is SASL_*."
     )
@@ -88,7 +107,10 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("FLYWHEEL_REDIS_URL", "REDIS_URL"),
         description="When nothing answers here, an embedded Valkey server is started instead.",
     )
-    redis_prefix: str = "flywheel:"
+    redis_prefix: str = Field(
+        default="flywheel:",
+        description="Prefix of every Redis key Flywheel writes (deployments sharing one Redis differ here).",
+    )
 
     # MLflow
     mlflow_tracking_uri: str = Field(
@@ -96,7 +118,7 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("FLYWHEEL_MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI"),
         description="Empty: SQLite under data_dir with a local artifact folder.",
     )
-    registered_model_name: str = "flywheel-policy"
+    registered_model_name: str = Field(default="flywheel-policy", description="The model's name in MLflow's registry.")
     registry_max_chain: int = Field(
         default=8, ge=0,
         description="Deltas in a row before the registry stores a version's full weights again (0: always full).",
@@ -107,7 +129,7 @@ class Settings(BaseSettings):
         default="",
         description="A local Hugging Face causal LM checkpoint; empty bootstraps the embedded one.",
     )
-    device: str = "cpu"
+    device: str = Field(default="cpu", description="Torch device of serving and the trainer: cpu, cuda or cuda:N.")
 
     # Services
     bind_host: str = Field(
@@ -115,10 +137,12 @@ class Settings(BaseSettings):
         description="Interface every HTTP server binds (collector, serving, gate, trainer API, ingest metrics); "
         "0.0.0.0 serves other hosts (a product's back ends, Prometheus, a Kubernetes Service).",
     )
-    serving_port: int = 8000
-    collector_port: int = 8001
-    gate_port: int = 8002
-    trainer_port: int = 8003
+    serving_port: int = Field(default=8000, description="Serving's HTTP API (OpenAI-compatible completions).")
+    collector_port: int = Field(
+        default=8001, description="The collector's HTTP doors (native, Segment, OTLP, PostHog)."
+    )
+    gate_port: int = Field(default=8002, description="The deploy gate's API and A/B dashboard.")
+    trainer_port: int = Field(default=8003, description="The trainer scheduler's API (status, run a cycle now).")
     ingest_metrics_port: int = Field(default=9101, ge=0, description="Ingest worker /metrics and health; 0 = off.")
     signals_metrics_port: int = Field(default=9102, ge=0, description="Signals worker /metrics and health; 0 = off.")
     write_keys: SecretStr = Field(
@@ -187,7 +211,11 @@ class Settings(BaseSettings):
         description="Feedback window per surface, for surfaces whose reward definition names none, as JSON "
         '(e.g. {"chat": 300, "code-completion": 60}); a surface not named here uses reward_window_s.',
     )
-    allowed_lateness_s: float = Field(default=5.0, ge=0)
+    allowed_lateness_s: float = Field(
+        default=5.0, ge=0,
+        description="Seconds the signals watermark trails the latest arrival, so events produced slightly out of order "
+        "still count in their window.",
+    )
     # An event's time is a client's claim; arrival is ours. Outside this window around its arrival the collector
     # dead-letters it with the reason (a far-future time would otherwise close every window early).
     event_time_ahead_s: float = Field(
@@ -198,9 +226,17 @@ class Settings(BaseSettings):
         gt=0,
         description="How far before its arrival an event's time may be (history imported late: five years).",
     )
-    train_interval_s: float = Field(default=3 * 3600.0, gt=0)
-    min_train_samples: int = Field(default=32, ge=1)
-    challenger_share: float = Field(default=0.2, gt=0, le=1)
+    train_interval_s: float = Field(
+        default=3 * 3600.0, gt=0, description="Seconds between the trainer scheduler's cycles."
+    )
+    min_train_samples: int = Field(
+        default=32, ge=1,
+        description="Fewest eligible samples a cycle trains on (TrainerConfig.min_samples overrides it).",
+    )
+    challenger_share: float = Field(
+        default=0.2, gt=0, le=1,
+        description="Share of users an approved challenger first gets (the rollout controller then ramps it).",
+    )
 
     @field_validator("trusted_proxies")
     @classmethod
