@@ -100,17 +100,22 @@ def _env_fields(cls: type[BaseSettings]) -> Iterator[Field]:
 
 
 def _docstring_entries(doc: str) -> list[str]:
-    """The docstring's entries: a line indented 8 spaces and the more-indented lines under it."""
+    """The docstring's entries: a head line and the more-indented lines under it. A head is indented 8 under a
+    section heading, or 4 when it names its fields itself ("seed: ..."); anything else ends the entry."""
     entries: list[list[str]] = []
+    head_indent = None
     for line in doc.splitlines():
-        indent = len(line) - len(line.lstrip())
-        if indent == 8 and line.strip():
-            entries.append([line.strip()])
-        elif indent > 8 and entries:
-            entries[-1].append(line.strip())
-        elif line.strip():
-            entries.append([])  # a section heading ends the entry above it
-    return [" ".join(e) for e in entries if e]
+        text, indent = line.strip(), len(line) - len(line.lstrip())
+        if not text:
+            continue
+        if head_indent is not None and indent > head_indent:
+            entries[-1].append(text)
+        elif indent == 8 or (indent == 4 and re.match(r"[a-z_][a-z0-9_, ]*:", text)):
+            entries.append([text])
+            head_indent = indent
+        else:  # a section heading
+            head_indent = None
+    return [" ".join(e) for e in entries]
 
 
 def _file_fields(cls: type) -> Iterator[Field]:

@@ -23,7 +23,7 @@ class SignalsConfig(BaseSettings):
         "commit, Kafka's flush, a lake commit); at 2,000 the worker read about 0.7 of what it reads at 10,000, "
         "the ingest worker's batch (bench/signals_stream_throughput.py).",
     )
-    poll_timeout_s: float = Field(default=0.2, gt=0)
+    poll_timeout_s: float = Field(default=0.2, gt=0, description="Seconds a poll waits for events when none are there.")
     idle_after_s: float = Field(
         default=1.0,
         ge=0,
@@ -62,7 +62,9 @@ class SignalsConfig(BaseSettings):
         ge=0,
         description="The worker refits the satisfaction model on the labels so far this often; 0: never.",
     )
-    mlflow_experiment: str = "flywheel-signals"
+    mlflow_experiment: str = Field(
+        default="flywheel-signals", description="MLflow experiment where satisfaction refits are logged."
+    )
     # Per-generation bounds: one generation's flood of feedback must not grow its state, its revisions or the
     # time its partition's other generations wait (signals/worker.py, "Bounds").
     max_feedback_per_generation: int = Field(
@@ -78,7 +80,9 @@ class SignalsConfig(BaseSettings):
         "and a place in the pointer every reader follows); a generation naming one more is dead-lettered and "
         "counted as `capped`, and is scored when replayed once the window has passed.",
     )
-    new_surfaces_window_s: float = Field(default=3600.0, gt=0)
+    new_surfaces_window_s: float = Field(
+        default=3600.0, gt=0, description="The window, in seconds, over which max_new_surfaces is counted."
+    )
     max_feedback_bytes: int = Field(
         default=16_384,
         ge=1024,

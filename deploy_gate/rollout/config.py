@@ -57,11 +57,18 @@ def _default_ramp() -> list[RampStep]:
 class RolloutConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_ROLLOUT_", extra="forbid")
 
-    experiment: str = "default"
-    ramp: list[RampStep] = Field(default_factory=_default_ramp)
-    alpha: float = Field(default=0.05, gt=0, lt=0.5)
+    experiment: str = Field(default="default", description="The experiment's name: its split and record in Redis.")
+    ramp: list[RampStep] = Field(
+        default_factory=_default_ramp,
+        description='Challenger shares, growing, each with its minimum users and seconds: JSON such as '
+        '[{"share": 0.05, "min_users": 30, "min_seconds": 3600}, ...].',
+    )
+    alpha: float = Field(
+        default=0.05, gt=0, lt=0.5,
+        description="Error budget over every look: half to the primary metric, half to the guardrails.",
+    )
     tuning_n: float = Field(default=5000.0, gt=0, description="N*, where the confidence sequence is tightest.")
-    srm_alpha: float = Field(default=0.001, gt=0, lt=0.1)
+    srm_alpha: float = Field(default=0.001, gt=0, lt=0.1, description="Sample-ratio mismatch alarm level (sequential).")
     srm_min_users: int = Field(default=100, ge=2, description="Users in a step before SRM is checked.")
     max_duration_s: float = Field(default=14 * 86400, gt=0, description="Then decide on non-inferiority.")
     # The non-inferiority margin in reward units is accept share x the champion's accept rate x reward per
@@ -100,10 +107,16 @@ class RolloutConfig(BaseSettings):
     latency_p95_ratio: float = Field(
         default=1.2, gt=1, description="Trips when each user's mean latency is shown above this x the champion's."
     )
-    latency_min_generations: int = Field(default=100, ge=1)
-    error_rate_rise: float = Field(default=0.02, ge=0)
-    undo_rate_rise: float = Field(default=0.05, ge=0)
-    thumbs_down_rate_rise: float = Field(default=0.05, ge=0)
+    latency_min_generations: int = Field(
+        default=100, ge=1, description="Generations both arms need before the latency guardrail may decide."
+    )
+    error_rate_rise: float = Field(
+        default=0.02, ge=0, description="Error-rate rise shown beside its guardrail (absolute)."
+    )
+    undo_rate_rise: float = Field(default=0.05, ge=0, description="Undos per accept: rise shown beside its guardrail.")
+    thumbs_down_rate_rise: float = Field(
+        default=0.05, ge=0, description="Thumbs down per generation: rise shown beside its guardrail."
+    )
     # Reward-hacking bounds: fewer accepts, blank outputs, length drift, fewer explicit thumbs up.
     # Suggesting less is not one: declining where users would reject is what the reward asks for.
     accepted_rate_fall: float = Field(
@@ -112,9 +125,15 @@ class RolloutConfig(BaseSettings):
     empty_rate_rise: float = Field(
         default=0.05, ge=0, description="Outputs not declined that show no visible text, per generation."
     )
-    length_ratio_low: float = Field(default=0.5, gt=0, lt=1)
-    length_ratio_high: float = Field(default=2.0, gt=1)
-    explicit_up_rate_fall: float = Field(default=0.05, ge=0)
+    length_ratio_low: float = Field(
+        default=0.5, gt=0, lt=1, description="Mean suggestion length may fall to this x the champion's before it trips."
+    )
+    length_ratio_high: float = Field(
+        default=2.0, gt=1, description="Mean suggestion length may rise to this x the champion's before it trips."
+    )
+    explicit_up_rate_fall: float = Field(
+        default=0.05, ge=0, description="Thumbs up per generation: fall shown beside its guardrail."
+    )
     # Long-term holdout: this share of users stays on the champion of the day it was set up.
     holdout_share: float = Field(default=0.0, ge=0, le=0.5)
 
