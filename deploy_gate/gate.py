@@ -22,7 +22,7 @@ import logging
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from redis.exceptions import LockError
@@ -43,7 +43,7 @@ from deploy_gate.errors import (
     dependency_down,
 )
 from deploy_gate.offline import OfflineGates
-from deploy_gate.plan import Plan, Step
+from deploy_gate.plan import Action, Plan, Step
 from deploy_gate.views import GateStatus, VersionView
 from flywheel.connections import redis_client
 from flywheel.contract import TrafficSplit, utcnow
@@ -78,7 +78,7 @@ class DeployGate:
         self.settings = settings
         self.experiment = experiment
         self.splits = TrafficSplitStore(client, settings, experiment)
-        self._redis = client
+        self.redis = client  # the gate's state store; the rollout controller keeps its experiment record there too
         self._lock_key = f"{settings.redis_prefix}deploy_gate:lock:{experiment}"
 
     @classmethod
@@ -175,31 +175,30 @@ class DeployGate:
         return Plan("approve", version, by, reason, stored, after, tuple(steps))
 
     def plan_reject(self, version: str, *, by: str, reason: str) -> Plan:
-        _require_who_why(by, reason)
-        state = self.registry.gate_state(version)
-        if state != "pending":
-            raise NotPending(f"version {version} is {state}; only a pending candidate can be rejected")
-        split = self.splits.get()
-        step = Step(
-            f"registry: gate state of {version} pending -> rejected",
-            lambda: self.registry.set_gate_state(version, "rejected", by=by, reason=reason),
-        )
-        return Plan("reject", version, by, reason, split, split, (step,))
+        """Reject a pending candidate (a person's decision, or a control run's)."""
+        return self._plan_from_pending(version, "rejected", by, reason)
 
     def plan_refuse(self, version: str, *, reason: str) -> Plan:
         """Mark a pending candidate refused by its offline gates (`reason` names them): final, so nothing
         (a person, the auto-approve policy, the demo) tries it again. The gate does this itself, as
         `SYSTEM_ACTOR`, when approval finds a failed report."""
-        _require_who_why(SYSTEM_ACTOR, reason)
-        state = self.registry.gate_state(version)
-        if state != "pending":
-            raise NotPending(f"version {version} is {state}; only a pending candidate can be refused")
+        return self._plan_from_pending(version, "refused", SYSTEM_ACTOR, reason)
+
+    def _plan_from_pending(self, version: str, state: Literal["rejected", "refused"], by: str, reason: str) -> Plan:
+        """A plan that moves a pending candidate to the final `state` ("rejected" or "refused"): one registry
+        step; the split is unchanged (a pending version never takes traffic)."""
+        _require_who_why(by, reason)
+        current = self.registry.gate_state(version)
+        action: Action = "reject" if state == "rejected" else "refuse"
+        if current != "pending":
+            raise NotPending(f"version {version} is {current}; only a pending candidate can be {state}")
         split = self.splits.get()
+        why = " (offline gates)" if state == "refused" else ""
         step = Step(
-            f"registry: gate state of {version} pending -> refused (offline gates)",
-            lambda: self.registry.set_gate_state(version, "refused", by=SYSTEM_ACTOR, reason=reason),
+            f"registry: gate state of {version} pending -> {state}{why}",
+            lambda: self.registry.set_gate_state(version, state, by=by, reason=reason),
         )
-        return Plan("refuse", version, SYSTEM_ACTOR, reason, split, split, (step,))
+        return Plan(action, version, by, reason, split, split, (step,))
 
     def plan_promote(self, *, by: str, reason: str, verify: bool = True) -> Plan:
         """The challenger becomes the champion and takes all traffic (its artifacts verified first)."""
@@ -504,7 +503,7 @@ class DeployGate:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        lock = self._redis.lock(self._lock_key, timeout=60, blocking_timeout=10)
+        lock = self.redis.lock(self._lock_key, timeout=60, blocking_timeout=10)
         try:
             acquired = lock.acquire()
         except LockError:
