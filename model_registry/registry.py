@@ -13,6 +13,14 @@ file and tensor by tensor, against the manifest before anyone loads it; a broken
 parent gone, a parent other than the one the delta was made against, a corrupt stored file) is
 an `ArtifactIntegrityError` that says which.
 
+A LoRA adapter version (`register_adapter`) stores a peft adapter directory in full, with the base it was
+trained on: the base's version, the sha256 of the base's manifest (its content hash) and its lineage's base,
+in the adapter's own `flywheel_adapter.json` (covered by the adapter's manifest) and in a version tag. Its
+lineage's parent is the version it continued from (the champion: the base itself or an earlier adapter on
+it). `fetch` of an adapter checks that the base version still has that hash, refusing it otherwise
+(`ArtifactIntegrityError` naming both), and fetches the base too, beside it in the cache, where
+`flywheel.lm.load_policy` finds it.
+
 Lineage and gate state live in version tags, and every gate-state change adds one history
 tag (who, when, why), so the history is never rewritten.
 Works on any MLflow store (SQLite by default, PostgreSQL, a tracking server).
@@ -41,6 +49,8 @@ from mlflow.exceptions import MlflowException
 
 from flywheel.connections import configure_mlflow, experiment_artifact_location
 from flywheel.contract import ModelLineage
+from flywheel.lm.adapter_info import ADAPTER_INFO, AdapterInfo, is_adapter_dir, read_adapter_info, write_adapter_info
+from flywheel.lm.errors import CheckpointError
 from flywheel.settings import Settings
 from model_registry.delta import SUFFIX, DeltaError, apply_delta, make_delta, shares_tensors
 from model_registry.diff import TensorDiff, diff_checkpoints
@@ -71,6 +81,7 @@ TAG_LINEAGE = "flywheel.lineage"
 TAG_GATE_STATE = "flywheel.gate_state"
 TAG_GATE_HISTORY = "flywheel.gate_history."  # + zero-padded sequence number
 TAG_MANIFEST_SHA = "flywheel.manifest_sha256"
+TAG_ADAPTER = "flywheel.adapter"  # a LoRA adapter's base: JSON of flywheel.lm.AdapterInfo
 TAG_OFFLINE_GATES = "flywheel.offline_gates"  # the report's summary; written last
 TAG_OFFLINE_GATE = "flywheel.offline_gate."  # + gate name: one result each (tag values are capped)
 _DETAIL_CHARS = 2000
@@ -232,7 +243,40 @@ class ModelRegistry:
 
     # -- registration ------------------------------------------------------------------
     @_reachable
-    def register(self, model_dir: Path, lineage: ModelLineage, *, full: bool = False) -> str:
+    def register_adapter(self, adapter_dir: Path, lineage: ModelLineage, base_version: str) -> str:
+        """Register the peft adapter in `adapter_dir`, trained on registered full-weights `base_version`.
+
+        Writes `flywheel_adapter.json` (the base's version, manifest hash and lineage base) into
+        `adapter_dir` first, so the stored adapter names its base and its manifest covers that record.
+        Stored in full (an adapter is small; no delta chain to rebuild before serving it)."""
+        adapter_dir = Path(adapter_dir)
+        if not is_adapter_dir(adapter_dir):
+            raise FileNotFoundError(f"{adapter_dir} holds no adapter_config.json; pass a saved peft adapter")
+        base_mv = self._version(base_version)
+        if TAG_ADAPTER in base_mv.tags:
+            raise ValueError(f"version {base_version} is itself an adapter: an adapter's base is full weights")
+        info = AdapterInfo(
+            base_version=str(base_mv.version),
+            base_manifest_sha256=str(base_mv.tags.get(TAG_MANIFEST_SHA)),
+            base=ModelLineage.model_validate_json(base_mv.tags[TAG_LINEAGE]).base,
+        )
+        write_adapter_info(adapter_dir, info)
+        tag = json.dumps({"base_version": info.base_version, "base_manifest_sha256": info.base_manifest_sha256,
+                          "base": info.base})  # fmt: skip
+        return self.register(adapter_dir, lineage, full=True, _tags={TAG_ADAPTER: tag})
+
+    @_reachable
+    def adapter(self, version: str) -> AdapterInfo | None:
+        """The base `version` was trained on when it is a LoRA adapter; None for full weights."""
+        raw = self._version(version).tags.get(TAG_ADAPTER)
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return AdapterInfo(str(d["base_version"]), str(d["base_manifest_sha256"]), str(d.get("base", "")))
+
+    @_reachable
+    def register(self, model_dir: Path, lineage: ModelLineage, *, full: bool = False,
+                 _tags: dict[str, str] | None = None) -> str:  # fmt: skip
         """Log `model_dir` (as a delta against the lineage's parent where allowed, else in full) and its
         manifest as artifacts, and create a version in gate state "pending".
 
@@ -268,6 +312,7 @@ class ModelRegistry:
                 TAG_GATE_STATE: "pending",
                 _history_key(0): _change_json(first),
                 TAG_MANIFEST_SHA: hashlib.sha256(raw_manifest).hexdigest(),
+                **(_tags or {}),
             },
             description=f"parent {lineage.parent_version or '-'}; {lineage.sample_count} samples",
         )
@@ -286,6 +331,8 @@ class ModelRegistry:
         try:
             parent_mv = self._version(parent)
         except UnknownVersion:
+            return model_dir, full
+        if TAG_ADAPTER in parent_mv.tags:  # full weights trained from an adapter share no file with it
             return model_dir, full
         parent_manifest = self._manifest(parent_mv)
         chain = int(artifact_of(parent_manifest)["chain_length"]) + 1
@@ -478,7 +525,31 @@ class ModelRegistry:
         artifacts or the rebuilt checkpoint do not match the manifest recorded at registration,
         or when a link of the chain is missing or is not the parent the delta was made against.
         """
-        return self._fetch(str(version), ())
+        path = self._fetch(str(version), ())
+        if (path / ADAPTER_INFO).is_file() and is_adapter_dir(path):
+            self._check_adapter_base(str(version), path)
+        return path
+
+    def _check_adapter_base(self, version: str, path: Path) -> None:
+        """Refuse adapter `version` unless its base version still has the manifest hash it was trained on;
+        fetch that base beside it (verified), where `load_policy` looks for it."""
+        try:
+            info = read_adapter_info(path)
+        except CheckpointError as exc:
+            raise ArtifactIntegrityError(f"version {version}: {exc}") from None
+        try:
+            base_mv = self._version(info.base_version)
+        except UnknownVersion:
+            raise ArtifactIntegrityError(
+                f"version {version} is a LoRA adapter of {info.describe()}, which the registry does not hold"
+            ) from None
+        held = str(base_mv.tags.get(TAG_MANIFEST_SHA))
+        if held != info.base_manifest_sha256:
+            raise ArtifactIntegrityError(
+                f"version {version} is a LoRA adapter trained on {info.describe()}, but version {info.base_version}"
+                f" now has manifest sha256 {held[:12]}...: its base does not match, so it is refused"
+            )
+        self._fetch(info.base_version, (version,))
 
     def _fetch(self, version: str, below: tuple[str, ...]) -> Path:
         mv = self._version(version)

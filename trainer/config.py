@@ -44,6 +44,23 @@ class TrainerConfig:
         text_generations: also learn from generations known only as text (a product's own model, or
             unsigned): tokenised by the current policy, trained without behaviour log-probs. Needs
             objective "kto" or "rwl"; off (the default), they are left out with their reason.
+    Update
+        update: what a cycle trains and registers. "full" (default): every weight, registered as a lossless delta
+            against the champion; right for the small embedded model (a delta of a few MB, one copy served per
+            version). "lora": a LoRA adapter (peft) on a frozen base, registered as a standard peft directory with
+            its base's version and content hash (`ModelRegistry.register_adapter`): megabytes for a model of
+            billions of parameters, and champion and challenger served as two adapters on one copy of the base
+            (serving's HF back end through peft, vLLM through its runtime LoRA API). Use it for large models
+            and for many arms. A champion that is full weights becomes the new adapter's base; a champion that
+            is an adapter is continued (its rank, alpha and target modules kept, the lora_* settings below
+            apply to a fresh adapter only) on the same base. "full" from an adapter champion merges it first.
+            LoRA learns with a higher learning_rate than full weights (1e-4 to 1e-3 is usual, against 1e-5).
+        lora_rank, lora_alpha, lora_dropout: a fresh adapter's rank r, scale alpha (the update is
+            alpha / r x B A) and dropout on its input.
+        lora_target_modules: the modules that get an adapter: "all-linear" (default: every linear layer of
+            the transformer blocks, the output head left out; peft finds them in any architecture) or a
+            comma-separated list of module-name suffixes ("q_proj,v_proj" for Llama, Qwen2 and Mistral,
+            "c_attn" for GPT-2, "qkv_proj" for Phi-3).
     Optimisation
         learning_rate, weight_decay, batch_size (per process), epochs, max_steps (0 = no cap),
         grad_clip (0 = off), seed, device ("cpu", "cuda", "cuda:1"), dtype ("float32", "bfloat16": what
@@ -126,6 +143,12 @@ class TrainerConfig:
     rwl_max_weight: float = 20.0
     text_generations: bool = False
 
+    update: Literal["full", "lora"] = "full"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+
     learning_rate: float = 1e-5
     weight_decay: float = 0.0
     batch_size: int = 8
@@ -191,6 +214,14 @@ class TrainerConfig:
             errors.append(f"kto_beta={self.kto_beta}: must be > 0")
         if self.kto_lambda_desirable <= 0 or self.kto_lambda_undesirable <= 0:
             errors.append("kto_lambda_desirable and kto_lambda_undesirable must be > 0")
+        if self.update not in ("full", "lora"):
+            errors.append(f"update={self.update!r}: use 'full' (every weight) or 'lora' (a LoRA adapter)")
+        if self.lora_rank < 1 or self.lora_alpha <= 0:
+            errors.append(f"lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}: rank must be >= 1, alpha > 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            errors.append(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
+        if not self.lora_target_modules.strip():
+            errors.append("lora_target_modules is empty: use 'all-linear' or module names such as 'q_proj,v_proj'")
         if self.learning_rate <= 0:
             errors.append(f"learning_rate={self.learning_rate}: must be > 0")
         if self.batch_size < 1 or self.epochs < 1 or self.max_steps < 0:
@@ -247,3 +278,14 @@ class TrainerConfig:
         if unknown:
             raise ValueError(f"unknown TrainerConfig fields {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+    def lora_config(self) -> Any:
+        """A fresh adapter's `peft.LoraConfig` from the lora_* settings."""
+        from peft import LoraConfig
+
+        targets = self.lora_target_modules.strip()
+        modules: str | list[str] = (
+            "all-linear" if targets == "all-linear" else [m.strip() for m in targets.split(",") if m.strip()]
+        )
+        return LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                          target_modules=modules, task_type="CAUSAL_LM")  # fmt: skip

@@ -18,6 +18,11 @@ samples and what came since. Loading the champion and selecting samples, and the
 step (the KL pass, saving and registering the candidate), are not interrupted: a cycle that has trained to the
 end registers.
 
+LoRA (`TrainerConfig.update="lora"`): the cycle trains an adapter on a frozen base instead of every weight:
+a fresh one on a full-weights champion (which becomes its base), or the champion's own adapter continued. The
+reference log-probs, the mismatch report and the KL are those of the policy, base + adapter, as for full
+weights; the candidate registered is the adapter (`ModelRegistry.register_adapter`), naming its base.
+
 Distributed (torchrun): every process selects the same samples and trains on its share of
 each batch; process 0 alone logs to MLflow and registers.
 """
@@ -116,7 +121,8 @@ def run_cycle(
     if champion is None or selection is None:
         return CycleResult("skipped", reason, parent_version=champion)
     if policy is None:  # other processes: process 0 has verified and cached the checkpoint
-        policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
+        policy = _load_champion(registry, champion, config)
+    prepare_update(policy, config)
     tracker = _Tracker(settings, config, champion, selection.window.start if selection.window else None,
                        enabled=rank == 0)  # fmt: skip
     try:
@@ -195,7 +201,7 @@ def _plan(
     if champion is None:
         return (None, None, "no champion: register a model and set the 'champion' alias first"), None
     mark = watermark(registry, champion)
-    policy = load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype)
+    policy = _load_champion(registry, champion, config)
     selection = select_samples(settings, config, registry, champion, policy)
     minimum = config.min_samples if config.min_samples is not None else settings.min_train_samples
     if len(selection.samples) < minimum:
@@ -208,6 +214,30 @@ def _plan(
         log.info("trainer cycle skipped: %s", reason)
         return (champion, None, reason), None
     return (champion, selection, ""), policy
+
+
+def _load_champion(registry: ModelRegistry, champion: str, config: TrainerConfig) -> Policy:
+    """The champion as the cycle trains it: a LoRA champion with its adapter trainable under update="lora"."""
+    return load_policy(registry.fetch(champion), device=_local_device(config.device), dtype=config.dtype,
+                       trainable=config.update == "lora")  # fmt: skip
+
+
+def prepare_update(policy: Policy, config: TrainerConfig) -> None:
+    """Make `policy` train what `config.update` says, before anything scores it.
+
+    "lora" on full weights: a fresh adapter (peft zero-initialises B, so base + adapter computes exactly what
+    the base did; the reference log-probs are unchanged). "full" on an adapter: merged into the base (the
+    mismatch report then measures the merged weights against serving's unmerged ones). Otherwise nothing.
+    """
+    if config.update == "lora" and policy.adapter is None:
+        from peft import get_peft_model
+
+        policy.model = get_peft_model(policy.model, config.lora_config())  # type: ignore[arg-type]
+        policy.model.eval()
+    elif config.update == "full" and policy.adapter is not None:
+        policy.model = policy.model.merge_and_unload()  # type: ignore[operator]
+        policy.model.requires_grad_(True)  # peft froze the base when it loaded the adapter
+        policy.adapter = None
 
 
 def _train_and_register(
@@ -297,8 +327,10 @@ def _train_and_register(
         # own samples left out are the champion's fresh samples: every logged one fitted the reward model
         selection.dropped[reason if samples is logged else f"own samples {reason}"] += len(samples) - reached
     if config.save_dtype == "bfloat16":
-        # Before the KL, so it measures the weights that will be stored and served.
-        round_parameters_to_bfloat16_(policy.model, rounding_seed(config, champion, selection.window))
+        # Before the KL, so it measures the weights that will be stored and served (a LoRA cycle's adapter
+        # alone: the frozen base is stored already, as it is).
+        trained = policy.model if config.update == "full" else _TrainableOnly(policy.model)
+        round_parameters_to_bfloat16_(trained, rounding_seed(config, champion, selection.window))
     kl = kl_to_reference(policy.model, samples, reference, scorer, policy.pad_id, config.batch_size)
     tokens = sum(len(s.completion_token_ids) for s in samples)
     metrics = {
@@ -339,9 +371,17 @@ def _train_and_register(
     )
     with tempfile.TemporaryDirectory(prefix="candidate-", dir=_scratch(settings)) as tmp:
         policy.model.to(getattr(torch, config.save_dtype))  # exact: rounded above, or an upcast
-        policy.save(Path(tmp))
-        # Stored as a lossless delta against the champion when the chain allows (model_registry).
-        version = registry.register(Path(tmp), lineage)
+        if config.update == "lora":
+            # The adapter alone (a standard peft directory), naming its base: the champion's base, or the
+            # champion itself when it is full weights.
+            base_version = policy.adapter.base_version if policy.adapter is not None else champion
+            policy.model.save_pretrained(tmp)
+            Path(tmp, "README.md").unlink(missing_ok=True)  # peft's model-card stub
+            version = registry.register_adapter(Path(tmp), lineage, base_version)
+        else:
+            policy.save(Path(tmp))
+            # Stored as a lossless delta against the champion when the chain allows (model_registry).
+            version = registry.register(Path(tmp), lineage)
     artifact = registry.artifact(version)
     tracker.log_metrics({"artifact_stored_bytes": float(artifact.stored_bytes),
                          "artifact_chain_length": float(artifact.chain_length),
@@ -349,14 +389,26 @@ def _train_and_register(
                         step=len(history))  # fmt: skip
     tracker.finished(version)
     _barrier(world)
-    log.info("registered candidate v%s from v%s on %d logged samples (%s artifact, %d bytes stored)", version,
-             champion, len(logged), artifact.kind, artifact.stored_bytes)  # fmt: skip
+    log.info("registered candidate v%s from v%s on %d logged samples (%s%s artifact, %d bytes stored)", version,
+             champion, len(logged), "LoRA adapter, " if config.update == "lora" else "", artifact.kind,
+             artifact.stored_bytes)  # fmt: skip
     detail = f"; {own_note}" if own_note else ""
     return CycleResult(
         "registered", f"trained on {trained_on}; left out: {selection.describe_drops()}{detail}",
         version=version, parent_version=champion,
         sample_count=len(logged), run_id=tracker.run_id, metrics=metrics,
     )  # fmt: skip
+
+
+class _TrainableOnly(torch.nn.Module):
+    """A module whose parameters are `model`'s trainable ones (a LoRA adapter's), for in-place rounding."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return iter(self._params)
 
 
 class _Tracker:

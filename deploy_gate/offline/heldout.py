@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flywheel.lm import METADATA_FILE, PRESETS
+from flywheel.lm.adapter_info import adapter_base_dir, is_adapter_dir
 from flywheel.lm.corpus import held_out_files
 
 _CONTEXT_LINES = 12
@@ -33,7 +34,9 @@ class HeldOut:
 
 
 def training_sample_of(checkpoint: Path) -> tuple[int, int]:
-    """(files sampled, seed) of the bootstrap corpus `checkpoint` was trained on."""
+    """(files sampled, seed) of the bootstrap corpus `checkpoint` was trained on (a LoRA adapter's: its base's)."""
+    if is_adapter_dir(checkpoint):
+        checkpoint = adapter_base_dir(checkpoint)
     meta_path = checkpoint / METADATA_FILE
     preset, seed = _DEFAULT_PRESET, 0
     if meta_path.is_file():

@@ -15,15 +15,18 @@ changes a sampled token only on a near-tie of two candidates, and the log-probs 
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
+from flywheel.lm.adapter_info import AdapterInfo, adapter_base_dir, read_adapter_info
 from flywheel.lm.bootstrap import quiet_transformers
+from flywheel.lm.errors import CheckpointError
 from flywheel.lm.scoring import token_logprobs
 
 if TYPE_CHECKING:
@@ -34,10 +37,6 @@ _FALLBACK_CONTEXT = 2048
 MAX_TOP_LOGPROBS = 20
 
 FinishReason = Literal["stop", "length", "declined"]
-
-
-class CheckpointError(ValueError):
-    """The path given is not a loadable Hugging Face causal-LM checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -98,14 +97,27 @@ class _Row:
 
 
 class Policy:
-    """A loaded HF causal LM + tokenizer on one device, in eval mode."""
+    """A loaded HF causal LM + tokenizer on one device, in eval mode.
+
+    `weights`: entered around every forward pass of `generate_batch` and `sample_token_ids`; a view of a
+    shared base model (`flywheel.lm.adapters.SharedBase`) activates its own LoRA adapter there. `adapter`:
+    the base a LoRA policy (`model` a peft model) was trained on; None for full weights.
+    """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        *,
+        weights: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        adapter: AdapterInfo | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
+        self.weights = weights or contextlib.nullcontext
+        self.adapter = adapter
         self._newline_tokens: dict[int, bool] = {}
 
     @property
@@ -167,14 +179,26 @@ class Policy:
             self._newline_tokens[token_id] = cached
         return cached
 
-    def _text(self, token_ids: Sequence[int]) -> str:
+    def _decode(self, token_ids: Sequence[int]) -> str:
         # decode of one flat id list is a str; the stubs also allow list[str] for batches
         return cast(str, self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def _text(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> str:
+        """The text `token_ids` add after the prompt, special tokens left out.
+
+        Decoded after the prompt's last token and cut after that token's own text: SentencePiece-style
+        decoders (Llama, Mistral, Phi-3) drop the leading space of the first token decoded, so a completion
+        decoded on its own would lose the space it starts with (and prompt + completion would not be the text
+        the model saw). Falls back to decoding alone when the two do not line up (a character whose bytes
+        straddle the boundary)."""
+        anchor = self._decode(prompt_ids[-1:])
+        joint = self._decode([*prompt_ids[-1:], *token_ids])
+        return joint[len(anchor) :] if joint.startswith(anchor) else self._decode(token_ids)
 
     def _finished(self, row: _Row, stop_ids: set[int]) -> bool:
         token = row.chosen[-1]
         if row.request.stop:
-            text = self._text(row.chosen)
+            text = self._text(row.prompt_ids, row.chosen)
             cuts = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
             if cuts:
                 row.shown = text[: min(cuts)]
@@ -243,6 +267,10 @@ class Policy:
             request.check()
         if not requests:
             return []
+        with self.weights():
+            return self._generate_batch(requests, behaviour_logprobs)
+
+    def _generate_batch(self, requests: Sequence[GenerationRequest], behaviour_logprobs: bool) -> list[Generation]:
         rows = []
         for request in requests:
             generator = torch.Generator(device=self.device)
@@ -277,7 +305,8 @@ class Policy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
             rows.append(_Row(list(prompt), request, generator))
-        self._sample(rows)
+        with self.weights():
+            self._sample(rows)
         return [r.chosen for r in rows]
 
     def finish_reason(self, token_ids: Sequence[int], *, cut_by_stop: bool = False) -> FinishReason:
@@ -296,7 +325,7 @@ class Policy:
         return Generation(
             prompt_token_ids=row.prompt_ids,
             completion_token_ids=row.chosen,
-            completion=row.shown if row.shown is not None else self._text(row.chosen),
+            completion=row.shown if row.shown is not None else self._text(row.prompt_ids, row.chosen),
             logprobs=logprobs,
             finish_reason=finish,
             top_logprobs=self._top_logprobs(row) if row.request.top_logprobs else None,
@@ -335,11 +364,21 @@ class Policy:
         return path
 
 
-def load_policy(path: str | Path, device: str = "cpu", dtype: str = "float32") -> Policy:
-    """Load a local HF causal-LM checkpoint (no hub access) in eval mode on `device`."""
+def load_policy(
+    path: str | Path, device: str = "cpu", dtype: str = "float32", *, base: str | Path | None = None,
+    trainable: bool = False,
+) -> Policy:
+    """Load a local HF causal-LM checkpoint (no hub access) in eval mode on `device`.
+
+    A LoRA adapter directory (`flywheel.lm.adapters`) loads as base + adapter (a peft model): its base from
+    `base`, or from beside it where the registry's fetch put it. `trainable`: the adapter's weights require
+    grad (the trainer continuing from it); a full checkpoint's always do.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
+    if (path / "adapter_config.json").is_file():
+        return _load_adapter_policy(path, device, dtype, base, trainable)
     if not (path / "config.json").is_file():
         raise CheckpointError(
             f"{path} is not a Hugging Face checkpoint (no config.json). Point it at a directory written "
@@ -361,3 +400,17 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: str = "float32") -
     model.to(target)  # type: ignore[arg-type]  # transformers wraps .to with functools.wraps; the stub drops self
     model.eval()
     return Policy(model, tokenizer, target)
+
+
+def _load_adapter_policy(path: Path, device: str, dtype: str, base: str | Path | None, trainable: bool) -> Policy:
+    from peft import PeftModel
+
+    info = read_adapter_info(path)
+    base_policy = load_policy(base if base is not None else adapter_base_dir(path), device=device, dtype=dtype)
+    try:
+        with quiet_transformers():
+            model = PeftModel.from_pretrained(base_policy.model, str(path), is_trainable=trainable)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{path} could not be loaded as a LoRA adapter of {info.describe()}: {exc}") from exc
+    model.eval()
+    return Policy(cast("PreTrainedModel", model), base_policy.tokenizer, base_policy.device, adapter=info)
