@@ -17,13 +17,27 @@ app = typer.Typer(no_args_is_help=True)
 console = Console()
 
 
+# The columns `flywheel registry list` shows, in order, and the ones a terminal under `WIDE` columns leaves out
+# (so an 80-column terminal reads whole headers and whole version names, not "vers…"; `--wide` shows them all).
+LIST_COLUMNS = ("version", "created", "gate state", "aliases", "parent", "artifact", "chain", "stored", "samples",
+                "mean reward", "why")  # fmt: skip
+NARROW_LEAVES_OUT = frozenset({"created", "chain", "stored", "samples", "mean reward"})
+WIDE = 140
+
+
 @app.command("list")
-def list_versions(limit: int = typer.Option(20, help="How many versions, newest first.")) -> None:
+def list_versions(
+    limit: int = typer.Option(20, help="How many versions, newest first."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, whatever the terminal's width."),
+) -> None:
     """Model versions, newest first: gate state and why (a refusal names its offline gates), aliases, parent,
-    artifact (full or delta, chain length, size)."""
+    artifact (full or delta, chain length, size). Under 140 columns the creation time, chain, size, samples and
+    mean reward are left out (`--wide` keeps them)."""
     registry = ModelRegistry(get_settings())
-    table = Table("version", "created", "gate state", "aliases", "parent", "artifact", "chain", "stored",
-                  "samples", "mean reward", "why")  # fmt: skip
+    columns = [c for c in LIST_COLUMNS if wide or console.width >= WIDE or c not in NARROW_LEAVES_OUT]
+    table = Table(expand=False)
+    for name in columns:  # a header and a version name are never cut; the reason wraps
+        table.add_column(name, no_wrap=name != "why", min_width=len(name), overflow="fold")
     for info in registry.versions()[:limit]:
         reward = info.lineage.metrics.get("mean_reward")
         try:
@@ -32,20 +46,24 @@ def list_versions(limit: int = typer.Option(20, help="How many versions, newest 
             stored = f"{_size(art.stored_bytes)} ({art.checkpoint_bytes / max(art.stored_bytes, 1):.0f}x)"
         except ArtifactIntegrityError:
             kind, chain, stored = "[red]unreadable[/]", "-", "-"
-        table.add_row(
-            info.version,
-            info.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-            info.gate_state,
-            ", ".join(info.aliases),
-            info.lineage.parent_version or "-",
-            kind,
-            chain,
-            stored,
-            str(info.lineage.sample_count),
-            "-" if reward is None else f"{reward:.3f}",
-            _why(info.reason),
-        )
-    console.print(table)
+        cells = {
+            "version": info.version,
+            "created": info.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            "gate state": info.gate_state,
+            "aliases": ", ".join(info.aliases),
+            "parent": info.lineage.parent_version or "-",
+            "artifact": kind,
+            "chain": chain,
+            "stored": stored,
+            "samples": str(info.lineage.sample_count),
+            "mean reward": "-" if reward is None else f"{reward:.3f}",
+            "why": _why(info.reason),
+        }
+        table.add_row(*(cells[c] for c in columns))
+    if wide:  # past the terminal's edge (a pager or a file reads it whole) rather than squeezed
+        console.print(table, width=max(console.width, 2 * WIDE), crop=False)
+    else:
+        console.print(table)
 
 
 def _why(reason: str, chars: int = 160) -> str:

@@ -197,6 +197,21 @@ def test_cli_lists_kinds_shows_manifests_diffs_and_verifies(
         listed = runner.invoke(app, ["list"])
         assert listed.exit_code == 0, listed.output
         assert "delta" in listed.output and "full" in listed.output
+        # An 80-column terminal reads whole headers and version names; the detail columns wait for --wide.
+        from rich.console import Console
+
+        import model_registry.cli as registry_cli
+
+        with monkeypatch.context() as narrow_terminal:
+            narrow_terminal.setattr(registry_cli, "console", Console(width=80))
+            narrow = runner.invoke(app, ["list"])
+            assert narrow.exit_code == 0, narrow.output
+            assert all(len(line) <= 80 for line in narrow.output.splitlines())
+            for header in ("version", "gate state", "aliases", "parent", "artifact", "why"):
+                assert header in narrow.output
+            assert "…" not in narrow.output and "samples" not in narrow.output
+            assert all(f" {v} " in narrow.output for v in versions)
+            assert "samples" in runner.invoke(app, ["list", "--wide"]).output
         shown = runner.invoke(app, ["show", versions[1], "--manifest"])
         assert shown.exit_code == 0
         assert json.loads(shown.output)["artifact"]["parent"] == versions[0]

@@ -102,11 +102,11 @@ class RolloutController:
     # ---- state ---------------------------------------------------------------------------
 
     def record(self) -> ExperimentRecord:
-        raw = self.gate._redis.get(self._key)
+        raw = self.gate.redis.get(self._key)
         return ExperimentRecord.model_validate_json(raw) if raw else ExperimentRecord(experiment=self.config.experiment)
 
     def _save(self, rec: ExperimentRecord) -> None:
-        self.gate._redis.set(self._key, rec.model_dump_json())
+        self.gate.redis.set(self._key, rec.model_dump_json())
 
     def view(self) -> ExperimentView:
         """The `GET /api/experiment` answer, from the stored record and the split (no lake read)."""
