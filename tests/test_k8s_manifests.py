@@ -54,6 +54,20 @@ def prod_overlays(tmp_path_factory: pytest.TempPathFactory) -> tuple[kc.Manifest
 
 
 @pytest.fixture(scope="module")
+def gpu_applied(tmp_path_factory: pytest.TempPathFactory) -> kc.Manifests:
+    """overlays/gpu as a deploy applies it: prod with generation on a vLLM server and an adapter trained per cycle."""
+    with kc.prod_with_example_secrets(tmp_path_factory.mktemp("gpu")) as overlay:
+        return kc.build(overlay.parent / "gpu")
+
+
+@pytest.fixture(scope="module")
+def gpu(gpu_applied: kc.Manifests, prod_overlays: tuple[kc.Manifests, kc.Manifests]) -> kc.Manifests:
+    """overlays/gpu with prod's on-demand training job beside it, checked as prod is (its peers' policy is prod's)."""
+    applied, training = prod_overlays
+    return kc.Manifests(gpu_applied.docs + [d for d in training.docs if d not in applied.docs])
+
+
+@pytest.fixture(scope="module")
 def prod(prod_overlays: tuple[kc.Manifests, kc.Manifests]) -> kc.Manifests:
     return prod_overlays[1]
 
@@ -68,7 +82,7 @@ def _no_crds(reason: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(params=["dev", "prod"])
+@pytest.fixture(params=["dev", "prod", "gpu"])
 def built(request: pytest.FixtureRequest) -> kc.Manifests:
     return request.getfixturevalue(request.param)
 
@@ -254,7 +268,7 @@ def test_every_image_is_bumped_in_one_place(built: kc.Manifests) -> None:
     """Each image a pod runs is set by a kustomization's `images:` (base for the engines, the overlay for
     Flywheel's and dev's MinIO), never by a tag written in a manifest."""
     named = set()
-    for k in ("base", "overlays/dev", "overlays/prod"):
+    for k in ("base", "overlays/dev", "overlays/prod", "overlays/gpu"):
         for entry in yaml.safe_load((kc.K8S / k / "kustomization.yaml").read_text()).get("images", []):
             named |= {entry["name"], entry.get("newName", entry["name"])}
     for owner, c in containers(built):
@@ -338,3 +352,48 @@ def test_alerts_and_dashboard_read_series_the_processes_export(dev: kc.Manifests
     alerts = {r["alert"] for g in dev.of("PrometheusRule")[0]["spec"]["groups"] for r in g["rules"]}
     assert {"FlywheelIngestLag", "FlywheelDeadLetterRate", "FlywheelNoRewards", "FlywheelTrainingCycleFailed",
             "FlywheelRollback", "FlywheelServingErrors"} <= alerts
+
+
+def test_gpu_overlay_serves_on_a_vllm_sidecar_with_runtime_adapters_and_trains_adapters(
+    gpu_applied: kc.Manifests, prod_overlays: tuple[kc.Manifests, kc.Manifests]
+) -> None:
+    """overlays/gpu (issue 45's deployment): each serving pod generates on its own vLLM engine, which holds the
+    GPU, serves the base under the name serving routes to and loads adapters at runtime from paths serving hands
+    it; the trainer writes an adapter per cycle. Everything else is prod's, unchanged."""
+    m = gpu_applied
+    serving = m.get("Deployment", "flywheel-serving")["spec"]["template"]["spec"]  # type: ignore[index]
+    engine = next(c for c in serving["initContainers"] if c["name"] == "vllm")
+    main = next(c for c in serving["containers"] if c["name"] == "serving")
+    env = kc.environment(m, main)
+    assert env["FLYWHEEL_SERVING_BACKEND"] == "vllm"
+    port = int(env["FLYWHEEL_VLLM_URL"].removeprefix("http://127.0.0.1:"))  # the pod's own engine, on loopback
+    assert engine["restartPolicy"] == "Always" and engine["ports"][0]["containerPort"] == port
+    args = engine["command"] + engine["args"]
+    assert {"--enable-lora", "--logprobs-mode=raw_logprobs", f"--port={port}"} <= set(args)
+    engine_env = {e["name"]: e["value"] for e in engine["env"]}
+    assert engine_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and engine_env["HF_HUB_OFFLINE"] == "1"
+    # The GPU is the engine's; serving's own container runs on the CPU image.
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "nvidia.com/gpu" not in main["resources"]["limits"] and "cuda" not in main["image"]
+    assert env["FLYWHEEL_DEVICE"] == "cpu"
+    # An adapter's path is the one serving fetched it to: the engine mounts serving's data folder at the same
+    # place, read-only, and the base from the volume the init Job registers it from.
+    mounts = {v["name"]: v for v in engine["volumeMounts"]}
+    data = next(v for v in main["volumeMounts"] if v["name"] == "data")
+    assert mounts["data"]["mountPath"] == data["mountPath"] and mounts["data"]["readOnly"] is True
+    volumes = {v["name"]: v for v in serving["volumes"]}
+    assert volumes["base-model"]["persistentVolumeClaim"]["claimName"] == "flywheel-base-model"
+    assert args[:3] == ["vllm", "serve", mounts["base-model"]["mountPath"] + "/base"]
+    # The trainer trains adapters.
+    trainer = m.get("Deployment", "flywheel-trainer")["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    path = trainer["args"][trainer["args"].index("--config") + 1]
+    config = kc.mounted_file(m, m.get("Deployment", "flywheel-trainer"), trainer, path)  # type: ignore[arg-type]
+    assert config is not None and json.loads(config)["update"] == "lora"
+    # vLLM refuses an adapter of a higher rank than it reserved room for.
+    max_rank = int(next(a for a in args if a.startswith("--max-lora-rank=")).split("=")[1])
+    assert json.loads(config).get("lora_rank", 16) <= max_rank
+    # Only serving's Deployment and the trainer's differ from prod's (and the trainer's config is new).
+    applied = prod_overlays[0]
+    changed = {f"{d['kind']}/{d['metadata']['name']}" for d in m.docs if d not in applied.docs}
+    assert {c for c in changed if not c.startswith("ConfigMap/flywheel-")} == {
+        "Deployment/flywheel-serving", "Deployment/flywheel-trainer"}

@@ -30,6 +30,7 @@ from tests.k8s_checks.flywheel import (
     check_settings,
     environment,
     flywheel_args,
+    mounted_file,
     settings_classes,
 )
 from tests.k8s_checks.manifests import (
@@ -67,7 +68,7 @@ from tests.k8s_checks.security import (
 
 __all__ = [
     "BIN", "CHECKS", "K8S", "REPO", "Manifests", "Problem", "build", "check_schemas", "crd_dir", "environment",
-    "flywheel_args", "prod_with_example_secrets", "prometheus_rules", "settings_classes", "tool",
+    "flywheel_args", "mounted_file", "prod_with_example_secrets", "prometheus_rules", "settings_classes", "tool",
 ]
 
 

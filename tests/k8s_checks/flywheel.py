@@ -4,7 +4,10 @@ every command is in the CLI, every long-running process is probed on its health 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -123,13 +126,57 @@ def _cli() -> Any:
     return typer.main.get_command(app)
 
 
+def mounted_file(m: Manifests, owner: Resource, c: Resource, path: str) -> str | None:
+    """The text of the file at `path` inside the container when a ConfigMap or Secret volume puts it there, else
+    None (a path on another volume, or not a path)."""
+    if not path.startswith("/"):
+        return None
+    tpl = next(t for o, t in m.workloads() if o is owner and c in t["spec"]["containers"])
+    volumes = {v["name"]: v for v in tpl["spec"].get("volumes", [])}
+    for mount in c.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/") + "/"
+        vol = volumes.get(mount["name"], {})
+        if not path.startswith(root) or not ({"configMap", "secret"} & set(vol)):
+            continue
+        kind, name = ("ConfigMap", vol["configMap"]["name"]) if "configMap" in vol else (
+            "Secret", vol["secret"]["secretName"])
+        return (m.data(kind, name) or {}).get(path[len(root):])
+    return None
+
+
+def _trainer_config_problem(args: list[str], files: dict[str, str]) -> str | None:
+    """A trainer's `--config` file that TrainerConfig refuses (the process would exit 2 at start)."""
+    if args[:1] != ["trainer"] or "--config" not in args[:-1]:
+        return None
+    text = files.get(args[args.index("--config") + 1])
+    if text is None:
+        return None
+    from trainer.config import TrainerConfig
+
+    try:
+        TrainerConfig.from_dict(json.loads(text))
+    except (ValueError, TypeError) as exc:
+        return f"--config: {exc}"
+    return None
+
+
 def check_commands(m: Manifests) -> list[Problem]:
-    """Every `flywheel ...` a container runs is a command of the CLI, with options it takes."""
+    """Every `flywheel ...` a container runs is a command of the CLI, with options it takes; a file an option
+    names that a ConfigMap or Secret volume provides is read from it (a trainer's config must validate)."""
     problems = []
+    scratch = Path(tempfile.mkdtemp(prefix="k8s-commands-"))
     for owner, c in containers(m):
         args = flywheel_args(c)
         if args is None:
             continue
+        files = {a: text for a in args if (text := mounted_file(m, owner, c, a)) is not None}
+        if (bad := _trainer_config_problem(args, files)) is not None:
+            problems.append(Problem("commands", where(owner), f"{c['name']}: {bad}"))
+        local = {}
+        for i, (a, text) in enumerate(files.items()):
+            (scratch / str(i)).write_text(text)
+            local[a] = str(scratch / str(i))
+        args = [local.get(a, a) for a in args]
         cmd, words, path = _cli(), list(args), ["flywheel"]
         # Typer carries its own copy of click: groups are told by their sub-commands, not by class.
         while hasattr(cmd, "commands") and words and words[0] in cmd.commands:
@@ -143,6 +190,7 @@ def check_commands(m: Manifests) -> list[Problem]:
         except Exception as exc:  # click's usage errors: no such option, a bad value, a missing argument
             message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
             problems.append(Problem("commands", where(owner), f"{' '.join([*path, *words])}: {message}"))
+    shutil.rmtree(scratch, ignore_errors=True)
     return problems
 
 

@@ -107,8 +107,11 @@ class Manifests:
         pods = []
         for owner, tpl in self.workloads():
             spec = tpl.get("spec", {})
-            ports = {p.get("name", str(p["containerPort"])): p["containerPort"]
-                     for c in spec.get("containers", []) for p in c.get("ports", [])}
+            # Sidecars (init containers that keep running) serve beside the containers.
+            serving = spec.get("containers", []) + [c for c in spec.get("initContainers", [])
+                                                    if c.get("restartPolicy") == "Always"]
+            ports = {p.get("name", str(p["containerPort"])): p["containerPort"] for c in serving
+                     for p in c.get("ports", [])}
             pods.append(Pod(where(owner), dict(tpl.get("metadata", {}).get("labels") or {}), spec, ports))
         pods += self._strimzi_pods()
         pods += self._acme_solver_pods()

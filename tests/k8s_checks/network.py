@@ -138,6 +138,10 @@ S3_CLIENTS = ("mlflow", "ingest-worker", "signals-worker", "gate", "rollout", "t
               "lake-vacuum-full", "trainer-multinode")
 
 
+# Containers that run a generation engine for the pod's own process (only it may call them).
+ENGINES = ("vllm",)
+
+
 def _app_pods(m: Manifests, app: str) -> list[Pod]:
     if app == "kafka":
         return [p for p in m.pods if p.labels.get("strimzi.io/broker-role") == "true"]
@@ -180,6 +184,15 @@ def check_network_flows(m: Manifests) -> list[Problem]:
     for dst in m.pods_by_app("serving"):
         need(SERVING_CLIENT, Peer(dst.labels, pod=dst), 8000, "a serving client's namespace -> serving:8000")
         need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8000, "ingress controller -> serving:8000")
+    # A generation engine beside serving (overlays/gpu's vLLM sidecar) answers serving's own container only: its
+    # API loads and unloads adapters without a key, so no other pod of the namespace may open it.
+    for dst in m.pods:
+        engine = {p["containerPort"] for c in dst.containers if c["name"] in ENGINES for p in c.get("ports", [])}
+        for port in sorted(engine):
+            for src in m.pods:
+                if src is not dst:
+                    need(Peer(src.labels, pod=src), Peer(dst.labels, pod=dst), port,
+                         f"{src.labels.get('app', src.owner)} -> {dst.owner}'s engine:{port}", False)
     scraped: set[tuple[str, int]] = set()
     for sm in m.of("ServiceMonitor"):
         svc = next((s for s in m.of("Service") if selects(sm["spec"]["selector"], s["metadata"].get("labels") or {})),
