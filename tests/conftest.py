@@ -11,8 +11,12 @@
 from __future__ import annotations
 
 import os
+import random
+import secrets
 import shutil
+import threading
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,7 +72,9 @@ def mlflow_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def settings(broker: str, redis_url: str, mlflow_template: Path, tmp_path: Path) -> Iterator[Settings]:
-    tag = uuid.uuid4().hex[:8]
+    # Not uuid4: `seeded_ids` makes that repeatable, and Redis is shared with every other run on the machine
+    # (a concurrent or killed run of the same test would share a repeated prefix).
+    tag = secrets.token_hex(4)
     shutil.copyfile(mlflow_template, tmp_path / "mlflow.db")
     s = Settings(
         data_dir=tmp_path / "data",
@@ -89,6 +95,21 @@ def settings(broker: str, redis_url: str, mlflow_template: Path, tmp_path: Path)
     import redis
 
     delete_prefix(redis.Redis.from_url(redis_url), s.redis_prefix)
+
+
+@pytest.fixture
+def seeded_ids(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `uuid.uuid4()` drawn during the test comes from a generator seeded by the test's id, so that a
+    run is repeatable: serving's generation ids (which order the trainer's samples and seed its rounding),
+    an experiment's salt (which splits users between arms), run ids. Not a stand-in for any part: each part
+    still runs for real. Isolation never rests on these ids (`settings` draws its prefix from `secrets`)."""
+    rng, lock = random.Random(zlib.crc32(request.node.nodeid.encode())), threading.Lock()
+
+    def uuid4() -> uuid.UUID:
+        with lock:
+            return uuid.UUID(int=rng.getrandbits(128), version=4)
+
+    monkeypatch.setattr(uuid, "uuid4", uuid4)
 
 
 @pytest.fixture(scope="session")

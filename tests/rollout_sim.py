@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -54,7 +53,9 @@ def write_batch(
 ) -> dict[str, int]:
     """Write `users` new users' generations and rewards; returns users per arm."""
     events, rewards, counts = [], [], {"champion": 0, "challenger": 0, "holdout": 0}
-    ids = user_ids or [f"u-{uuid.uuid4().hex[:10]}" for _ in range(users)]
+    # Every id is drawn from `rng`, so a seeded test writes the same users, generations and files each run
+    # (the users' arms, a hash of their ids, with them).
+    ids = user_ids or [f"u-{rng.getrandbits(40):010x}" for _ in range(users)]
     for user in ids:
         arm = split.arm_for(user)
         if drop is not None and drop(arm, user):
@@ -64,7 +65,7 @@ def write_batch(
         version = split.version_for(arm)
         for g in range(generations):
             ts = at + timedelta(seconds=g)
-            gid = f"gen-{uuid.uuid4().hex}"
+            gid = f"gen-{rng.getrandbits(128):032x}"
             shown = rng.random() < b.shown
             good = rng.random() < b.p_good
             signals: dict[str, float] = {}
@@ -92,7 +93,7 @@ def write_batch(
                             "confidence": 1.0, "label_source": label, "signals": json.dumps(signals, sort_keys=True),
                             "user_id": user, "model_version": version, "arm": arm, "experiment": split.experiment,
                             "window_start": ts, "window_end": ts, "late_events": 0, "emitted_at": ts})
-    name = f"sim-{uuid.uuid4().hex[:8]}"
+    name = f"sim-{rng.getrandbits(32):08x}"
     if events:
         EVENTS.write(EVENTS.at(settings.lake_root), pl.DataFrame(events, schema=EVENTS.schema), name)
         REWARDS.write(REWARDS.at(settings.lake_root), pl.DataFrame(rewards, schema=REWARDS.schema), name)

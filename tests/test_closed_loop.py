@@ -8,9 +8,6 @@ contexts with fixed seeds, never through Flywheel's own numbers.
 from __future__ import annotations
 
 import random
-import threading
-import uuid
-import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -30,21 +27,8 @@ from trainer.config import TrainerConfig
 from trainer.cycle import run_cycle
 from trainer.loop import decline_probabilities
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def seeded_ids(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every random id in the loop (serving's generation ids, which order the trainer's samples and seed its
-    rounding; the experiment's salt, which splits users between arms) drawn from a generator seeded per test,
-    so that a run is repeatable. Not a stand-in for any part: each part still runs for real."""
-    rng, lock = random.Random(zlib.crc32(request.node.nodeid.encode())), threading.Lock()
-
-    def uuid4() -> uuid.UUID:
-        with lock:
-            return uuid.UUID(int=rng.getrandbits(128), version=4)
-
-    monkeypatch.setattr(uuid, "uuid4", uuid4)
+# Every random id in the loop seeded per test (`seeded_ids`), so that a run is repeatable.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("seeded_ids")]
 
 
 @dataclass(frozen=True)

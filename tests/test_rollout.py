@@ -22,6 +22,10 @@ from model_registry import ModelRegistry
 from tests.helpers import register
 from tests.rollout_sim import Behaviour, Drop, write_batch
 
+# Repeatable: the users' ids come from the test's rng, and the experiment's salt (which splits them
+# between arms) from `seeded_ids`.
+pytestmark = pytest.mark.usefixtures("seeded_ids")
+
 CHAMPION = Behaviour(p_good=0.5)
 
 

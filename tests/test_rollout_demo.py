@@ -25,6 +25,10 @@ from tests.helpers import register
 from tests.rollout_sim import Behaviour, write_batch
 from tests.test_rollout import Clock, gate, registry, versions  # noqa: F401 - fixtures
 
+# Repeatable: the users' ids come from the test's rng, and the experiment's salt (which splits them
+# between arms) from `seeded_ids`.
+pytestmark = pytest.mark.usefixtures("seeded_ids")
+
 SAME = Behaviour(p_good=0.35, shown=0.85)
 
 

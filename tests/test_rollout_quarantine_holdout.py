@@ -29,6 +29,10 @@ from tests.rollout_sim import Behaviour, write_batch
 from trainer.config import TrainerConfig
 from trainer.data import load_selection, quarantined_versions
 
+# Repeatable: the users' ids come from the test's rng, and the experiment's salt (which splits them
+# between arms) from `seeded_ids`.
+pytestmark = pytest.mark.usefixtures("seeded_ids")
+
 ADMIN = "admin-token-for-the-quarantine-test"
 
 

@@ -28,6 +28,10 @@ from model_registry import ModelRegistry
 from tests.helpers import register
 from tests.rollout_sim import Behaviour, write_batch
 
+# Repeatable: the users' ids come from the test's rng, and the experiment's salt (which splits them
+# between arms) from `seeded_ids`.
+pytestmark = pytest.mark.usefixtures("seeded_ids")
+
 T0 = datetime(2026, 11, 25, 10, 0, tzinfo=UTC)
 POINTER = {"code-completion": "rules-v1", "chat": "chat-rules-v1"}
 

@@ -19,6 +19,10 @@ from flywheel.settings import Settings
 from tests.rollout_sim import Drop, write_batch
 from tests.test_rollout import CHAMPION, Clock, config, gate, registry, versions  # noqa: F401 - fixtures
 
+# Repeatable: the users' ids come from the test's rng, and the experiment's salt (which splits them
+# between arms) from `seeded_ids`.
+pytestmark = pytest.mark.usefixtures("seeded_ids")
+
 
 def _feed(
     controller: RolloutController,
