@@ -279,6 +279,20 @@ def test_every_image_is_bumped_in_one_place(built: kc.Manifests) -> None:
         assert not re.search(r"^\s*image: \S+:\S+", path.read_text(), flags=re.MULTILINE), path
 
 
+def test_prod_runs_only_images_pinned_by_digest_and_dev_by_tag(
+    dev: kc.Manifests, prod: kc.Manifests, gpu: kc.Manifests
+) -> None:
+    """Prod's namespace asks for digests, so the images check refuses a tag alone there (images.digest shows it);
+    the repository's digests are the documented placeholder until an operator pins real images."""
+    from tests.k8s_checks.objects import PLACEHOLDER_DIGEST, pinned
+
+    assert pinned(prod) and pinned(gpu) and not pinned(dev)  # dev runs images loaded into kind by tag
+    for m in (prod, gpu):
+        images = {c["image"] for _, c in containers(m)}
+        assert images and all(i.endswith("@" + PLACEHOLDER_DIGEST) for i in images), images
+        assert all(re.search(r":[^/@]+@", i) for i in images)  # the tag stays beside it, for people
+
+
 def test_every_check_has_a_broken_overlay() -> None:
     assert {c.split(".")[0] for c in CASES} == set(kc.CHECKS) | {"schemas"}
 

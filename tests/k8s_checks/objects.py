@@ -297,11 +297,30 @@ def check_references(m: Manifests) -> list[Problem]:
     return problems
 
 
+# Where a namespace asks for digests (prod), every image must carry one: `@sha256:` and 64 hex digits.
+PINNED_LABEL = "flywheel.io/images-pinned"
+_DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
+"""What the repository's prod overlays carry until an operator pins real images: no registry holds it, so a pod
+on it fails to pull instead of running an unpinned image (k8s/README.md, "Images")."""
+
+
+def pinned(m: Manifests) -> bool:
+    """Whether the namespace asks for every image to be pinned by digest."""
+    return any((ns["metadata"].get("labels") or {}).get(PINNED_LABEL) == "true" for ns in m.of("Namespace"))
+
+
 def check_images(m: Manifests) -> list[Problem]:
+    """Every image has a fixed tag (never latest) or a digest; where the namespace asks (prod), a digest."""
     problems = []
+    digests = pinned(m)
     for owner, c in containers(m):
         image = c.get("image", "")
         name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+        if digests and not _DIGEST.search(image):
+            problems.append(Problem("images", where(owner), f"container {c['name']}: image {image!r} is not pinned "
+                                    f"by digest (the namespace's {PINNED_LABEL} asks for it)"))
+            continue
         if "@sha256:" in image:
             continue
         if not tag or tag == "latest":
