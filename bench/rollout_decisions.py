@@ -392,6 +392,50 @@ def table(experiments: int) -> None:
         print(f"| {name} {cells} {time.perf_counter() - t0:.0f} |", flush=True)
 
 
+def large(experiments: int) -> None:
+    """The table's configurations at 200,000 users (each experiment is 100x a 2,000-user one: run fewer)."""
+    rows = [
+        ("defaults (expected loss, 5/25/50% ramp), 200,000 users in 14 days", RolloutConfig(), 4 * 3600.0),
+        ("sequential rule (the former default), 200,000 users in 14 days", RolloutConfig(decision_rule="sequential"),
+         4 * 3600.0),
+        ("flywheel up's settings, 200,000 users in 10 min", demo_config(), 10.0),
+    ]  # fmt: skip
+    print(f"{experiments} experiments a cell, 200,000 users, same users and looks as the table")
+    for i, (name, cfg, look) in enumerate(rows):
+        t0 = time.perf_counter()
+        cells = _row(cfg, 200_000, look, PLAIN, experiments, seed=5000 + 100 * i)
+        print(f"| {name} {cells} {time.perf_counter() - t0:.0f} |", flush=True)
+
+
+def _ends(o: Any) -> str:
+    """How the experiments of one scenario ended: promoted, rolled back on harm, inconclusive; median days."""
+    from deploy_gate.rollout import rules
+
+    p = np.isin(o.code, rules.PROMOTED)
+    days = f" ({np.median(o.at_s[p]) / DAY:.1f} d)" if p.any() else ""
+    return (f"promoted {p.mean():.1%}{days}, rolled back on a guardrail {o.share(rules.ROLLBACK_GUARDRAIL):.1%}, "
+            f"as worse {o.share(rules.ROLLBACK_WORSE):.1%}, inconclusive {o.share(*rules.INCONCLUSIVE):.1%}, "
+            f"never ended {o.share(rules.CONTINUE_LAST):.1%}")  # fmt: skip
+
+
+def dynamics(experiments: int) -> None:
+    """A novelty effect (better at first, fading to worse) and a challenger better on reward but slower."""
+    from deploy_gate.rollout.calibration import Scenario, simulate
+
+    cfg = RolloutConfig()
+    print(f"{experiments} experiments a cell; defaults, users and looks as the table")
+    for n in (2000, 20000):
+        # Users arriving on day 0 accept 30% more often, those arriving after a week about 10% less (tau 2 days).
+        o = simulate(Scenario(cfg, n, 4 * 3600.0, 0.9, population=PLAIN, spread=True, novelty=0.4,
+                              novelty_days=2.0), experiments, 7000 + n)  # fmt: skip
+        print(f"| novelty: +30% on day 0 fading to 10% worse (tau 2 d), {n:,} users | {_ends(o)} |", flush=True)
+    for slow in (1.1, 1.5):
+        o = simulate(Scenario(cfg, 20000, 4 * 3600.0, 1.1, population=PLAIN, spread=True, latency_factor=slow),
+                     experiments, 8000 + int(slow * 10))  # fmt: skip
+        print(f"| 10% better on reward, {slow:g}x the latency (tolerance {cfg.latency_p95_ratio:g}x), 20,000 users | "
+              f"{_ends(o)} |", flush=True)
+
+
 def worse_only(experiments: int) -> None:
     """The goals closest to their bound on more experiments: 10%-worse challengers promoted under the defaults at
     2,000 users, without and with a pre-period, A/A wrong decisions on the same draws, and A/A at 20,000 users."""
@@ -418,6 +462,8 @@ def main() -> None:
     ap.add_argument("--worse-only", type=int, default=0, metavar="N", help="10%%-worse and A/A at 2,000 users, N each")
     ap.add_argument("--heavy-tail", type=int, default=0, metavar="N", help="only the heavy-tailed row, N experiments")
     ap.add_argument("--through-analyse", type=int, default=0, metavar="N")
+    ap.add_argument("--large", type=int, default=0, metavar="N", help="the 200,000-user rows, N experiments a cell")
+    ap.add_argument("--dynamics", type=int, default=0, metavar="N", help="novelty and slower-challenger rows")
     ap.add_argument("--rules-only", action="store_true", help="only the sequential against the expected-loss rule")
     args = ap.parse_args()
     if args.through_analyse:
@@ -426,6 +472,12 @@ def main() -> None:
     check_demo_matches_launcher()
     if args.worse_only:
         worse_only(args.worse_only)
+        return
+    if args.large:
+        large(args.large)
+        return
+    if args.dynamics:
+        dynamics(args.dynamics)
         return
     if args.heavy_tail:
         pop = Population(returning=0.0, accept_concentration=4.0, activity_sigma=1.5, light_generations=10.0)

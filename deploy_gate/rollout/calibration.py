@@ -37,6 +37,11 @@ class Scenario:
     srm_loss: float = 0.0  # share of challenger users lost before the lake (a broken logging path)
     rule: Literal["sequential", "expected_loss"] | None = None  # None: the config's `decision_rule`
     spread: bool = False  # a user's requests spread over the experiment, not all at their first look
+    # A novelty effect: the challenger's users arriving at time t accept (accept_factor + novelty x exp(-t / tau))
+    # times as often, tau = novelty_days; a user keeps the propensity of their arrival (calendar-time fading).
+    novelty: float = 0.0
+    novelty_days: float = 2.0
+    latency_factor: float = 1.0  # the challenger serves each generation this many times slower
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,12 @@ def simulate(scenario: Scenario, experiments: int, seed: int) -> Outcomes:
                 keep = ~((arm == 1) & (rng.random(m) < scenario.srm_loss))
                 who, st, arm = who[keep], st[keep], arm[keep]
                 m = who.size
-            factor = np.where(arm == 1, scenario.accept_factor, 1.0)
+            novel = scenario.novelty * math.exp(-t / (scenario.novelty_days * 86400.0))
+            factor = np.where(arm == 1, scenario.accept_factor + novel, 1.0)
             level = np.full(m, 1.0 + scenario.drift * t / cfg.max_duration_s)
             cols = users(rng, m, pop, factor, level)
+            if scenario.latency_factor != 1.0:
+                cols["latency_sum"] = cols["latency_sum"] * np.where(arm == 1, scenario.latency_factor, 1.0)
             z = covariate(cols, centre)
             flat = (who * steps + st) * 2 + arm
             size = e_ * steps * 2
