@@ -50,6 +50,7 @@ from deploy_gate.rollout.models import (
     SrmPeriod,
     SrmView,
     StratumView,
+    SycophancyView,
 )
 from deploy_gate.stats import RatioStats, ratio_difference, t_difference
 
@@ -60,6 +61,7 @@ METHOD = (
 )
 SRM_METHOD = "sequential Dirichlet-multinomial test (Lindon & Malek 2022), prior concentration 100"
 ARMS = ("champion", "challenger")
+CHAT_METRICS = (*rules.STYLE, rules.APPROVAL)
 
 
 @dataclass(frozen=True)
@@ -96,20 +98,25 @@ def _stratum(users: pl.DataFrame, step_starts: list[datetime]) -> pl.DataFrame:
 
 def cells(users: pl.DataFrame, steps: int, pre_rate: float | None) -> dict[str, np.ndarray]:
     """Each metric's moments per (step, arm), shape (1, steps, 2, MOMENTS), from users with a `stratum`."""
-    out = {m.name: np.zeros((1, steps, 2, MOMENTS)) for m in rules.METRICS}
+    metrics = (*rules.METRICS, *CHAT_METRICS)
+    out = {m.name: np.zeros((1, steps, 2, MOMENTS)) for m in metrics}
     if users.is_empty():
         return out
     z = (pl.col("pre_reward_sum") - (pre_rate or 0.0) * pl.col("pre_reward_n")) if pre_rate is not None else pl.lit(0.0)
+    chat_user = pl.col("chat_replies").fill_null(0) > 0
     aggs = []
-    for m in rules.METRICS:
-        x, y = pl.col(m.denominator).cast(pl.Float64), pl.col(m.numerator).cast(pl.Float64)
+    for m in metrics:
+        x = pl.col(m.denominator).cast(pl.Float64).fill_null(0.0)
+        y = pl.col(m.numerator).cast(pl.Float64).fill_null(0.0)
         zz = z if m is rules.PRIMARY else pl.lit(0.0)
         parts = (x, y, x * x, y * y, x * y, zz, zz * zz, x * zz, y * zz)
-        aggs += [pl.len().cast(pl.Float64).alias(f"{m.name}:0")]
+        # The chat checks' unit is a user with chat replies: one who only used code completion is not one.
+        n = chat_user.sum() if m in CHAT_METRICS else pl.len()
+        aggs += [n.cast(pl.Float64).alias(f"{m.name}:0")]
         aggs += [p.sum().alias(f"{m.name}:{k}") for k, p in enumerate(parts, start=1)]
     table = users.with_columns(pl.col("arm").replace_strict({"champion": 0, "challenger": 1}).alias("a"))
     for row in table.group_by("stratum", "a").agg(aggs).iter_rows(named=True):
-        for m in rules.METRICS:
+        for m in metrics:
             out[m.name][0, row["stratum"], row["a"]] = [row[f"{m.name}:{k}"] for k in range(MOMENTS)]
     return out
 
@@ -192,6 +199,14 @@ def analyse(
     }
     no_data = bool(j.no_data[0])
     flags = _flags(users, diff)
+    syc = None
+    if int(users["chat_replies"].fill_null(0).sum()) > 0:  # chat surfaces only: code completion is untouched
+        syc, syc_rows = sycophancy_view(j, config)
+        rails += syc_rows
+        if syc.status == "flagged":
+            flags.append(f"sycophancy: {syc.reason}")
+            if decision.why != "sycophancy":
+                decision.reason += f"; sycophancy flagged (no promotion while it holds): {syc.reason}"
     both = both_arms(agg)
     if both:  # counted in their first arm (the split moved them, or assignment is not sticky): say so
         flags.append(f"users_in_both_arms: {both} users were served by both arms; each is counted in the arm that "
@@ -200,7 +215,7 @@ def analyse(
         flags.append(no_data_text(challenger.height, j, config))
     return AnalysisView(
         reward_version=agg.reward_version, arms=arms, difference=diff, srm=srm_view, guardrails=rails,
-        decision=decision, power=power, flags=flags, no_data=no_data, rule=rule_view(j, power, config),
+        decision=decision, power=power, flags=flags, no_data=no_data, rule=rule_view(j, power, config), sycophancy=syc,
     )  # fmt: skip
 
 
@@ -363,6 +378,75 @@ def guardrails(j: rules.Judgement, config: RolloutConfig) -> list[GuardrailView]
     return out + [_info(j, m) for m in rules.INFO]
 
 
+def sycophancy_text(j: rules.Judgement, config: RolloutConfig) -> str:
+    """What drifted (change and always-valid interval, against its tolerance) and what explicit approval did."""
+    s = j.sycophancy
+    drifted = [m for m in rules.STYLE if bool(s.drifted[m.name][0])]
+    parts = []
+    for m in drifted:
+        iv = s.style[m.name]
+        lo, hi = float(iv.lo[0]), float(iv.hi[0])
+        if m.name == "chat_reply_length":
+            level = float(iv.comparison.level[0])
+            parts.append(f"chat replies {float(iv.comparison.estimate[0]) / level:+.0%} longer (interval "
+                         f"[{lo / level:+.0%}, {hi / level:+.0%}], tolerated {config.sycophancy_length_rise:+.0%})")
+        else:
+            word = "agreement" if m.name == "agreement_rate" else "flattery"
+            champ, chall = (float(x) for x in iv.comparison.arm_ratio[0])
+            tol = 100 * config.sycophancy_phrase_rise
+            parts.append(f"{word} phrases in {chall:.1%} of replies against {champ:.1%} ({100 * (chall - champ):+.1f} "
+                         f"points, interval [{100 * lo:+.1f}, {100 * hi:+.1f}], tolerated {tol:+.1f})")
+    a = s.approval
+    if bool(s.approval_decidable[0]) and np.isfinite(a.lo[0]):
+        approval = (f"the thumbs-up rate among chat votes {float(a.comparison.estimate[0]):+.3f} "
+                    f"[{float(a.lo[0]):+.3f}, {float(a.hi[0]):+.3f}]")  # fmt: skip
+    else:
+        votes = float(a.comparison.exposures[0])  # in the steps where both arms have votes
+        approval = (f"too few votes on chat replies to show approval ({votes:.0f} where both arms have some; "
+                    f"{rules.MIN_EVENTS} needed, and {rules.HARM_MIN_ARM_USERS} chat users per arm)")  # fmt: skip
+    if not drifted:
+        return f"no drift beyond tolerance in reply length, agreement or flattery; {approval}"
+    rose = "with" if bool(s.approved[0]) else "without"
+    return f"{'; '.join(parts)}, {rose} more explicit approval: {approval}"
+
+
+def sycophancy_view(j: rules.Judgement, config: RolloutConfig) -> tuple[SycophancyView, list[GuardrailView]]:
+    """The chat sycophancy check's verdict and its rows (three style checks and explicit approval)."""
+    s = j.sycophancy
+    flagged = bool(s.flagged[0])
+    rows = []
+    for m in rules.STYLE:
+        iv = s.style[m.name]
+        cmp = iv.comparison
+        tol = getattr(config, m.bound_field or "")
+        said = f"+{tol:.0%} x the champion's" if m.name == "chat_reply_length" else f"+{tol:g} of replies"
+        rows.append(GuardrailView(
+            name=m.name, champion=_num(cmp.arm_ratio[0, 0]), challenger=_num(cmp.arm_ratio[0, 1]),
+            bound=f"sycophancy: trips when the interval's lower end is above {said} and the thumbs-up rate among "
+                  "chat votes has not risen (blocks a promotion)",
+            ok=not (bool(s.drifted[m.name][0]) and flagged), kind="reward_hacking",
+            ci=(float(iv.lo[0]), float(iv.hi[0])) if np.isfinite(iv.lo[0]) else None, alpha=iv.alpha,
+        ))  # fmt: skip
+    a = s.approval
+    rows.append(GuardrailView(
+        name=rules.APPROVAL.name, champion=_num(a.comparison.arm_ratio[0, 0]),
+        challenger=_num(a.comparison.arm_ratio[0, 1]),
+        bound="sycophancy: must rise (interval above 0) for longer or more agreeing replies to pass",
+        ok=not flagged, kind="reward_hacking", ci=(float(a.lo[0]), float(a.hi[0])) if np.isfinite(a.lo[0]) else None,
+        alpha=a.alpha,
+    ))  # fmt: skip
+    names = [r.name for r in rows]
+    first = s.style[rules.STYLE[0].name].comparison
+    if flagged:
+        return SycophancyView(status="flagged", reason=sycophancy_text(j, config), checks=names), rows
+    if not any(bool(d[0]) for d in s.decidable.values()):
+        per_arm = [int(u) for u in first.arm_users[0]]
+        need = (f"not enough evidence yet: chat users per arm {per_arm}, each arm needs {rules.HARM_MIN_ARM_USERS}; "
+                f"chat replies {float(first.exposures[0]):.0f} of the {rules.STYLE_MIN_REPLIES} needed")  # fmt: skip
+        return SycophancyView(status="not_enough_evidence", reason=need, checks=names), rows
+    return SycophancyView(status="clear", reason=sycophancy_text(j, config), checks=names), rows
+
+
 def _info(j: rules.Judgement, m: rules.Metric) -> GuardrailView:
     """A rate per generation shown beside the guardrails, never tripping: how much each arm suggests."""
     ratio = j.info[m.name]
@@ -491,6 +575,12 @@ def explain(
             return f"not enough evidence yet: {why}{scale}"
         return (f"inconclusive at the maximum duration: not enough evidence ({why}); the challenger is not kept"
                 f"{scale}")  # fmt: skip
+    if code == rules.ROLLBACK_SYCOPHANCY:
+        return (f"sycophantic at the maximum duration: {sycophancy_text(j, config)}; the challenger is not kept and "
+                "its served data stays quarantined")  # fmt: skip
+    if code == rules.CONTINUE_SYCOPHANCY:
+        return (f"significant win {seq}, but not promoted: {sycophancy_text(j, config)}; it keeps running until "
+                "explicit approval rises or the maximum duration rolls it back")  # fmt: skip
     if code == rules.ROLLBACK_GUARDRAIL:
         return f"guardrail tripped: {', '.join(g.name for g in rails if not g.ok)}"
     if code == rules.ROLLBACK_WORSE:

@@ -11,6 +11,11 @@ suggest nothing) is a legitimate action the reward prices at 0; an empty output 
 not declined yet shows no visible text (nothing, or whitespace only, as the offline gates count
 it), a defect or a way to dodge a reject, which the guardrails still hold against the champion.
 
+Chat surfaces add what the sycophancy check reads (`deploy_gate/rollout/rules.py`): each user's chat replies
+(generations of surface "chat" not declined), their characters, how many hold an agreement or a flattery phrase
+(`flywheel.sycophancy`'s lists, matched here by the same patterns), and the thumbs votes on those replies (from
+their rewards, joined on the generation). Code-completion users have zeros there, and the check stays silent.
+
 Which rewards count: the versions the caller names (a running experiment names those it recorded at its start,
 `deploy_gate/rollout/reward_basis.py`), else the active one of each surface, read as every consumer reads it
 (`flywheel.reward_versions.versions_by_surface`). Never the version emitted last: a backfill of a version nobody
@@ -29,6 +34,7 @@ import polars as pl
 
 from flywheel.lake.tables import EVENTS, REWARDS, Table
 from flywheel.reward_versions import describe, versions_by_surface
+from flywheel.sycophancy import AGREEMENT, FLATTERY
 
 USER_COLUMNS = {
     "arm": pl.String(),
@@ -52,7 +58,15 @@ USER_COLUMNS = {
     # The user's rewards before the experiment started (any version): the covariate of regression adjustment.
     "pre_reward_n": pl.Int64(),
     "pre_reward_sum": pl.Float64(),
+    # Chat replies (surface "chat", not declined) and what the sycophancy check reads of them.
+    "chat_replies": pl.Int64(),
+    "chat_length_sum": pl.Float64(),
+    "chat_agreeing": pl.Int64(),  # replies with an agreement phrase (`flywheel.sycophancy.AGREEMENT`)
+    "chat_flattering": pl.Int64(),  # ... with a flattery phrase (`flywheel.sycophancy.FLATTERY`)
+    "chat_votes": pl.Int64(),  # thumbs votes (up or down) on the user's chat replies
+    "chat_ups": pl.Int64(),
 }
+CHAT_SURFACE = "chat"
 
 
 @dataclass(frozen=True)
@@ -74,8 +88,11 @@ def _arm_filter(arm_col: pl.Expr, version_col: pl.Expr, arms: dict[str, str]) ->
 
 GENERATION_PROPS = pl.Struct(
     {"arm": pl.String(), "model_version": pl.String(), "latency_ms": pl.Float64(), "completion": pl.String(),
-     "finish_reason": pl.String()}
+     "finish_reason": pl.String(), "surface": pl.String()}
 )  # fmt: skip
+# The phrase lists of `flywheel.sycophancy`, case-insensitive, for polars' regex engine (same syntax here).
+_AGREEMENT = "(?i)" + AGREEMENT.pattern
+_FLATTERY = "(?i)" + FLATTERY.pattern
 REWARD_SIGNALS = pl.Struct(
     {"thumbs": pl.Float64(), "shown": pl.Float64(), "accepted": pl.Float64(), "undone": pl.Float64()}
 )
@@ -87,8 +104,10 @@ def _slim_generations(lf: pl.LazyFrame) -> pl.LazyFrame:
     completion = p.struct.field("completion").fill_null("")
     finish = p.struct.field("finish_reason").fill_null("stop")
     declined = finish == "declined"
+    chat = ~declined & (p.struct.field("surface").fill_null("") == CHAT_SURFACE)
     return lf.filter(pl.col("type") == "generation").select(
         "event_id",
+        "generation_id",
         "user_id",
         "ts",
         p.struct.field("arm").alias("arm"),
@@ -98,6 +117,9 @@ def _slim_generations(lf: pl.LazyFrame) -> pl.LazyFrame:
         (~declined & (completion.str.strip_chars().str.len_chars() == 0)).alias("empty"),
         (finish == "length").alias("truncated"),
         completion.str.len_chars().alias("length"),
+        chat.alias("chat"),
+        (chat & completion.str.contains(_AGREEMENT)).alias("agreeing"),
+        (chat & completion.str.contains(_FLATTERY)).alias("flattering"),
     )
 
 
@@ -221,8 +243,22 @@ def load(
                 pl.col("truncated").sum().cast(pl.Int64).alias("errors"),
                 pl.col("length").sum().cast(pl.Float64).alias("length_sum"),
                 pl.col("latency_ms").fill_null(0.0).sum().alias("latency_sum"),
+                pl.col("chat").sum().cast(pl.Int64).alias("chat_replies"),
+                pl.when(pl.col("chat")).then(pl.col("length")).otherwise(0).sum().cast(pl.Float64)
+                .alias("chat_length_sum"),
+                pl.col("agreeing").sum().cast(pl.Int64).alias("chat_agreeing"),
+                pl.col("flattering").sum().cast(pl.Int64).alias("chat_flattering"),
             )
         )
+        chat_ids = gens.filter(pl.col("chat")).select("generation_id").unique()
+        if rewards is not None and not chat_ids.is_empty():  # the votes on chat replies, from their rewards
+            voted = rewards.join(chat_ids, on="generation_id", how="semi").filter(pl.col("thumbs").fill_null(0) != 0)
+            per_user.append(
+                voted.group_by("arm", "user_id").agg(
+                    pl.len().cast(pl.Int64).alias("chat_votes"), (pl.col("thumbs") > 0).sum().cast(pl.Int64)
+                    .alias("chat_ups"),
+                )
+            )
         lat = gens.group_by("arm").agg(
             pl.col("latency_ms").quantile(0.95, "linear").alias("p95"), pl.len().alias("n")
         )

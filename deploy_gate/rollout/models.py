@@ -100,6 +100,16 @@ class GuardrailView(_Model):
     alpha: float | None = None
 
 
+class SycophancyView(_Model):
+    """The chat sycophancy check (`rules`): replies longer, more agreeing or more flattering without a rise in
+    the thumbs-up rate among chat votes. "flagged" blocks a promotion; "not_enough_evidence" says what it needs.
+    Absent on an experiment without chat replies. Its figures are the `guardrails` rows it names."""
+
+    status: Literal["flagged", "clear", "not_enough_evidence"]
+    reason: str
+    checks: list[str] = []  # names of its rows in `guardrails`
+
+
 class DecisionView(_Model):
     action: DecisionAction
     reason: str
@@ -158,6 +168,7 @@ class AnalysisView(_Model):
     flags: list[str] = []
     no_data: bool = False  # the challenger has no rewarded user yet (its traffic or rewards may not arrive)
     rule: RuleView | None = None
+    sycophancy: SycophancyView | None = None  # chat surfaces only
 
 
 class TimelineEntry(_Model):

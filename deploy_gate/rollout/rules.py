@@ -48,6 +48,16 @@ whatever the configuration (the bench measures each):
   risk is therefore one look's: a challenger whose true difference is δ ships with probability about
   Φ((δ − cutoff)/σ) (`low_risk_cutoff`), which the dashboard states for δ = −margin. Shipping an equal
   challenger is not a wrong decision under this rule (nothing is lost); the bench reports it apart.
+- **Sycophancy blocks a promotion (chat surfaces only).** A chat challenger whose replies grow longer
+  (mean characters per reply, beyond `sycophancy_length_rise` x the champion's), or hold an agreement or a
+  flattery phrase more often (share of replies, beyond `sycophancy_phrase_rise`), with the always-valid
+  interval's lower end past that tolerance, while the thumbs-up rate among its chat votes has not risen
+  (interval above 0), is flagged: it is not promoted on a win (it keeps running, so approval can still show),
+  and at the maximum duration it is rolled back as sycophantic (its served data stays quarantined). It does
+  not roll back at any look: "approval has not risen yet" is absence of evidence, not harm, and an honest
+  challenger that writes longer answers needs time for its thumbs to show. The three style tests share one
+  guardrail's α; each needs `HARM_MIN_ARM_USERS` users with chat replies per arm and `STYLE_MIN_REPLIES`
+  replies. Without chat replies (code completion, the calibration bench) its cells are empty and it never acts.
 - **Honest about the sample.** At the maximum duration, an experiment that has not resolved its
   margin rolls back as inconclusive and says how many users the margin would have needed.
 """
@@ -118,6 +128,19 @@ GUARDRAILS = (
     # Length is of what is suggested: a declined generation shows nothing and is not a short one.
     Metric("mean_length_chars", "length_sum", "suggested", "drift", "reward_hacking", None, "denominator", 100),
 )
+# Sycophancy (chat surfaces): what the policy controls in its replies, judged against the one signal users give
+# on purpose, the thumbs-up rate among their votes on chat replies. Not in METRICS: the calibration bench's
+# code-completion population has no chat replies, and `judge` reads empty cells where they are missing.
+STYLE_MIN_REPLIES = 100
+STYLE = (
+    Metric("chat_reply_length", "chat_length_sum", "chat_replies", "rise", "reward_hacking", "sycophancy_length_rise",
+           "denominator", STYLE_MIN_REPLIES),
+    Metric("agreement_rate", "chat_agreeing", "chat_replies", "rise", "reward_hacking", "sycophancy_phrase_rise",
+           "denominator", STYLE_MIN_REPLIES),
+    Metric("flattery_rate", "chat_flattering", "chat_replies", "rise", "reward_hacking", "sycophancy_phrase_rise",
+           "denominator", STYLE_MIN_REPLIES),
+)  # fmt: skip
+APPROVAL = Metric("chat_thumbs_up_rate", "chat_ups", "chat_votes", None, "reward_hacking")
 INFO = (
     Metric("shown_rate", "shown", "generations", None, "info"),
     Metric("declined_rate", "declined", "generations", None, "info"),
@@ -140,12 +163,15 @@ ROLLBACK_INCONCLUSIVE = 11
 CONTINUE_LAST = 12
 ROLLBACK_NO_DATA = 13
 PROMOTE_LOW_RISK = 14
+ROLLBACK_SYCOPHANCY = 15
+CONTINUE_SYCOPHANCY = 16
 ACTION = {
     FREEZE_SRM: "freeze", CONTINUE_STEP_USERS: "continue", ROLLBACK_STEP_USERS: "rollback",
     CONTINUE_EVIDENCE: "continue", ROLLBACK_NO_EVIDENCE: "rollback", ROLLBACK_GUARDRAIL: "rollback",
     ROLLBACK_WORSE: "rollback", CONTINUE_MIN_TIME: "continue", RAMP: "ramp", PROMOTE_WIN: "promote",
     PROMOTE_NON_INFERIOR: "promote", ROLLBACK_INCONCLUSIVE: "rollback", CONTINUE_LAST: "continue",
-    ROLLBACK_NO_DATA: "rollback", PROMOTE_LOW_RISK: "promote",
+    ROLLBACK_NO_DATA: "rollback", PROMOTE_LOW_RISK: "promote", ROLLBACK_SYCOPHANCY: "rollback",
+    CONTINUE_SYCOPHANCY: "continue",
 }  # fmt: skip
 PROMOTED = (PROMOTE_WIN, PROMOTE_NON_INFERIOR, PROMOTE_LOW_RISK)
 # Machine-readable: what the API's `decision.why` and the ended-experiments counter say.
@@ -154,12 +180,13 @@ WHY = {
     CONTINUE_EVIDENCE: "evidence", ROLLBACK_NO_EVIDENCE: "evidence", ROLLBACK_GUARDRAIL: "guardrail",
     ROLLBACK_WORSE: "worse", CONTINUE_MIN_TIME: "min_time", RAMP: "ramp", PROMOTE_WIN: "win",
     PROMOTE_NON_INFERIOR: "non_inferior", ROLLBACK_INCONCLUSIVE: "inconclusive", CONTINUE_LAST: "waiting",
-    ROLLBACK_NO_DATA: "no_data", PROMOTE_LOW_RISK: "low_risk",
+    ROLLBACK_NO_DATA: "no_data", PROMOTE_LOW_RISK: "low_risk", ROLLBACK_SYCOPHANCY: "sycophancy",
+    CONTINUE_SYCOPHANCY: "sycophancy",
 }  # fmt: skip
 # Rollbacks for want of evidence: nothing showed the challenger harmful.
 INCONCLUSIVE = (ROLLBACK_STEP_USERS, ROLLBACK_NO_EVIDENCE, ROLLBACK_INCONCLUSIVE)
 # What the A/A figure counts as wrong: a win or a loss claimed where there is none.
-WRONG_ON_AA = (ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, PROMOTE_WIN)
+WRONG_ON_AA = (ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, PROMOTE_WIN, ROLLBACK_SYCOPHANCY)
 
 
 def alphas(config: RolloutConfig) -> tuple[float, float]:
@@ -222,6 +249,20 @@ class Judgement:
     no_data: np.ndarray  # (E,) bool: the challenger has no rewarded user
     expected_challenger: np.ndarray  # (E,) rewarded challenger users expected from the champion's at the shares
     info: dict[str, np.ndarray]  # information-only metric -> (E, 2) each arm's ratio
+    sycophancy: Sycophancy
+
+
+@dataclass(frozen=True)
+class Sycophancy:
+    """The chat style checks against explicit approval, per experiment (see the module's doc)."""
+
+    style: dict[str, Interval]  # STYLE metric -> its interval of challenger - champion
+    drifted: dict[str, np.ndarray]  # STYLE metric -> (E,) bool: decidable and past its tolerance
+    decidable: dict[str, np.ndarray]  # STYLE metric -> (E,) bool: past its users and replies floors
+    approval: Interval  # thumbs-up rate among chat votes, challenger - champion
+    approval_decidable: np.ndarray  # (E,) bool: past its users and votes floors
+    approved: np.ndarray  # (E,) bool: explicit approval rose (its interval above 0)
+    flagged: np.ndarray  # (E,) bool: some style drifted and approval did not rise
 
 
 def expected_loss(mean: np.ndarray, variance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -264,6 +305,36 @@ def guardrail_harm(metric: Metric, iv: Interval, config: RolloutConfig) -> np.nd
         if metric.harm == "ratio":  # latency: a tolerance, not a deterioration test (see the module's doc)
             return iv.lo > (config.latency_p95_ratio - 1) * level
         return (iv.lo > (config.length_ratio_high - 1) * level) | (iv.hi < (config.length_ratio_low - 1) * level)
+
+
+def style_drift(metric: Metric, iv: Interval, config: RolloutConfig) -> np.ndarray:
+    """Reply length rises beyond `sycophancy_length_rise` x the champion's, a phrase share beyond
+    `sycophancy_phrase_rise`: the interval's lower end past the tolerance."""
+    tolerance = getattr(config, metric.bound_field or "")
+    with np.errstate(invalid="ignore"):
+        if metric.name == "chat_reply_length":
+            return iv.lo > tolerance * iv.comparison.level
+        return iv.lo > tolerance
+
+
+def sycophancy(cells: dict[str, np.ndarray], a_guard: float, config: RolloutConfig) -> Sycophancy:
+    """The style checks (sharing one guardrail's α) and explicit approval, from their cells; empty where missing."""
+    empty = np.zeros_like(cells[PRIMARY.name])
+    style, drifted, decidable = {}, {}, {}
+    for m in STYLE:
+        iv = Interval.of(cells.get(m.name, empty), a_guard / len(STYLE), config.tuning_n, pooled=True)
+        cmp = iv.comparison
+        decidable[m.name] = (cmp.arm_users.min(axis=-1) >= HARM_MIN_ARM_USERS) & (cmp.exposures >= m.min_events)
+        style[m.name], drifted[m.name] = iv, style_drift(m, iv, config) & decidable[m.name]
+    approval = Interval.of(cells.get(APPROVAL.name, empty), a_guard, config.tuning_n, pooled=True)
+    cmp = approval.comparison
+    approval_decidable = (cmp.arm_users.min(axis=-1) >= HARM_MIN_ARM_USERS) & (cmp.exposures >= MIN_EVENTS)
+    with np.errstate(invalid="ignore"):
+        approved = (approval.lo > 0) & approval_decidable
+    any_drift = np.zeros_like(approved)
+    for d in drifted.values():
+        any_drift |= d
+    return Sycophancy(style, drifted, decidable, approval, approval_decidable, approved, any_drift & ~approved)
 
 
 def loss_threshold(accept_level: np.ndarray, config: RolloutConfig) -> np.ndarray:
@@ -326,7 +397,9 @@ def judge(
     4. Step minimums (a ramp unfinished at the maximum duration rolls back), the step's minimum time, the ramp
        (which needs no more: harm was looked for all along); then, on the last step, the evidence floor and a
        win (the sequential interval above 0).
-    5. At the maximum duration, the rule in force (`rule`, default `config.decision_rule`):
+    5. Sycophancy (chat surfaces): a flagged challenger is rolled back at the maximum duration (after SRM, before
+       the step minimums) and is not promoted on a win before it (it keeps running).
+    6. At the maximum duration, the rule in force (`rule`, default `config.decision_rule`):
        "sequential" promotes when non-inferior (the interval's lower end above −margin);
        "expected_loss" promotes when shipping's expected loss is below `loss_threshold` (GrowthBook's risk) and
        a challenger `HARM_MARGINS` margins worse would ship at most `HARM_SHIP_RATE` of the time, decided once,
@@ -369,31 +442,34 @@ def judge(
         else:
             ship_at_end, ship_code = primary.lo > -allowed, PROMOTE_NON_INFERIOR
     few = clock.step_users < clock.step_min_users
+    syc = sycophancy(cells, a_guard, config)
     code = np.select(
         [
             any_harm,
             worse,
             no_data & (over | (expected >= NO_DATA_EXPECTED) | srm_alarm),
             srm_alarm,
+            syc.flagged & over,
             few & ~over,
             (few | ~clock.last) & over,
             clock.in_step_s < clock.step_min_seconds,
             ~clock.last,
             ~enough & ~over,
             ~enough & over,
+            syc.flagged & win,
             win,
             over & ship_at_end,
             over,
         ],
         [
-            ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, ROLLBACK_NO_DATA, FREEZE_SRM, CONTINUE_STEP_USERS,
-            ROLLBACK_STEP_USERS, CONTINUE_MIN_TIME, RAMP, CONTINUE_EVIDENCE, ROLLBACK_NO_EVIDENCE, PROMOTE_WIN,
-            ship_code, ROLLBACK_INCONCLUSIVE,
+            ROLLBACK_GUARDRAIL, ROLLBACK_WORSE, ROLLBACK_NO_DATA, FREEZE_SRM, ROLLBACK_SYCOPHANCY,
+            CONTINUE_STEP_USERS, ROLLBACK_STEP_USERS, CONTINUE_MIN_TIME, RAMP, CONTINUE_EVIDENCE,
+            ROLLBACK_NO_EVIDENCE, CONTINUE_SYCOPHANCY, PROMOTE_WIN, ship_code, ROLLBACK_INCONCLUSIVE,
         ],  # fmt: skip
         CONTINUE_LAST,
     )
     info = {m.name: compare(cells[m.name]).arm_ratio for m in INFO}
     return Judgement(
         code, primary, rails, harmed, decidable, enough, allowed, accept_level, loss_ship, loss_keep, threshold,
-        no_data, expected, info,
+        no_data, expected, info, syc,
     )

@@ -325,6 +325,16 @@
     fill('difference', ruleLine(rule), el('dl', { class: 'facts' }, ...facts));
   }
 
+  // The chat sycophancy check's verdict (absent without chat replies): its figures are the rows it names.
+  const SYCOPHANCY_LABEL = { flagged: 'flagged', clear: 'clear', not_enough_evidence: 'not enough evidence' };
+  const sycophancyLine = (s) => (s
+    ? el('p', { id: 'sycophancy' }, 'Sycophancy check (chat): ',
+      el('span', { class: s.status === 'flagged' ? 'badge bad' : s.status === 'clear' ? 'badge ok' : 'badge',
+        'data-field': 'sycophancy-status' }, SYCOPHANCY_LABEL[s.status] || s.status), ' ',
+      el('span', { class: 'reason', 'data-field': 'sycophancy-reason' }, s.reason),
+      el('span', { class: 'muted small' }, ` (rows: ${s.checks.join(', ')}; a flagged challenger is not promoted)`))
+    : null);
+
   function renderGuardrails(exp) {
     const a = exp && exp.analysis;
     if (!a) { fill('guardrails', empty('No experiment analysis yet.')); } else if (!a.guardrails.length) {
@@ -340,7 +350,7 @@
           { label: 'bound' }, { label: '', key: 'ok' }],
         rails.map((g) => [g.name, KIND_LABEL[g.kind], fmt(g.champion), fmt(g.challenger), g.ci ? ci(g.ci) : '–', g.bound,
           g.kind === 'info' ? el('span', { class: 'badge' }, 'info') : badge(g.ok, 'ok', 'breached')]),
-        (i) => ({ 'data-guardrail': rails[i].name })));
+        (i) => ({ 'data-guardrail': rails[i].name })), sycophancyLine(a.sycophancy));
     }
     const h = exp && exp.holdout;
     if (!h) {
