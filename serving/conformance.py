@@ -24,6 +24,8 @@ from serving.generator import Generation, GenerationRequest, Generator
 
 Scorer = Callable[[Sequence[int], Sequence[int]], list[float]]
 
+# How far a completion's log-probs may move when it is cut short (scored as a shorter sequence).
+PREFIX_ATOL = 1e-5
 PROMPTS = ("def ", "import os\n\nclass Config:\n    def __init__(self", "x = ", "    for key, value in ", "")
 
 
@@ -148,7 +150,11 @@ def check_stop_sequences_cut_the_text(h: Harness) -> None:
     assert cut.finish_reason == "stop", "a stop sequence finishes with reason 'stop'"
     n = len(cut.completion_token_ids)
     assert cut.completion_token_ids == free.completion_token_ids[:n], "a stop changes no earlier token"
-    assert _close(cut.logprobs, free.logprobs[:n], h.atol), "the kept tokens keep their log-probs"
+    # The kept tokens' log-probs are exactly the trainer's for the cut completion (what is logged), and those of
+    # the longer one up to float rounding: a shorter forward pass is another matmul shape, which on some
+    # architectures (GPT-2, Phi-3, Qwen2 on CPU: up to 5e-7) rounds the last bits differently.
+    assert _close(cut.logprobs, h.score(cut.prompt_token_ids, cut.completion_token_ids), h.atol)
+    assert _close(cut.logprobs, free.logprobs[:n], h.atol + PREFIX_ATOL), "the kept tokens keep their log-probs"
 
 
 def check_top_logprobs(h: Harness) -> None:

@@ -297,7 +297,7 @@ def _eligible(
         if encode_text is None:  # unreachable by construction (text-only records are never trusted)
             dropped[TEXT_ONLY] += 1
             return None
-        encoded = encode_text(clean_prompt, record.completion, record.finish_reason)
+        encoded = encode_text(clean_prompt, record.completion, record.finish_reason, record.surface)
         if encoded is None:
             dropped["text generations longer than the policy's context"] += 1
             return None

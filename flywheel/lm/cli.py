@@ -1,4 +1,5 @@
-"""`flywheel model`: bootstrap the embedded policy model, or sample from any checkpoint."""
+"""`flywheel model`: bootstrap the embedded policy model, make a tiny one of another family, or sample from any
+checkpoint."""
 
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def bootstrap(
         + f", {meta['tokens_seen']:,} tokens seen of a {meta['corpus']['tokens']:,}-token corpus,"
         f" final loss {meta['final_loss']:.3f}"
     )
+
+
+@app.command()
+def tiny(
+    family: Annotated[str, typer.Option("--family", help="llama, qwen2, mistral, phi3 or gpt2.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the HF checkpoint to.")],
+    seed: Annotated[int, typer.Option(help="Seed for the tokenizer's corpus sample and the weights.")] = 0,
+) -> None:
+    """Write a tiny, randomly initialised checkpoint of a model family, its tokenizer trained here with the
+    family's quirks (BOS/EOS, padding, chat template): to run the loop on that architecture without the hub."""
+    from flywheel.lm.families import FAMILIES, tiny_checkpoint
+
+    if family not in FAMILIES:
+        raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--family")
+    path = tiny_checkpoint(family, out, seed=seed)
+    typer.echo(f"{family} model at {path}")
 
 
 @app.command()
