@@ -304,6 +304,9 @@ def progress_table(sim: UserSimulator, status: GateStatus, started: float, exper
             f"versions: {', '.join(f'v{v.version}:{v.gate_state}' for v in status.versions[:6])}"
             + (f"\nrollout: {experiment}" if experiment else "")
         )
+    if sim.stats.shed:  # the stream outran serving: said, since the rates above then cover fewer requests
+        shed = f"{sim.stats.shed} simulated requests shed (serving slower than --rate)"
+        table.caption = f"{table.caption}\n{shed}" if table.caption else shed
     return table
 
 

@@ -47,6 +47,7 @@ class SimulationStats:
     recent: defaultdict[tuple[str, str], deque[bool]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT)))  # fmt: skip
     errors: int = 0
+    shed: int = 0  # stream requests dropped because `max_in_flight` were still waiting on serving
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, outcome: Outcome) -> None:
@@ -93,8 +94,11 @@ class UserSimulator:
     Two ways to drive them. With `rate_per_s` 0, every user is a thread of its own that asks again after a
     think time (a handful of very active users). With `rate_per_s` > 0, requests arrive as one Poisson
     stream at that rate, each from a user drawn uniformly from the `n_users` (a small product: thousands of
-    users who each come back a few times an hour), served by at most `max_in_flight` threads. Per-user
-    analysis needs the second: an A/B test on eight users has eight users, however many requests they make.
+    users who each come back a few times an hour), at most `max_in_flight` of them waiting on serving at once.
+    A request that arrives while all of those wait is shed (counted in `stats.shed`), as a product's client
+    gives up rather than queue: queued without bound, a stream faster than serving would grow memory and
+    latency for as long as it runs. Per-user analysis needs the stream: an A/B test on eight users has eight
+    users, however many requests they make.
     """
 
     def __init__(
@@ -175,19 +179,34 @@ class UserSimulator:
                 with self.stats.lock:
                     self.stats.errors += 1
                 log.warning("simulated user failed", extra={"user_id": self.user_id(index), "error": str(exc)})
+            finally:
+                slots.release()
 
-        sent = 0
+        # A slot per request waiting on serving, taken when it arrives: a full house sheds the arrival instead
+        # of queueing it in the pool (whose queue has no bound).
+        slots = threading.BoundedSemaphore(self._max_in_flight)
+        arrived = 0
         with ThreadPoolExecutor(self._max_in_flight, thread_name_prefix="sim-request") as pool:
             next_at = time.monotonic()
-            while not stop.is_set() and (max_steps is None or sent < max_steps) and self._n_users:
+            while not stop.is_set() and (max_steps is None or arrived < max_steps) and self._n_users:
                 next_at += rng.expovariate(self._rate)
                 if stop.wait(max(0.0, next_at - time.monotonic())):
                     break
-                pool.submit(one, rng.randrange(self._n_users), rng.randrange(2**31))
-                sent += 1
+                arrived += 1
+                index, seed = rng.randrange(self._n_users), rng.randrange(2**31)  # drawn either way: same stream
+                if not slots.acquire(blocking=False):
+                    with self.stats.lock:
+                        self.stats.shed += 1
+                        shed = self.stats.shed
+                    if shed == 1 or shed % 1000 == 0:
+                        log.warning("serving is slower than the simulated stream: requests shed",
+                                    extra={"shed": shed, "max_in_flight": self._max_in_flight})  # fmt: skip
+                    continue
+                pool.submit(one, index, seed)
 
     def start(self, stop: threading.Event, max_steps: int | None = None) -> list[threading.Thread]:
-        """Start the users (see the class doc); `max_steps` bounds each user's requests, or the stream's."""
+        """Start the users (see the class doc); `max_steps` bounds each user's requests, or the stream's
+        arrivals (shed ones included)."""
         if self._rate > 0:
             stream = threading.Thread(target=self.run_stream, args=(stop, max_steps), name="sim-stream", daemon=True)
             stream.start()
