@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     kafka_sasl_password: SecretStr | None = Field(
         default=None, description="The SASL user's password; needed (with the username) when the protocol is SASL_*."
     )
+    kafka_ssl_cafile: str = Field(
+        default="",
+        description="With SASL_SSL: a PEM file of the CA that signs the brokers' certificates (Strimzi's cluster CA, "
+        "its `<cluster>-cluster-ca-cert` Secret's ca.crt); empty trusts the system's CAs. The host name is checked.",
+    )
 
     # Redis
     redis_url: str = Field(
@@ -130,6 +135,24 @@ class Settings(BaseSettings):
         description="A local Hugging Face causal LM checkpoint; empty bootstraps the embedded one.",
     )
     device: str = Field(default="cpu", description="Torch device of serving and the trainer: cpu, cuda or cuda:N.")
+    serving_backend: Literal["hf", "vllm"] = Field(
+        default="hf",
+        description="What runs the model in serving: hf (in-process Hugging Face, the embedded default) or vllm "
+        "(a vLLM server; docs/serving.md, \"Serving back ends\").",
+    )
+    vllm_url: str = Field(
+        default="",
+        description="With serving_backend=vllm: your own vLLM server (started with --enable-lora, "
+        "--logprobs-mode raw_logprobs, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); empty starts one per version.",
+    )
+    vllm_python: str = Field(
+        default="",
+        description="Interpreter of the vLLM servers serving starts; empty is the repo's .venv-vllm "
+        "(scripts/install_vllm.sh).",
+    )
+    vllm_kv_cache_gb: int = Field(
+        default=1, ge=1, description="KV cache of each vLLM server serving starts on CPU, in GiB."
+    )
 
     # Services
     bind_host: str = Field(

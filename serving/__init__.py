@@ -32,7 +32,14 @@ def build_serving_app(settings: Settings) -> FastAPI:
     redis = redis_client(settings)
     store = TrafficSplitStore(redis, settings)
     registry = ModelRegistry(settings)
-    pool = PolicyPool(store.get, aliased_checkpoints(registry), device=settings.device)
+    backend = None
+    if settings.serving_backend == "vllm":  # versions run on vLLM; routing, signing and logging are the same
+        from serving.vllm_backend import ServerOptions, VLLMBackend
+
+        backend = VLLMBackend(settings.vllm_url, ServerOptions(python=settings.vllm_python,
+                                                               kv_cache_gb=settings.vllm_kv_cache_gb))
+    pool = PolicyPool(store.get, aliased_checkpoints(registry), device=settings.device,
+                      loader=backend.load if backend else None, release=backend.release if backend else None)
     # A gate's change reaches serving at once through pub/sub; the refresher's poll is the fallback.
     watching = threading.Event()
     watch_split(redis, store.channel, pool.refresh, watching)
@@ -42,10 +49,14 @@ def build_serving_app(settings: Settings) -> FastAPI:
     def shut_down() -> None:  # an app run in a test or a benchmark leaves no client behind
         watching.set()
         producer.close()
+        if backend is not None:  # the vLLM servers serving started go with it
+            backend.close()
 
     return create_app(
         pool, producer, settings.events_topic, health=health, signing_key=settings.serving_key.get_secret_value(),
         on_shutdown=shut_down,
+        # vLLM batches continuously itself: hand it each request at once, several batches in flight
+        max_batch_wait_s=0.0 if backend is not None else 0.002, batch_workers=8 if backend is not None else 1,
     )
 
 

@@ -83,14 +83,17 @@ def create_app(
     health: ProcessHealth | None = None,
     max_batch: int = 16,
     max_batch_wait_s: float = 0.002,
+    batch_workers: int = 1,
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The serving app; `signing_key` is `Settings.serving_key`, shared with the trainer. `health`: the
     process's dependencies (`serving.build_serving_app` gives Kafka, Redis and MLflow); a `split` check is
     added to it. `max_batch` choices at most share a forward pass, after waiting at most
-    `max_batch_wait_s` for each other (serving.batching)."""
+    `max_batch_wait_s` for each other (serving.batching); `batch_workers` batches are in flight at once (1 for the
+    in-process back end; more for a back end that batches continuously itself, such as vLLM)."""
     metrics = ServingMetrics()
-    batcher = Batcher(max_batch=max_batch, max_wait_s=max_batch_wait_s, on_batch=metrics.batch_size.observe)
+    batcher = Batcher(max_batch=max_batch, max_wait_s=max_batch_wait_s, workers=batch_workers,
+                      on_batch=metrics.batch_size.observe)
     stop = threading.Event()
     health = health or ProcessHealth("serving")
     health.add_check("split", lambda: _split_check(pool))

@@ -8,6 +8,12 @@ lock: a request holds the `Route` (and so the policy) it started with and finish
 every later request gets the new one, and every generation event names the version whose
 weights produced it. No restart is needed to pick up a challenger.
 
+The in-process back end's default loader (`flywheel.lm.adapters.PolicyLoader`) loads a LoRA adapter version
+onto the one copy of the base it names (never a second copy): champion and challenger can be two adapters, or
+base and adapter, on one model, each request computed with the adapter of the version it was routed to. An
+adapter on another base than the loaded ones is refused with both named; one that leaves the split is freed
+once the last request routed to it has finished.
+
 A version whose artifact is refused (corrupt, a broken chain, not a checkpoint) is not
 adopted: serving keeps the split and weights it has, logs the reason once, and tries that
 version again only after a backoff that doubles up to `MAX_RETRY_S`.
@@ -22,14 +28,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flywheel.contract import TrafficSplit
-from flywheel.lm import CheckpointError, Policy, load_policy
+from flywheel.lm import CheckpointError
+from flywheel.lm.adapters import PolicyLoader
 from model_registry import ArtifactIntegrityError, ModelRegistry, UnknownVersion
 from serving.errors import NoModelReady
+from serving.generator import Generator
 
 log = logging.getLogger(__name__)
 
 SplitSource = Callable[[], TrafficSplit | None]
 CheckpointSource = Callable[[str], str]  # version -> local checkpoint directory
+Loader = Callable[[str, str], Generator]  # (version, checkpoint directory) -> that version's Generator
 
 
 FIRST_RETRY_S = 5.0
@@ -51,7 +60,7 @@ class Refusal:
 class Route:
     arm: str
     version: str
-    policy: Policy
+    policy: Generator
     experiment: str
 
 
@@ -63,12 +72,21 @@ class PolicyPool:
         *,
         device: str = "cpu",
         dtype: str = "float32",
+        loader: Loader | None = None,
+        release: Callable[[str], None] | None = None,
     ) -> None:
+        """`loader` makes a version's `Generator` from its checkpoint (default: the in-process HF back end;
+        serving.vllm_backend's for vLLM); `release` frees what a version no longer routed to holds."""
         self._split_source = split_source
         self._checkpoint_source = checkpoint_source
         self._device = device
         self._dtype = dtype
-        self._policies: dict[str, Policy] = {}
+        if loader is None:  # the in-process HF back end: LoRA adapters share one copy of their base
+            hf = PolicyLoader(device=device, dtype=dtype)
+            loader, release = hf, release or hf.release
+        self._loader: Loader = loader
+        self._release = release
+        self._policies: dict[str, Generator] = {}
         self._split: TrafficSplit | None = None
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
@@ -110,9 +128,13 @@ class PolicyPool:
             started = time.perf_counter()
             with self._lock:
                 self._split = split
-                for stale in set(self._policies) - wanted:
-                    del self._policies[stale]
+                stale = set(self._policies) - wanted
+                for version in stale:
+                    del self._policies[version]
             self.last_swap_s = time.perf_counter() - started
+            if self._release is not None:  # after the swap: a request in flight finishes on what it holds
+                for version in sorted(stale):
+                    self._release(version)
             log.info(
                 "serving split: champion=%s challenger=%s share=%.2f holdout=%s (%.2f)",
                 split.champion_version, split.challenger_version, split.challenger_share,
@@ -120,13 +142,13 @@ class PolicyPool:
             )
             return True
 
-    def _load(self, version: str, previous: Refusal | None) -> Policy | None:
+    def _load(self, version: str, previous: Refusal | None) -> Generator | None:
         """The loaded version (a second copy; the serving ones are untouched), or None when refused."""
         started = time.perf_counter()
         try:
             path = self._checkpoint_source(version)
             log.info("loading model version %s from %s", version, path)
-            policy = load_policy(path, device=self._device, dtype=self._dtype)
+            policy: Generator = self._loader(version, path)
         except _REFUSED as exc:
             failures = previous.failures + 1 if previous else 1
             delay = min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** (failures - 1))
