@@ -75,16 +75,29 @@ def known_variables() -> dict[str, tuple[Any, str]]:
 
 @contextlib.contextmanager
 def _environ(env: dict[str, str]) -> Iterator[None]:
-    saved = dict(os.environ)
-    for key in [k for k in os.environ if k.startswith("FLYWHEEL_") or k in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL",
-                                                                          "MLFLOW_TRACKING_URI")]:
-        del os.environ[key]
-    os.environ.update(env)
+    """The process environment with the Flywheel variables replaced by `env`, put back after.
+
+    Only the variables that differ are set or removed: clearing and refilling the whole environment would
+    setenv/unsetenv every variable (PATH, TZ, ...), and a thread still running from an earlier test (a
+    library's, reading the environment from C: getenv is not safe against a concurrent setenv) could then
+    read freed memory and crash the whole pytest run."""
+    ours = [k for k in os.environ if k.startswith("FLYWHEEL_") or k in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL",
+                                                                       "MLFLOW_TRACKING_URI")]  # fmt: skip
+    saved = {k: os.environ.get(k) for k in {*ours, *env}}
+    for key in ours:
+        if key not in env:
+            del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        for key, was in saved.items():
+            if was is None:
+                os.environ.pop(key, None)
+            elif os.environ.get(key) != was:
+                os.environ[key] = was
 
 
 def library_variables() -> frozenset[str]:
