@@ -145,7 +145,7 @@ class TrainerConfig:
 
     update: Literal["full", "lora"] = "full"
     lora_rank: int = 16
-    lora_alpha: float = 32.0
+    lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"
 

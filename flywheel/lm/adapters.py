@@ -16,7 +16,9 @@ lone base + adapter, computed by the same unmerged LoRA forward the trainer runs
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,9 @@ from flywheel.lm.adapter_info import (
     write_adapter_info,
 )
 from flywheel.lm.errors import CheckpointError
-from flywheel.lm.policy import Policy
+from flywheel.lm.policy import Policy, load_policy
+
+log = logging.getLogger(__name__)
 
 
 class SharedBase:
@@ -114,6 +118,7 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_INFO",
     "AdapterInfo",
+    "PolicyLoader",
     "SharedBase",
     "adapter_base_dir",
     "is_adapter_dir",
@@ -121,3 +126,113 @@ __all__ = [
     "share_storage",
     "write_adapter_info",
 ]
+
+
+class PolicyLoader:
+    """Serving's in-process loader: (version, checkpoint directory) -> that version's `Policy`.
+
+    Full weights load as their own copy (as before adapters existed); a LoRA adapter loads onto the one copy of
+    the base it names: the full version itself when it is loaded, else that base loaded once for every adapter
+    on it. An adapter on another base than the loaded adapters' is refused (`CheckpointError` naming both): one
+    base is served at a time, so a second copy never appears unasked. `release(version)` (the version left the
+    split) frees an adapter once no request holds its view any more (the last routed request has finished),
+    and a base once nothing uses it.
+    """
+
+    def __init__(self, device: str = "cpu", dtype: str = "float32") -> None:
+        self._device, self._dtype = device, dtype
+        self._lock = threading.RLock()  # reentrant: a freed view's finalizer may run while it is held
+        self._bases: dict[str, SharedBase] = {}  # base (full) version -> its one copy
+        self._adapter_base: dict[str, str] = {}  # adapter version -> base version (until freed)
+        self._views: dict[str, weakref.ref[Policy]] = {}  # adapter version -> the view handed out
+        self._full: set[str] = set()  # full versions loaded and not released
+        self._retired: dict[str, weakref.finalize] = {}  # adapter version released -> frees it when unheld
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Adapter versions in memory (released ones not yet freed included), each with its base version."""
+        return dict(self._adapter_base)
+
+    def shared_base(self, version: str) -> SharedBase | None:
+        """The base model `version` computes on (itself when it is full weights), if loaded."""
+        return self._bases.get(self._adapter_base.get(version, version))
+
+    def __call__(self, version: str, path: str | Path) -> Policy:
+        with self._lock:
+            finalizer = self._retired.pop(version, None)
+            if finalizer is not None:
+                finalizer.detach()  # back in the split before it was freed
+            alive = self._views[version]() if version in self._views else None
+            if alive is not None:
+                return alive
+            if version in self._adapter_base:
+                view = self._bases[self._adapter_base[version]].view(version)
+                self._views[version] = weakref.ref(view)
+                return view
+            if is_adapter_dir(path):
+                return self._load_adapter(version, Path(path))
+            self._full.add(version)
+            if version not in self._bases:
+                log.info("loading model version %s from %s", version, path)
+                policy = load_policy(path, device=self._device, dtype=self._dtype)
+                self._bases[version] = SharedBase(policy, version)
+            return self._bases[version].view()
+
+    def _load_adapter(self, version: str, path: Path) -> Policy:
+        info = read_adapter_info(path)
+        for other, base_version in sorted(self._adapter_base.items()):
+            if base_version != info.base_version:
+                raise CheckpointError(
+                    f"version {version} is a LoRA adapter of {info.describe()}, but serving holds "
+                    f"{self._bases[base_version].describe()} for adapter version {other}: one base model is "
+                    "served at a time, so it is refused"
+                )
+        base = self._bases.get(info.base_version)
+        if base is not None and base.manifest_sha256 and base.manifest_sha256 != info.base_manifest_sha256:
+            raise CheckpointError(
+                f"version {version} is a LoRA adapter of {info.describe()}, but serving holds {base.describe()}: "
+                "the base it was trained on does not match, so it is refused"
+            )
+        if base is None:
+            base_dir = adapter_base_dir(path)
+            log.info("loading base version %s from %s for LoRA adapter %s", info.base_version, base_dir, version)
+            base = SharedBase(load_policy(base_dir, device=self._device, dtype=self._dtype), info.base_version)
+            self._bases[info.base_version] = base
+        if not base.manifest_sha256:  # a full version loaded as such; the registry checked the adapter's record
+            base.manifest_sha256 = info.base_manifest_sha256
+        log.info("loading LoRA adapter %s from %s onto base version %s", version, path, info.base_version)
+        policy = base.load(version, path)
+        self._adapter_base[version] = info.base_version
+        self._views[version] = weakref.ref(policy)
+        return policy
+
+    def release(self, version: str) -> None:
+        """`version` left the split: free it once no request holds it (an adapter) or at once (full weights:
+        a request in flight holds its own reference to the model)."""
+        with self._lock:
+            if version in self._adapter_base and version not in self._retired:
+                # The pool has dropped its view: whatever still holds it is a request routed before the swap.
+                view = self._views[version]()
+                if view is None:
+                    self._free(version)
+                else:
+                    self._retired[version] = weakref.finalize(view, self._free, version)
+                    del view
+            self._full.discard(version)
+            self._drop_unused_bases()
+
+    def _free(self, version: str) -> None:
+        with self._lock:
+            self._retired.pop(version, None)
+            self._views.pop(version, None)
+            if version not in self._adapter_base:
+                return
+            base = self._bases[self._adapter_base.pop(version)]
+            base.unload(version)
+            log.info("unloaded LoRA adapter %s from base version %s", version, base.version)
+            self._drop_unused_bases()
+
+    def _drop_unused_bases(self) -> None:
+        for version, base in list(self._bases.items()):
+            if version not in self._full and not base.adapters:
+                del self._bases[version]
