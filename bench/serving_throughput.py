@@ -41,7 +41,7 @@ from flywheel.lm.policy import GenerationRequest
 from flywheel.settings import Settings
 from launcher.embedded import free_port, start_broker
 from serving.app import create_app
-from serving.pool import PolicyPool
+from serving.pool import Loader, PolicyPool
 
 PROMPTS = [
     "def ",
@@ -80,10 +80,13 @@ def in_process(policy: Policy, n: int, max_tokens: int, batch: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def serve(policy_dir: Path, settings: Settings, wait_s: float) -> tuple[uvicorn.Server, str]:
-    pool = PolicyPool(lambda: TrafficSplit(champion_version="1"), lambda _: str(policy_dir))
+def serve(
+    policy_dir: Path, settings: Settings, wait_s: float, loader: Loader | None = None, workers: int = 1
+) -> tuple[uvicorn.Server, str]:
+    """The app on a local port; `loader`: the pool's (None: the in-process HF back end)."""
+    pool = PolicyPool(lambda: TrafficSplit(champion_version="1"), lambda _: str(policy_dir), loader=loader)
     app = create_app(pool, make_producer(settings), settings.events_topic, max_batch_wait_s=wait_s,
-                     signing_key=settings.serving_key.get_secret_value())  # fmt: skip
+                     batch_workers=workers, signing_key=settings.serving_key.get_secret_value())  # fmt: skip
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()

@@ -324,15 +324,27 @@ class VLLMServer:
                 raise EngineError(f"vLLM for {self.served_name} exited ({self._process.returncode}): {self._tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
+                    return self._warmed()
             time.sleep(0.5)
         self.stop()
         raise EngineError(f"vLLM for {self.served_name} did not start in {self.options.start_timeout_s:.0f} s")
 
+    def _warmed(self) -> VLLMServer:
+        """One token sampled before the server is handed out: an engine that starts but cannot run the model
+        (on CPU, a head size its attention lacks) is refused here, with its log, not on a user's request."""
+        answer = httpx.post(f"{self.url}/v1/completions", timeout=self.options.start_timeout_s,
+                            json={"model": self.served_name, "prompt": [0], "max_tokens": 1})  # fmt: skip
+        if answer.status_code != 200:
+            tail = self._tail()
+            self.stop()
+            raise EngineError(f"vLLM for {self.served_name} started but could not sample: {tail}")
+        return self
+
     def _tail(self) -> str:
         if self._log is None:
             return ""
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         lines = Path(self._log.name).read_text(errors="replace").splitlines()
         return "\n".join(lines[-15:]) + f"\n(full log: {self._log.name})"
 
