@@ -33,7 +33,7 @@ from ingest_collector import AUTH, served  # this folder's collector benchmark: 
 from flywheel.bus import ensure_topics
 from flywheel.contract import utcnow
 from flywheel.settings import Settings
-from ingest.collector_procs import COLLECTOR_APP
+from ingest.collector.procs import COLLECTOR_APP
 from launcher.embedded import free_port, settings_env, start_broker
 
 MAX_BODY = 4 * 1024 * 1024
@@ -41,7 +41,7 @@ MAX_BODY = 4 * 1024 * 1024
 
 def on_loop_app() -> FastAPI:
     """The collector with each request's parse and validation run on the event loop (as before the move)."""
-    import ingest.collector as collector
+    import ingest.collector.app as collector
 
     threaded = collector.run_in_threadpool
 

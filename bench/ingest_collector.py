@@ -5,7 +5,7 @@ batch body; the collector validates, maps, produces to the embedded broker and w
 for Kafka's acknowledgement before answering.
 
 With `--processes N`, both apps are served over real HTTP instead, each by N processes on one
-port as `flywheel ingest collector --workers N` serves it (`ingest.collector_procs`), and every
+port as `flywheel ingest collector --workers N` serves it (`ingest.collector.procs`), and every
 request opens a new connection, so the kernel spreads them over the processes.
 
     python bench/ingest_collector.py [--requests N] [--batch M] [--clients kafka-python,confluent]
@@ -31,8 +31,8 @@ from fastapi import FastAPI, Request
 
 from flywheel.bus import ensure_topics
 from flywheel.settings import Settings
-from ingest.collector import create_app
-from ingest.collector_procs import COLLECTOR_APP, serve
+from ingest.collector.app import create_app
+from ingest.collector.procs import COLLECTOR_APP, serve
 from launcher.embedded import free_port, settings_env, start_broker
 
 AUTH = {

@@ -34,7 +34,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from flywheel.bus import ensure_topics
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from launcher.embedded import free_port, start_broker
 
 KEY = "dev-write-key"

@@ -31,7 +31,7 @@ from flywheel.bus import Consumer, Outgoing, Record, RecordBatch, ensure_topics,
 from flywheel.bus.confluent import ConfluentProducer
 from flywheel.contract import Event, GenerationRecord
 from flywheel.settings import Settings
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from launcher.embedded import free_port, redis_answers, start_broker
 
 

@@ -46,8 +46,8 @@ from flywheel.lake.tables import (
     rows_frame,  # noqa: E402
 )
 from flywheel.settings import Settings  # noqa: E402
-from ingest.dedup import PartitionLedger  # noqa: E402
-from ingest.worker import IngestWorker  # noqa: E402
+from ingest.worker.dedup import PartitionLedger  # noqa: E402
+from ingest.worker.loop import IngestWorker  # noqa: E402
 from launcher.embedded import free_port, start_broker  # noqa: E402
 
 KEY = ("events", 0)

@@ -41,7 +41,7 @@ from flywheel.bus import Outgoing, RecordBatch, ensure_topics, make_producer
 from flywheel.connections import delete_prefix, redis_client
 from flywheel.contract import EventType, utcnow
 from flywheel.settings import Settings
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from launcher.embedded import free_port, start_broker
 from signals.config import SignalsConfig
 from signals.events import FeedbackEvent, GenerationInfo, decode_batch, from_us

@@ -8,7 +8,7 @@ not `1e+300`).
 
 What must hold for callers: msgspec writes NaN and Infinity as `null`, so values that may hold them
 (decoded leniently by `json.loads`) are refused before they get here (`flywheel.contract.check_properties`)
-or encoded with `json.dumps` (`ingest.intake`). Text holding a lone surrogate, which UTF-8 cannot
+or encoded with `json.dumps` (`ingest.collector.intake`). Text holding a lone surrogate, which UTF-8 cannot
 carry, falls back to `json.dumps` and its `\\ud800` escape.
 """
 

@@ -25,7 +25,7 @@ def collector(
     if workers == 1:
         import uvicorn
 
-        from ingest.collector import create_app
+        from ingest.collector.app import create_app
 
         # No access log: a line per tracked batch would drown the process's own (its /metrics counts them).
         # No proxy headers: who the client is behind a proxy is the rate limit's to decide (`Settings.trusted_proxies`).
@@ -35,7 +35,7 @@ def collector(
     import os
     import tempfile
 
-    from ingest.collector_procs import serve
+    from ingest.collector.procs import serve
 
     # Each process builds its app from this environment; their metrics meet in one directory, so /metrics
     # answers for all of them whichever process takes the scrape.
@@ -62,7 +62,7 @@ def worker(
 ) -> None:
     """Run an ingest worker (Kafka events topic to the lake) until SIGTERM."""
     from flywheel.ops import stop_on_signals
-    from ingest.worker import IngestWorker, run_worker
+    from ingest.worker.loop import IngestWorker, run_worker
 
     settings = get_settings()
     stop = stop_on_signals()

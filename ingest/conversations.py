@@ -19,7 +19,7 @@ Every event's id is derived from the conversation id and the turn's position, an
 session, so:
 
 - **Replaying is idempotent**: the same export gives the same event ids, which ingest writes once however
-  often they are sent (ingest/dedup.py), so each generation gets one reward record however often it is
+  often they are sent (ingest/worker/dedup.py), so each generation gets one reward record however often it is
   replayed;
 - the chat refit holds out whole conversations (`signals.chat_reward.Reacted.group` is the session).
 

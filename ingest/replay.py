@@ -19,12 +19,12 @@ from flywheel.bus import Outgoing, Producer, Record, make_producer
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, InvalidEvent, describe_validation_error
 from flywheel.settings import Settings
+from ingest.collector.otlp import ENDPOINT as OTLP_ENDPOINT
+from ingest.collector.otlp import replay_span
+from ingest.collector.posthog import ENDPOINTS as POSTHOG_ENDPOINTS
+from ingest.collector.posthog import replay_message
+from ingest.collector.segment import track_to_event
 from ingest.dead_letters import DeadLetter
-from ingest.otlp import ENDPOINT as OTLP_ENDPOINT
-from ingest.otlp import replay_span
-from ingest.posthog import ENDPOINTS as POSTHOG_ENDPOINTS
-from ingest.posthog import replay_message
-from ingest.segment import track_to_event
 
 
 @dataclass

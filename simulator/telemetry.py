@@ -26,7 +26,7 @@ from flywheel.contract import Event, EventType, GenerationRecord
 from flywheel.lake.tables import EVENTS, events_frame
 from flywheel.settings import Settings
 from flywheel.signing import sign_generation
-from ingest.lake_sink import write_events as write_lake_events
+from ingest.worker.lake_sink import write_events as write_lake_events
 from signals.events import FeedbackEvent, GenerationInfo
 
 Arm = Literal["champion", "challenger"]

@@ -23,9 +23,9 @@ from flywheel.contract import Event, utcnow
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from flywheel.sycophancy import ArmReply, arm_replies, sycophancy_check
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.conversations import InvalidExport, conversation_events
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from signals.chat_reward import (
     experiment_sycophancy,
     fit_chat_reward,

@@ -19,8 +19,8 @@ from flywheel.event_properties import FEEDBACK_PROPERTIES, MAX_TEXT_CHARS
 from flywheel.fast_validate import validate_batch
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
-from ingest.collector import create_app
-from ingest.worker import IngestWorker
+from ingest.collector.app import create_app
+from ingest.worker.loop import IngestWorker
 from signals.events import FeedbackEvent, GenerationInfo
 from signals.reward import builtin_definition
 

@@ -20,8 +20,8 @@ from flywheel.bus import ensure_topics, make_consumer
 from flywheel.contract import Event, EventType, ModelLineage
 from flywheel.lake.tables import REWARDS
 from flywheel.settings import Settings
-from ingest.collector import create_app as create_collector
-from ingest.worker import IngestWorker
+from ingest.collector.app import create_app as create_collector
+from ingest.worker.loop import IngestWorker
 from model_registry import ModelRegistry
 from serving import build_serving_app
 from signals.sink import read_rewards

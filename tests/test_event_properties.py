@@ -22,9 +22,9 @@ from flywheel.event_properties import FEEDBACK_PROPERTIES, property_problems
 from flywheel.fast_validate import validate_batch
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 
 AUTH = {"Authorization": "Basic " + base64.b64encode(b"dev-write-key:").decode()}
 

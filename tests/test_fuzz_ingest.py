@@ -28,9 +28,9 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, EventType, InvalidEvent
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 
 KEY = "dev-write-key"
 AUTH = {"Authorization": "Basic " + base64.b64encode(f"{KEY}:".encode()).decode()}

@@ -25,7 +25,7 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, utcnow
 from flywheel.logs import redact_access_log
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
 from launcher.embedded import free_port
 

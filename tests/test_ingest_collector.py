@@ -18,7 +18,7 @@ from flywheel.bus import ensure_topics
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
 from launcher.embedded import free_port
 
@@ -167,7 +167,7 @@ def test_schema_and_metrics_are_served(client):
 
 
 def test_concurrent_requests_each_land_once(client, settings):
-    """Requests in flight at once share sends (`ingest.group_send`); each is answered only for its own events."""
+    """Requests in flight at once share sends (`ingest.collector.group_send`); each is answered for its own events."""
     from concurrent.futures import ThreadPoolExecutor
 
     def post(k: int) -> int:

@@ -16,7 +16,7 @@ from flywheel.bus import ensure_topics
 from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
 from flywheel.settings import get_settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
 from ingest.replay import revalidate
 from launcher.cli import app as flywheel_cli

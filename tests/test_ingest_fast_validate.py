@@ -220,14 +220,14 @@ def test_properties_column_is_compact_json_of_the_same_values(properties: dict[s
 
 @pytest.mark.parametrize("item", [{"a": "é", "b": [1, 2.5, None], "c": {"d": True}}, [1, "x"], "s", 5, {"s": "\ud800"}])
 def test_refused_item_bytes_are_compact_json_of_the_item(item: object) -> None:
-    from ingest.intake import _item_bytes
+    from ingest.collector.intake import _item_bytes
 
     assert json.loads(_item_bytes(item)) == item
 
 
 def test_leniently_parsed_items_are_written_back_as_json_dumps_does() -> None:
     """NaN, which msgspec would write as null, keeps its spelling in a refused item's bytes."""
-    from ingest.intake import _item_bytes
+    from ingest.collector.intake import _item_bytes
 
     item = {"a": "é", "b": [1, float("nan"), float("inf")]}
     assert _item_bytes(item, lenient=True) == json.dumps(item, separators=(",", ":")).encode()
@@ -237,7 +237,7 @@ def test_leniently_parsed_items_are_written_back_as_json_dumps_does() -> None:
     "body", [b'{"a":[1,2.5,-0.0,1e300,123456789012345678901234567890,"\\u00e9"]}', b"[NaN]", b'["\\ud800"]', b"[1e400]"]
 )
 def test_body_parse_matches_json_loads(body: bytes) -> None:
-    from ingest.intake import parse_json
+    from ingest.collector.intake import parse_json
 
     assert repr(parse_json(body).doc) == repr(json.loads(body))
 
@@ -251,7 +251,7 @@ def test_body_parse_matches_json_loads(body: bytes) -> None:
     ],
 )
 def test_unreadable_bodies_are_refused_with_a_reason(body: bytes, reason: str) -> None:
-    from ingest.intake import BodyError, parse_json
+    from ingest.collector.intake import BodyError, parse_json
 
     with pytest.raises(BodyError) as err:
         parse_json(body)
@@ -259,7 +259,7 @@ def test_unreadable_bodies_are_refused_with_a_reason(body: bytes, reason: str) -
 
 
 def test_body_that_is_not_json_keeps_its_reason() -> None:
-    from ingest.intake import BodyError, parse_json
+    from ingest.collector.intake import BodyError, parse_json
 
     with pytest.raises(BodyError) as err:
         parse_json(b"{nope")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flywheel.bus import BrokerUnavailable, Outgoing
-from ingest.group_send import GroupSender
+from ingest.collector.group_send import GroupSender
 
 
 class HeldSend:

@@ -19,12 +19,12 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, utcnow
 from flywheel.lake.tables import EVENTS, rows_frame
 from flywheel.settings import Settings
-from ingest import collector as collector_module
-from ingest import lake_sink
-from ingest.collector import create_app
+from ingest.collector import app as collector_module
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.lake_sink import storable
-from ingest.worker import IngestWorker
+from ingest.worker import lake_sink
+from ingest.worker.lake_sink import storable
+from ingest.worker.loop import IngestWorker
 from signals.config import SignalsConfig
 from signals.worker import SignalsWorker
 from simulator.telemetry import generation_event

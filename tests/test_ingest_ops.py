@@ -13,7 +13,7 @@ from flywheel.contract import Event
 from flywheel.lake.tables import EVENTS
 from flywheel.ops import serve_ops
 from flywheel.settings import Settings
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from launcher.embedded import free_port
 
 CHUNK = 20

@@ -41,11 +41,11 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, InvalidEvent, utcnow
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
+from ingest.collector.otlp import _as_fields, decode_request, traces_intake
 from ingest.dead_letters import DeadLetter
-from ingest.otlp import _as_fields, decode_request, traces_intake
 from ingest.replay import revalidate
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from launcher.embedded import free_port, wait_for_port
 from signals.recompute import recompute_records
 from signals.reward import builtin_definition
@@ -424,7 +424,7 @@ def test_refused_spans_sharing_one_big_resource_cost_letters_within_a_constant_f
     """300 refused spans (content capture off) under one resource of 200 kB: the resource is kept whole in one
     letter; the others keep what the mapping reads of it (the user) and where the whole is, so the letters add up
     to a small multiple of the request, not 300 copies of the resource (60 MB); each still replays as before."""
-    from ingest.otlp import ELIDED
+    from ingest.collector.otlp import ELIDED
 
     request = ExportTraceServiceRequest()
     rs = request.resource_spans.add()

@@ -21,10 +21,10 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event, InvalidEvent
 from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
 from ingest.replay import revalidate
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from launcher.embedded import free_port, wait_for_port
 
 KEY = "dev-write-key"

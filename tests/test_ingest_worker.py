@@ -17,9 +17,9 @@ from flywheel.bus.reader import read_topic
 from flywheel.contract import Event
 from flywheel.lake.tables import DEAD_LETTERS, EVENTS
 from flywheel.settings import Settings
-from ingest.collector import create_app
+from ingest.collector.app import create_app
 from ingest.dead_letters import DeadLetter
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from launcher.embedded import free_port, start_broker, wait_for_port
 from tests.helpers import SmallPolls
 
@@ -168,7 +168,7 @@ def test_two_workers_writing_the_same_partitions_commit_each_offset_once(setting
         while not done.is_set():
             worker.run_once()
 
-    caplog.set_level(logging.WARNING, logger="ingest.worker")
+    caplog.set_level(logging.WARNING, logger="ingest.worker.loop")
     threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for t in threads:
         t.start()
@@ -272,7 +272,7 @@ def test_broker_down_at_start_waits_with_backoff_then_catches_up(tmp_path, redis
     )
     worker = IngestWorker(settings, group_id="g-late", poll_timeout_s=0.3)
     stop = threading.Event()
-    caplog.set_level(logging.WARNING, logger="ingest.worker")
+    caplog.set_level(logging.WARNING, logger="ingest.worker.loop")
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
     time.sleep(1.5)

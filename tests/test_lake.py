@@ -18,7 +18,7 @@ from flywheel.contract import RewardRecord
 from flywheel.lake import ForkedLakeError, legacy
 from flywheel.lake.maintenance import MigrationError, compact, migrate, vacuum
 from flywheel.lake.tables import EVENTS, REWARDS, CommitRefused, rewards_frame, rows_frame
-from ingest.dedup import PartitionLedger, app_id
+from ingest.worker.dedup import PartitionLedger, app_id
 from launcher.cli import app as flywheel_cli
 from launcher.embedded import settings_env
 

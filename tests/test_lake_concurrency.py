@@ -32,8 +32,8 @@ from flywheel.contract import Event
 from flywheel.lake.maintenance import compact, vacuum
 from flywheel.lake.tables import EVENTS, CommitRefused
 from flywheel.settings import Settings
-from ingest.dedup import PartitionLedger
-from ingest.worker import IngestWorker
+from ingest.worker.dedup import PartitionLedger
+from ingest.worker.loop import IngestWorker
 from launcher.embedded import free_port
 from tests.test_lake import KEY, events
 

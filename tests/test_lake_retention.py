@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from flywheel.lake.tables import EVENTS, LOG_RETENTION, VersionGone, log_retention
 from flywheel.settings import Settings
-from ingest.dedup import PartitionLedger
+from ingest.worker.dedup import PartitionLedger
 from launcher.cli import app as flywheel_cli
 from launcher.embedded import settings_env
 from launcher.lake import EXIT_REGISTRY_UNAVAILABLE

@@ -25,7 +25,7 @@ from flywheel.contract import RewardRecord, utcnow
 from flywheel.lake.maintenance import compact
 from flywheel.lake.tables import EVENTS, PARTITION_COLUMNS, REWARDS, TABLES, LakeSchemaError, Table, rewards_frame
 from flywheel.settings import Settings
-from ingest.worker import IngestWorker
+from ingest.worker.loop import IngestWorker
 from signals.config import SignalsConfig
 from signals.recompute import recompute_records
 from signals.reward import DEFAULT_DEFINITION

@@ -38,8 +38,8 @@ def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
     shutil.copyfile(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     # The core reaching up into a component: the one thing the layers forbid most.
     with (tmp_path / "flywheel" / "traffic.py").open("a") as f:
-        f.write("\nimport ingest.dedup  # noqa: E402,F401\n")
+        f.write("\nimport ingest.worker.dedup  # noqa: E402,F401\n")
 
     result = _lint(tmp_path)
     assert result.returncode != 0
-    assert "flywheel.traffic -> ingest.dedup" in result.stdout
+    assert "flywheel.traffic -> ingest.worker.dedup" in result.stdout

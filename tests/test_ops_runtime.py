@@ -119,8 +119,8 @@ def test_every_long_running_process_answers_metrics_health_and_readiness_alike(
     settings: Settings, tiny_model_dir: Path
 ) -> None:
     from deploy_gate.app import create_app as gate_app
-    from ingest.collector import create_app as collector_app
-    from ingest.worker import IngestWorker
+    from ingest.collector.app import create_app as collector_app
+    from ingest.worker.loop import IngestWorker
     from serving import build_serving_app
     from signals.worker import SignalsWorker
     from trainer.api import create_app as trainer_app

@@ -21,8 +21,8 @@ from flywheel.contract import Event, RewardRecord, utcnow
 from flywheel.lake.tables import EVENTS, REWARDS
 from flywheel.ops.http import ops_router
 from flywheel.settings import Settings
-from ingest.collector import create_app
-from ingest.worker import IngestWorker
+from ingest.collector.app import create_app
+from ingest.worker.loop import IngestWorker
 from signals.config import SignalsConfig
 from signals.definitions import DefinitionStore
 from signals.orphans import orphan_feedback

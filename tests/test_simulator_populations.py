@@ -25,8 +25,8 @@ from flywheel.lake.tables import EVENTS
 from flywheel.lm import PRESETS
 from flywheel.lm.corpus import held_out_files, stdlib_corpus
 from flywheel.settings import Settings
-from ingest.collector import create_app as create_collector
-from ingest.worker import IngestWorker
+from ingest.collector.app import create_app as create_collector
+from ingest.worker.loop import IngestWorker
 from model_registry import ModelRegistry
 from serving import build_serving_app
 from simulator.contexts import Context, held_out_contexts

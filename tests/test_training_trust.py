@@ -23,8 +23,8 @@ from flywheel.lake.tables import EVENTS
 from flywheel.settings import Settings
 from flywheel.signing import Untrusted, check_generation, sign_generation
 from flywheel.traffic import TrafficSplitStore
-from ingest.collector import create_app as create_collector
-from ingest.worker import IngestWorker
+from ingest.collector.app import create_app as create_collector
+from ingest.worker.loop import IngestWorker
 from serving.app import create_app as create_serving
 from serving.pool import PolicyPool
 from simulator.lake_feedback import write_rewards

@@ -2,7 +2,7 @@
 
 An OpenTelemetry exporter pointed at the collector (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=<collector>/v1/traces`)
 sends every span it has; each GenAI generation among them becomes one text-only `generation` event
-(ingest/otlp_genai.py says which spans and how). What must hold:
+(ingest/collector/otlp_genai.py says which spans and how). What must hold:
 
 - The write key comes first, from `Authorization: Bearer <key>` (or Basic, as Segment's), or from the header
   `FLYWHEEL_OTLP_WRITE_KEY_HEADER` names: unknown or missing, a 401 before the body is read.
@@ -45,9 +45,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from starlette.concurrency import run_in_threadpool
 
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
-from ingest.doors import Door
-from ingest.intake import BodyError, Intake, Refusal, parse_json
-from ingest.otlp_genai import RESOURCE_KEYS, Ignored, resource_attributes, span_to_event
+from ingest.collector.doors import Door
+from ingest.collector.intake import BodyError, Intake, Refusal, parse_json
+from ingest.collector.otlp_genai import RESOURCE_KEYS, Ignored, resource_attributes, span_to_event
 
 ENDPOINT = "/v1/traces"
 PROTOBUF = "application/x-protobuf"

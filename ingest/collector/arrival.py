@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from flywheel.write_keys import KeyScope
-from ingest.intake import Intake, Refusal
+from ingest.collector.intake import Intake, Refusal
 
 
 def time_refusal(ts: datetime, received_at: datetime, ahead_s: float, behind_s: float) -> str | None:

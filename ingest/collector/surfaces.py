@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from flywheel.contract import EventType
 from flywheel.reward_versions import surface_of
-from ingest.intake import Intake, Refusal
+from ingest.collector.intake import Intake, Refusal
 
 
 @dataclass
@@ -48,7 +48,7 @@ class SurfaceCap:
             return intake
         now = time.monotonic()
         out = Intake(refused=list(intake.refused))
-        # each accepted event's index in its request, as `ingest.arrival.bound_by_arrival` finds it
+        # each accepted event's index in its request, as `ingest.collector.arrival.bound_by_arrival` finds it
         refused_at = {r.index for r in intake.refused}
         indices = [i for i in range(len(intake.accepted) + len(intake.refused)) if i not in refused_at]
         with self._lock:

@@ -32,7 +32,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-COLLECTOR_APP = "ingest.collector:app_from_env"
+COLLECTOR_APP = "ingest.collector.app:app_from_env"
 
 
 def serve_one(host: str, port: int, log_level: str, app: str = COLLECTOR_APP) -> None:

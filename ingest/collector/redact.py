@@ -1,6 +1,6 @@
 """No configured secret in a dead letter, wherever a client put it.
 
-`ingest.intake.without_credentials` redacts credential fields by their parsed names at any depth; this is the
+`ingest.collector.intake.without_credentials` redacts credential fields by their parsed names at any depth; this is the
 second, value-based line behind it: every write key the collector knows (and its URL-encoded, JSON-escaped and
 HTTP basic auth forms) is replaced in a letter's original bytes, its reason and its `sentAt` before the letter
 is produced. So a key sent under a name nobody expects, in a form body, inside `sentAt` or in a body that is not
@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, quote_plus, urlencode
 
 from flywheel.dead_letters import DeadLetter
-from ingest.intake import REDACTED
+from ingest.collector.intake import REDACTED
 
 # `name=value&...` and nothing else: what an HTML form or posthog-js's `data=` body looks like.
 _FORM = re.compile(rb"^[A-Za-z0-9_.$-]+=[A-Za-z0-9%+/=_.~*-]*(?:&[A-Za-z0-9_.$-]+=[A-Za-z0-9%+/=_.~*-]*)*$")

@@ -1,7 +1,7 @@
 """What the collector's other doors (OTLP traces, PostHog) share with its Segment and native ones.
 
 Each door checks credentials before it parses anything, reads the body capped as sent and as inflated
-(413), turns it into an `Intake` (ingest/intake.py), and answers only once Kafka acknowledged the accepted
+(413), turns it into an `Intake` (ingest/collector/intake.py), and answers only once Kafka acknowledged the accepted
 events and the dead letters of the refused ones, produced together. A body that cannot be read at all is a
 400 with its reason, and is kept as a dead letter too (less its credentials). The same counters as the
 Segment door's are kept, by endpoint (ingest/metrics.py).
@@ -19,8 +19,8 @@ from starlette.concurrency import run_in_threadpool
 from flywheel.bus import Outgoing
 from flywheel.settings import Settings
 from ingest import metrics
+from ingest.collector.intake import BodyError, Intake, decode_body
 from ingest.dead_letters import DeadLetter, dead_letter
-from ingest.intake import BodyError, Intake, decode_body
 
 
 async def read_limited(request: Request, limit: int) -> bytes:
@@ -39,16 +39,16 @@ async def read_limited(request: Request, limit: int) -> bytes:
 
 @dataclass(frozen=True)
 class Door:
-    """Everything a door needs from the collector (ingest/collector.py builds one per app)."""
+    """Everything a door needs from the collector (ingest/collector/app.py builds one per app)."""
 
     settings: Settings
     send_all: Callable[[list[Outgoing]], None]  # returns once Kafka acknowledged them all
     write_keys: frozenset[str]
     max_body_bytes: int
     max_event_bytes: int
-    # What the Segment and native doors do too (ingest/collector.py): event times bounded by arrival and
-    # events by what the write key may speak for (`ingest.arrival`), no configured secret in a dead letter
-    # (`ingest.redact`).
+    # What the Segment and native doors do too (ingest/collector/app.py): event times bounded by arrival and
+    # events by what the write key may speak for (`ingest.collector.arrival`), no configured secret in a dead letter
+    # (`ingest.collector.redact`).
     bound: Callable[[Intake, datetime, str | None], Intake] = lambda intake, _at, _key: intake
     scrub: Callable[[DeadLetter], DeadLetter] = lambda letter: letter
 

@@ -4,8 +4,8 @@
 - `POST /v1/track`, `POST /v1/batch`: Segment's HTTP Tracking API (what the Segment and
   RudderStack libraries send: gzip bodies, write key as HTTP basic auth user name).
 - `POST /v1/traces`: OTLP/HTTP traces, protobuf or JSON; GenAI generation spans become `generation` events
-  (ingest/otlp.py, ingest/otlp_genai.py).
-- `POST /batch/`, `/capture/`: PostHog's capture API, as posthog-python sends it (ingest/posthog.py).
+  (ingest/collector/otlp.py, ingest/collector/otlp_genai.py).
+- `POST /batch/`, `/capture/`: PostHog's capture API, as posthog-python sends it (ingest/collector/posthog.py).
 - `GET /v1/schema`: the published JSON Schema of the envelope, with each event type's properties under
   `x-event-properties` (flywheel/event_properties.py: names, types, ranges, required or not).
 - `/healthz`, `/readyz`, `/metrics` (`flywheel.ops`: the body every process answers; ready while Kafka answers).
@@ -17,15 +17,15 @@ inflated (413). Every client error is a 4xx with a reason, never a 500: a body t
 be read is a 400, an item that cannot be an event is refused alone (the rest of its batch
 is taken). Refused items and bodies are answered and also produced to the dead-letter topic
 with their bytes (less any credential field at any depth, and any configured write key wherever it
-sits: `ingest.redact`), the reason and the endpoint;
-so is an event whose time is outside the window around its arrival (`ingest.arrival`). A dead letter is bounded
+sits: `ingest.collector.redact`), the reason and the endpoint;
+so is an event whose time is outside the window around its arrival (`arrival`). A dead letter is bounded
 (`flywheel.dead_letters`: a cut original with its size and digest), so no refusal is too large for Kafka; a
 message Kafka still finds too large (`MessageTooLarge`: a broker with a lower limit) is the request's fault, a 413,
 and leaves readiness alone. Readiness follows the broker: a send that succeeds marks Kafka up again at once.
 Parsing and validation run in a worker thread, never on the event loop, so a small request does
 not wait behind a large batch's parse (`bench/collector_latency.py`). Kafka unreachable: 503 with
 Retry-After. A client past `Settings.collector_rate_limit` gets 429 (`flywheel.ops.rate_limit`).
-Requests in flight at the same time share one send to Kafka (`ingest.group_send`).
+Requests in flight at the same time share one send to Kafka (`ingest.collector.group_send`).
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_ro
 from flywheel.ops.rate_limit import add_rate_limit
 from flywheel.settings import Settings, get_settings
 from ingest import metrics
-from ingest.arrival import bound_by_arrival
-from ingest.dead_letters import dead_letter
-from ingest.doors import Door, read_limited
-from ingest.group_send import GroupSender
-from ingest.intake import (
+from ingest.collector.arrival import bound_by_arrival
+from ingest.collector.doors import Door, read_limited
+from ingest.collector.group_send import GroupSender
+from ingest.collector.intake import (
     Body,
     BodyError,
     Intake,
@@ -68,10 +67,11 @@ from ingest.intake import (
     parse_json,
     segment_intake,
 )
-from ingest.otlp import otlp_router
-from ingest.posthog import posthog_router
-from ingest.redact import SecretScrubber
-from ingest.surfaces import SurfaceCap
+from ingest.collector.otlp import otlp_router
+from ingest.collector.posthog import posthog_router
+from ingest.collector.redact import SecretScrubber
+from ingest.collector.surfaces import SurfaceCap
+from ingest.dead_letters import dead_letter
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +151,13 @@ def create_app(
     holder = ProducerHolder(settings, producer, send_timeout_s)
     write_keys = settings.write_key_set
     key_scopes = settings.write_key_scopes
-    # the last step of every dead letter (`ingest.redact`): no configured secret leaves in one
+    # the last step of every dead letter (`ingest.collector.redact`): no configured secret leaves in one
     scrub = SecretScrubber([*write_keys, settings.serving_key.get_secret_value(),
                             settings.approval_token.get_secret_value()])  # fmt: skip
     redact_access_log()
     kafka = kafka_dependency(settings)
     health = ProcessHealth("collector", [kafka])
-    surfaces = SurfaceCap(settings.collector_max_surfaces_per_key)  # new surface names, per write key (ingest.surfaces)
+    surfaces = SurfaceCap(settings.collector_max_surfaces_per_key)  # new surface names per write key (`surfaces`)
 
     def send_all(messages: list[Outgoing]) -> None:
         """`holder.send_all`, and Kafka marked up once it acknowledged: readiness reflects the broker's state, so a

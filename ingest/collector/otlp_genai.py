@@ -1,4 +1,4 @@
-"""OpenTelemetry GenAI spans as text-only `generation` events (no I/O here; the door is ingest/otlp.py).
+"""OpenTelemetry GenAI spans as text-only `generation` events (no I/O here; the door is ingest/collector/otlp.py).
 
 A span is a generation when its `gen_ai.operation.name` is one of `GENERATION_OPERATIONS`; the surface
 comes from the operation (`chat` and `generate_content`: `chat`; `text_completion`: `code-completion`)

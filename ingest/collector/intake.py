@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from flywheel.compact_json import compact_json_encoder
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent, describe_validation_error
-from ingest.segment import shown, track_to_event
+from ingest.collector.segment import shown, track_to_event
 
 _MSGSPEC_JSON = msgspec.json.Decoder()
 

@@ -1,7 +1,7 @@
 """Ingest's rows for the `events` lake table (`flywheel.lake.tables.EVENTS`).
 
 Every row carries its Kafka topic, partition and offset. The worker commits a batch's rows with
-its partitions' offsets in one Delta commit (`ingest.dedup`); this module makes the rows and
+its partitions' offsets in one Delta commit (`ingest.worker.dedup`); this module makes the rows and
 makes sure the lake can store each of them: `storable` never fails over a row. A row that cannot
 be partitioned or stored is handed back with the reason (for the dead letters) and the others
 are kept; only I/O errors raise.

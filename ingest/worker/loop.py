@@ -6,14 +6,14 @@ One batch at a time (`run_once`):
    `batch_size` records or `linger_s` after the first: a Delta commit costs a fixed 15-30 ms, so a batch
    is made big enough to pay for it, and a quiet topic still commits within `linger_s`;
 2. on a new assignment, reload each partition's offset from the table and seek to it + 1 (the table,
-   not the consumer group, says where reading resumes: `ingest.dedup`);
+   not the consumer group, says where reading resumes: `ingest.worker.dedup`);
 3. validate against the contract (`flywheel.fast_validate.validate_guarded`, as every consumer of the topic);
-4. drop records the table already holds and duplicate event ids (`ingest.dedup.PartitionLedger`);
+4. drop records the table already holds and duplicate event ids (`ingest.worker.dedup.PartitionLedger`);
 5. produce every record that could not be decoded, validated or stored to the dead-letter topic, with
    its bytes, the reason and `kafka:<topic>/<partition>/<offset>`, and commit them to the dead-letter
    table with their partitions' offsets;
 6. commit the rows with each partition's last offset in one Delta commit, checked on the snapshot that
-   commits (`ingest.dedup` argues why that is exactly once); then commit the offsets to the group (sent,
+   commits (`ingest.worker.dedup` argues why that is exactly once); then commit the offsets to the group (sent,
    not waited for: they only feed the lag gauge and a fresh group's start). A commit that fails is never
    retried blindly: the table is reloaded and every partition is sought to its stored offset + 1.
 
@@ -50,8 +50,8 @@ from flywheel.ops import run_worker as run_with_ops
 from flywheel.settings import Settings
 from ingest import metrics
 from ingest.dead_letters import dead_letter
-from ingest.dedup import PartitionLedger
-from ingest.lake_sink import storable
+from ingest.worker.dedup import PartitionLedger
+from ingest.worker.lake_sink import storable
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class IngestWorker:
         self._events.commit(selection.keep.drop("_i"), ends)
         written = selection.keep.height
         clock.lap("write")
-        # Not waited for: the lake, not the group, says where reading resumes (`ingest.dedup`); the group's offsets
+        # Not waited for: the lake, not the group, says where reading resumes (`dedup`); the group's offsets
         # feed the lag gauge and a fresh group's start. Measured: 0.2 us an event with kafka-python.
         commit = {key: end for key, (_, end) in ranges.items()}
         self._consumer.commit(commit, wait=False)

@@ -35,7 +35,7 @@ Why every record is in the table exactly once (at-least-once from Kafka):
    whose partitions were revoked drops its ledger on the new assignment, so it cannot commit for
    them from memory either.
 5. A failed commit is never retried blindly: the worker reloads the table, re-reads the offsets,
-   drops what is now committed and seeks to stored + 1 (`ingest.worker`).
+   drops what is now committed and seeks to stored + 1 (`ingest.worker.loop`).
 6. Duplicates by event id are recognised among records of the same partition, whatever their age, within
    this bound: a record that arrived within the window is checked against the ids of the window (memory),
    one that arrived before it against the whole table (one scan of the partition's ids per batch holding

@@ -5,7 +5,7 @@
 - The project API key is a write key: `api_key` (or `token`) in the body, or `Authorization: Bearer <key>`,
   read before the rest of the body is parsed; unknown or missing: 401, nothing produced.
 - Each message maps onto a Segment track call and then onto the envelope exactly as Segment's are
-  (ingest/segment.py): `uuid` -> `event_id`, `distinct_id` -> `user_id`, `event` -> `type` ("Suggestion
+  (ingest/collector/segment.py): `uuid` -> `event_id`, `distinct_id` -> `user_id`, `event` -> `type` ("Suggestion
   Accepted"-style names normalised), `properties.generation_id` -> `generation_id`, `properties.$session_id`
   -> `session_id`, the client clock corrected with the batch's `sent_at`. PostHog's own properties (named
   `$...`: the library's name and version, geo-IP and person-profile flags) are not the product's and are
@@ -28,9 +28,19 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from flywheel.contract import MAX_EVENT_BYTES, Event, InvalidEvent
-from ingest.doors import Door
-from ingest.intake import REDACTED, Body, BodyError, Intake, Refusal, _item_bytes, _item_id, _reason, parse_json
-from ingest.segment import track_to_event
+from ingest.collector.doors import Door
+from ingest.collector.intake import (
+    REDACTED,
+    Body,
+    BodyError,
+    Intake,
+    Refusal,
+    _item_bytes,
+    _item_id,
+    _reason,
+    parse_json,
+)
+from ingest.collector.segment import track_to_event
 
 POSTHOG_SOURCE = "posthog"
 ENDPOINTS = ("/batch/", "/capture/", "/e/")
