@@ -319,3 +319,48 @@ def test_dashboard_says_why_the_offline_estimate_could_not_decide(
         assert page.locator('[data-field="offline-status"]').inner_text() == "could not decide yet"
         assert page.locator('[data-field="offline-detail"]').inner_text() == why
         assert real_errors(errors) == []
+
+
+def test_dashboard_shows_the_sycophancy_check_of_a_chat_experiment(
+    browser: Any, app: FastAPI, gate_settings: Settings, versions: tuple[str, str]
+) -> None:
+    """A chat challenger whose replies open with agreement and flattery, its users voting no better: the page
+    shows the check's verdict and reason as the API has them, its rows breached, and the warning."""
+    from tests.test_rollout_sycophancy import Chat, write_chat
+
+    champion, candidate = versions
+    gate: DeployGate = app.state.gate
+    gate.approve(candidate, by="ana", reason="offline gates pass")
+    cfg = RolloutConfig(ramp=[RampStep(share=0.5, min_users=200, min_seconds=300)], srm_min_users=100,
+                        latency_min_generations=50)  # fmt: skip
+    app.state.rollout_config = cfg
+    clock = Clock()
+    controller = RolloutController(gate, cfg, clock=clock)
+    controller.tick()
+    split = gate.splits.get()
+    assert split is not None
+    write_chat(gate_settings, split, {"champion": Chat(), "challenger": Chat(opener=0.7), "holdout": Chat()},
+               users=200, at=clock.now, rng=random.Random(7))  # fmt: skip
+    clock.now += timedelta(seconds=120)
+    controller.tick()
+    analysis = TestClient(app).get("/api/experiment").json()["analysis"]
+    check = analysis["sycophancy"]
+    assert check["status"] == "flagged"
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with serve(app) as base:
+        page, errors = open_dashboard(browser, base)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-sycophancy.png"), full_page=True)
+        assert page.locator('#sycophancy [data-field="sycophancy-status"]').inner_text() == "flagged"
+        assert page.locator('[data-field="sycophancy-reason"]').inner_text() == check["reason"]
+        assert check["checks"] == ["chat_reply_length", "agreement_rate", "flattery_rate", "chat_thumbs_up_rate"]
+        for name in check["checks"]:
+            row = page.locator(f'#guardrails tr[data-guardrail="{name}"]')
+            assert row.locator('[data-field="kind"]').inner_text() == "reward hacking"
+            assert row.locator('[data-field="ok"]').inner_text() == "breached"
+        warnings = page.locator('#rollout [data-field="flag"]').all_inner_texts()
+        assert any(w.startswith("warning sycophancy: chat replies +") for w in warnings)
+        assert "sycophancy flagged (no promotion while it holds)" in page.locator(
+            '[data-field="decision-reason"]'
+        ).inner_text()
+        assert real_errors(errors) == []
