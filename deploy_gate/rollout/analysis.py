@@ -36,10 +36,18 @@ import polars as pl
 from deploy_gate.rollout import rules
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.data import Aggregates
-from deploy_gate.rollout.evidence import MOMENTS, Comparison, detectable, srm_log_bayes_factor, users_to_resolve
+from deploy_gate.rollout.evidence import (
+    MOMENTS,
+    Comparison,
+    detectable,
+    relative_lift,
+    srm_log_bayes_factor,
+    users_to_resolve,
+)
 from deploy_gate.rollout.models import (
     AnalysisView,
     ArmView,
+    CappingView,
     DecisionAction,
     DecisionView,
     DifferenceView,
@@ -168,7 +176,8 @@ def analyse(
     challenger = users.filter(pl.col("arm") == "challenger")
     starts = step_starts or [started_at]
     users = _stratum(users, starts)
-    c = cells(users, len(starts), agg.pre_rate)
+    capped, capping = cap_heavy(users, config)
+    c = cells(capped, len(starts), agg.pre_rate)
     periods = srm_periods or [SrmPeriod(share=step.share, since=step.entered_at)]
     srm_view = srm(users, periods, config)
     step_users = challenger.filter(pl.col("first_seen") >= step.entered_at).height
@@ -216,7 +225,41 @@ def analyse(
     return AnalysisView(
         reward_version=agg.reward_version, arms=arms, difference=diff, srm=srm_view, guardrails=rails,
         decision=decision, power=power, flags=flags, no_data=no_data, rule=rule_view(j, power, config), sycophancy=syc,
+        capping=capping,
     )  # fmt: skip
+
+
+# What a user's weight scales: every count and sum of theirs the metrics read (the pre-period's with them, so the
+# covariate keeps its relation to the outcome), never who they are, when they came or their arm.
+_UNSCALED = ("arm", "user_id", "first_seen", "stratum")
+
+
+def cap_heavy(users: pl.DataFrame, config: RolloutConfig) -> tuple[pl.DataFrame, CappingView | None]:
+    """Heavy users capped (GrowthBook's and Statsig's capping, for a ratio metric): a user with more generations
+    than the `cap_percentile` of generations per user, over both arms pooled, counts as that many, every count
+    and sum of theirs scaled by the same factor.
+
+    Why their weight and not their values: the metrics are ratios (reward per generation), and capping a
+    user's reward sum alone would cap the positive tail of a signed reward and not its negative one; scaling
+    keeps each user's own rates (accepts per generation, reward per generation) and bounds how much of the
+    estimate one user (a scripted client, a bot) can carry. Both arms are capped at one pooled cap, so an A/A
+    stays an A/A; the estimand moves from "per generation" towards "per user" only past the cap.
+    Below 1 / (1 - percentile) users the percentile is the heaviest user: nothing is capped. None: off (1.0).
+    """
+    p = config.cap_percentile
+    if p >= 1.0:
+        return users, None
+    if users.is_empty():
+        return users, CappingView(percentile=p, cap_generations=None, users_capped=0)
+    cap = users["generations"].cast(pl.Float64).quantile(p, interpolation="higher")
+    if cap is None or cap <= 0:
+        return users, CappingView(percentile=p, cap_generations=None, users_capped=0)
+    gens = pl.col("generations").cast(pl.Float64)
+    factor = pl.when(gens > cap).then(cap / gens).otherwise(1.0)
+    scaled = [c for c, t in users.schema.items() if c not in _UNSCALED and t.is_numeric()]
+    out = users.with_columns([(pl.col(c).cast(pl.Float64) * factor).alias(c) for c in scaled])
+    capped = int(users.filter(gens > cap).height)
+    return out, CappingView(percentile=p, cap_generations=float(cap), users_capped=capped)
 
 
 def rewarded(users: pl.DataFrame, steps: int) -> np.ndarray:
@@ -344,12 +387,15 @@ def difference_view(j: rules.Judgement, c: dict[str, np.ndarray], config: Rollou
         est = ratios[1] - ratios[0] if ratios[0] is not None and ratios[1] is not None else None
         strata.append(StratumView(step=k + 1, users=[int(cell[0, 0]), int(cell[1, 0])], estimate=est))
     reduction = 1 - float(cmp.variance[0] / cmp.raw_variance[0]) if np.isfinite(cmp.raw_variance[0]) else None
+    (mean_a, mean_b), (var_a, var_b) = cmp.arm_ratio[0], cmp.arm_variance[0]
+    relative = relative_lift(float(mean_a), float(var_a), float(mean_b), float(var_b), config.alpha)
     return DifferenceView(
         estimate=float(cmp.estimate[0]), ci=fixed or (float(cmp.estimate[0]),) * 2, sequential_ci=(float(p.lo[0]),
         float(p.hi[0])), alpha=p.alpha, method=METHOD.format(n=config.tuning_n), p_value=_num(p.p_value[0]),
         adjusted_estimate=float(cmp.adjusted[0]), unadjusted_sequential_ci=(float(p.raw_lo[0]), float(p.raw_hi[0])),
         variance_reduction=reduction, strata=strata, decisive=bool(j.enough[0]),
         expected_loss_ship=_num(j.loss_ship[0]), expected_loss_keep=_num(j.loss_keep[0]),
+        relative_estimate=relative[0] if relative else None, relative_ci=relative[1] if relative else None,
     )  # fmt: skip
 
 

@@ -100,6 +100,16 @@ class RolloutConfig(BaseSettings):
         "accept rate x reward per accept (0.005: shipping may cost, in expectation, 0.5% of the accepts; at 1% a "
         "10%-worse challenger was promoted 1.7% of the time at 2,000 users, at 0.5% 0.5%).",
     )
+    # Heavy users capped (`analysis.cap_heavy`): past this percentile of generations per user (both arms pooled)
+    # a user counts as that many, their own rates kept. 0.999 as Statsig's winsorisation default: it bounds what
+    # a scripted client or a bot with thousands of generations can do to an interval, and leaves the estimand
+    # ("per generation") alone for the other 99.9% of users; 0.99 (GrowthBook's usual choice) caps the heavy
+    # users a product lives on, and changes what is measured for them (the bench's --capping compares both).
+    cap_percentile: float = Field(
+        default=0.999, gt=0.5, le=1.0, allow_inf_nan=False,
+        description="Cap each user's weight at this percentile of generations per user (both arms pooled), "
+        "every count and sum of theirs scaled alike; 1.0: no capping.",
+    )
     auto_promote: bool = Field(default=True, description="False: hold a winner for a human to promote.")
     interval_s: float = Field(default=30.0, gt=0, description="Seconds between ticks.")
     metrics_port: int = Field(default=8005, ge=0, description="/metrics, /healthz, /readyz; 0 = off.")

@@ -142,6 +142,33 @@ def compare(m: np.ndarray) -> Comparison:
     )
 
 
+def relative_lift(
+    mean_a: float, var_a: float, mean_b: float, var_b: float, alpha: float
+) -> tuple[float, tuple[float, float]] | None:
+    """Challenger over champion minus 1, and its fixed-sample 1 - alpha interval; None without a positive champion.
+
+    `var_a`, `var_b` are the variances of each arm's mean (for a ratio metric, its delta-method variance over
+    users). The delta method for the ratio of two independent means (Deng, Knoblich & Lu 2018, "Applying the
+    Delta Method in Metric Analytics", section 3.3, percent change; what gbstats computes for a relative
+    effect, `frequentist_variance(..., relative=True)` through `variance_of_ratios` with no covariance):
+
+        Var(mean_b / mean_a) ~ var_b / mean_a^2 + mean_b^2 var_a / mean_a^4
+
+    with a normal quantile (gbstats takes Student's t with Welch's degrees of freedom: the same to the third
+    digit past a few hundred users). A share of a champion mean at or below 0 has no meaning (the reward's zero
+    is arbitrary): None, and the absolute difference is what reads. Shown, never decided on.
+    """
+    from statistics import NormalDist
+
+    values = (mean_a, var_a, mean_b, var_b)
+    if not all(math.isfinite(v) for v in values) or mean_a <= 0 or min(var_a, var_b) < 0:
+        return None
+    lift = mean_b / mean_a - 1
+    var = var_b / mean_a**2 + mean_b**2 * var_a / mean_a**4
+    half = NormalDist().inv_cdf(1 - alpha / 2) * math.sqrt(var)
+    return lift, (lift - half, lift + half)
+
+
 def rho2(alpha: float, tuning: float) -> float:
     """ρ² of the normal-mixture boundary, tightest at N* = `tuning` users (Waudby-Smith et al. 2023, eq. 161)."""
     return (-2 * math.log(alpha) + math.log(-2 * math.log(alpha) + 1)) / tuning

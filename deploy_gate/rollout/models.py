@@ -63,6 +63,11 @@ class DifferenceView(_Model):
     # normal posterior of the adjusted difference (GrowthBook's "risk"); shown, not decided on (`rules`).
     expected_loss_ship: float | None = None
     expected_loss_keep: float | None = None
+    # Challenger / champion - 1 on each arm's mean over all its users, with its fixed-sample 1 - alpha interval
+    # (delta method, as gbstats' relative effect: `evidence.relative_lift`); None without a positive champion
+    # mean. What GrowthBook and Statsig users read first; shown, not decided on.
+    relative_estimate: float | None = None
+    relative_ci: tuple[float, float] | None = None
 
 
 class SrmPeriod(_Model):
@@ -154,6 +159,15 @@ class RuleView(_Model):
     note: str = ""
 
 
+class CappingView(_Model):
+    """Heavy users capped: each user's generations (and every count and sum of theirs with them) scaled down to
+    the cap, the `percentile` of generations per user over both arms pooled, so the user's own rates stand."""
+
+    percentile: float
+    cap_generations: float | None  # None: too few users to set one (nothing capped)
+    users_capped: int
+
+
 class AnalysisView(_Model):
     unit: Literal["user"] = "user"
     metric: str = "satisfaction"
@@ -168,6 +182,7 @@ class AnalysisView(_Model):
     flags: list[str] = []
     no_data: bool = False  # the challenger has no rewarded user yet (its traffic or rewards may not arrive)
     rule: RuleView | None = None
+    capping: CappingView | None = None  # heavy users' weight capped (`RolloutConfig.cap_percentile`)
     sycophancy: SycophancyView | None = None  # chat surfaces only
 
 
