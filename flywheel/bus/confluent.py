@@ -26,6 +26,7 @@ _KAFKA_PYTHON_NAMES: dict[str, str | None] = {
     "linger_ms": "linger.ms",
     "sasl_plain_username": "sasl.username",
     "sasl_plain_password": "sasl.password",
+    "ssl_cafile": "ssl.ca.location",
 }
 
 
