@@ -3,8 +3,10 @@
 Each family is a tiny randomly initialised checkpoint of its own architecture with a tokenizer trained here
 that has the real one's quirks (flywheel.lm.families: BOS added or not, EOS and pad tokens, padding side,
 chat templates and their end-of-turn tokens, tied embeddings). For each: load it, pass serving's conformance
-suite at atol 0, train a cycle on logged samples (real lake, Redis, MLflow), register it, fetch the
-delta-built artifact (verified) and have serving's pool swap to it and answer with its weights.
+suite at atol 0, train a full-weights cycle on logged samples (real lake, Redis, MLflow), register it, fetch
+the delta-built artifact (verified) and have serving's pool swap to it and answer with its weights; then a
+LoRA cycle (peft) on the same champion, served beside it from one copy of the base. One test per family
+runs both cycles, so registration, feedback and the stores are set up once (the file must stay fast).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def _even_first_token(g: Generation) -> float:
     return 1.0 if g.completion_token_ids[0] % 2 == 0 else -1.0
 
 
-def test_each_family_trains_registers_as_a_delta_and_is_swapped_in(
+def test_each_family_trains_full_and_lora_cycles_registers_them_and_serving_swaps_to_them(
     family: tuple[str, Path], settings: Settings, tmp_path: Path
 ) -> None:
     name, path = family
@@ -128,31 +130,53 @@ def test_each_family_trains_registers_as_a_delta_and_is_swapped_in(
     champion = registry.register(load_policy(path, dtype="bfloat16").save(tmp_path / "own"), ModelLineage(base=name))
     registry.set_alias("champion", champion)
     write_events(settings, consent_events(USERS))
-    simulate_feedback(settings, load_policy(registry.fetch(champion)), PROMPTS, _even_first_token,
-                      model_version=champion, n=8, seed=1, users=USERS)  # fmt: skip
+    old = load_policy(registry.fetch(champion))
+    simulate_feedback(settings, old, PROMPTS, _even_first_token, model_version=champion, n=8, seed=1, users=USERS)
 
-    result = run_cycle(settings, TrainerConfig(learning_rate=1e-3, batch_size=4, exact_check_samples=4),
-                       progress=False)  # fmt: skip
-    assert result.status == "registered" and result.parent_version == champion and result.sample_count == 8, result
-    assert result.version is not None
-    metrics = registry.lineage(result.version).metrics
+    # Full weights: a candidate stored as a delta against the champion.
+    full = run_cycle(settings, TrainerConfig(learning_rate=1e-3, batch_size=4, exact_check_samples=4),
+                     progress=False)  # fmt: skip
+    assert full.status == "registered" and full.parent_version == champion and full.sample_count == 8, full
+    assert full.version is not None
+    metrics = registry.lineage(full.version).metrics
     # Serving's log-probs are reproduced exactly by the trainer on every architecture.
     assert metrics["exact_mismatch_max_abs"] == 0.0 and metrics["exact_mismatch_tokens"] > 0
-    artifact = registry.artifact(result.version)
+    artifact = registry.artifact(full.version)
     assert (artifact.kind, artifact.parent) == ("delta", champion)
     assert artifact.stored_bytes < artifact.checkpoint_bytes
-    assert sum(d.changed for d in registry.diff(champion, result.version)) > 0, "training moved some weights"
+    assert sum(d.changed for d in registry.diff(champion, full.version)) > 0, "training moved some weights"
 
     shutil.rmtree(settings.data_dir / "models")  # serving rebuilds the candidate from the store, verified
     split = [TrafficSplit(champion_version=champion)]
     pool = PolicyPool(lambda: split[0], lambda v: str(registry.fetch(v)))
     assert pool.refresh() and pool.route("u0").version == champion
-    split[0] = TrafficSplit(champion_version=result.version)
-    assert pool.refresh() and pool.loaded_versions == [result.version]
+    split[0] = TrafficSplit(champion_version=full.version)
+    assert pool.refresh() and pool.loaded_versions == [full.version]
     route = pool.route("u0")
     answer = route.policy.generate("def add(a, b):\n    return", max_tokens=6, seed=3)
-    assert route.version == result.version and len(answer.completion_token_ids) >= 1
+    assert route.version == full.version and len(answer.completion_token_ids) >= 1
     # It answers with the candidate's weights: its log-probs are the registered candidate's, not the champion's.
-    candidate, old = load_policy(registry.fetch(result.version)), load_policy(registry.fetch(champion))
+    candidate = load_policy(registry.fetch(full.version))
     assert answer.logprobs == _score(candidate, answer.prompt_token_ids, answer.completion_token_ids)
     assert answer.logprobs != _score(old, answer.prompt_token_ids, answer.completion_token_ids)
+
+    # A LoRA adapter on the same champion, from the same feedback (the full candidate was never promoted).
+    config = TrainerConfig(update="lora", lora_rank=2, learning_rate=5e-3, batch_size=4, exact_check_samples=4)
+    lora = run_cycle(settings, config, progress=False)
+    assert lora.status == "registered" and lora.parent_version == champion and lora.version is not None, lora
+    adapter = registry.adapter(lora.version)
+    assert adapter is not None and adapter.base_version == champion
+    metrics = registry.lineage(lora.version).metrics
+    assert metrics["exact_mismatch_max_abs"] == 0.0 and metrics["kl_to_champion"] > 0
+    # Champion and adapter served at once on one copy of the base; each answers with its own weights, bit for bit.
+    split[0] = TrafficSplit(champion_version=champion, challenger_version=lora.version, challenger_share=0.5)
+    assert pool.refresh() and pool.loaded_versions == sorted([champion, lora.version])
+    weights = {champion: old, lora.version: load_policy(registry.fetch(lora.version))}
+    answers = {}
+    for user in {split[0].arm_for(f"user{i}"): f"user{i}" for i in range(100)}.values():
+        route = pool.route(user)
+        answer = route.policy.generate("def add(a, b):\n    return", max_tokens=6, seed=3)
+        scored = _score(weights[route.version], answer.prompt_token_ids, answer.completion_token_ids)
+        assert answer.logprobs == scored, route.version
+        answers[route.version] = answer.logprobs
+    assert set(answers) == {champion, lora.version} and answers[champion] != answers[lora.version]
