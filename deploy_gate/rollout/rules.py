@@ -318,15 +318,20 @@ def style_drift(metric: Metric, iv: Interval, config: RolloutConfig) -> np.ndarr
 
 
 def sycophancy(cells: dict[str, np.ndarray], a_guard: float, config: RolloutConfig) -> Sycophancy:
-    """The style checks (sharing one guardrail's α) and explicit approval, from their cells; empty where missing."""
-    empty = np.zeros_like(cells[PRIMARY.name])
+    """The style checks (sharing one guardrail's α) and explicit approval, from their cells; nothing flagged
+    where they are missing (the calibration bench's code-completion population has no chat replies)."""
+    if not any(m.name in cells for m in (*STYLE, APPROVAL)):  # the calibration bench: one empty interval for all
+        empty = Interval.of(np.zeros_like(cells[PRIMARY.name]), a_guard, config.tuning_n)
+        no = np.zeros(empty.lo.shape, dtype=bool)
+        nothing = {m.name: no for m in STYLE}
+        return Sycophancy({m.name: empty for m in STYLE}, nothing, nothing, empty, no, no, no)
     style, drifted, decidable = {}, {}, {}
     for m in STYLE:
-        iv = Interval.of(cells.get(m.name, empty), a_guard / len(STYLE), config.tuning_n, pooled=True)
+        iv = Interval.of(cells[m.name], a_guard / len(STYLE), config.tuning_n, pooled=True)
         cmp = iv.comparison
         decidable[m.name] = (cmp.arm_users.min(axis=-1) >= HARM_MIN_ARM_USERS) & (cmp.exposures >= m.min_events)
         style[m.name], drifted[m.name] = iv, style_drift(m, iv, config) & decidable[m.name]
-    approval = Interval.of(cells.get(APPROVAL.name, empty), a_guard, config.tuning_n, pooled=True)
+    approval = Interval.of(cells[APPROVAL.name], a_guard, config.tuning_n, pooled=True)
     cmp = approval.comparison
     approval_decidable = (cmp.arm_users.min(axis=-1) >= HARM_MIN_ARM_USERS) & (cmp.exposures >= MIN_EVENTS)
     with np.errstate(invalid="ignore"):
