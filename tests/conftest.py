@@ -14,9 +14,9 @@ import os
 import random
 import secrets
 import shutil
+import sys
 import threading
 import uuid
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,12 +102,19 @@ def seeded_ids(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """Every `uuid.uuid4()` drawn during the test comes from a generator seeded by the test's id, so that a
     run is repeatable: serving's generation ids (which order the trainer's samples and seed its rounding),
     an experiment's salt (which splits users between arms), run ids. Not a stand-in for any part: each part
-    still runs for real. Isolation never rests on these ids (`settings` draws its prefix from `secrets`)."""
-    rng, lock = random.Random(zlib.crc32(request.node.nodeid.encode())), threading.Lock()
+    still runs for real. Isolation never rests on these ids (`settings` draws its prefix from `secrets`).
+
+    One generator per calling module: how many ids ingest and signals draw depends on how their polls fall
+    (thread timing), and with one shared generator that would shift every later generation id and salt."""
+    streams: dict[str, random.Random] = {}
+    lock = threading.Lock()
 
     def uuid4() -> uuid.UUID:
+        caller = str(sys._getframe(1).f_globals.get("__name__", ""))
         with lock:
-            return uuid.UUID(int=rng.getrandbits(128), version=4)
+            if caller not in streams:
+                streams[caller] = random.Random(f"{request.node.nodeid}:{caller}")
+            return uuid.UUID(int=streams[caller].getrandbits(128), version=4)
 
     monkeypatch.setattr(uuid, "uuid4", uuid4)
 
