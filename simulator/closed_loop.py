@@ -72,6 +72,10 @@ class LoopPlan:
     max_tokens: int = 16
     eval_repeats: int = 2  # samples per evaluation context (fixed seeds)
     seed: int = 0
+    # Measure each cycle's candidate and the champion after it (the records' truths). Off, a cycle measures
+    # nothing and the caller evaluates what it judges (`ClosedLoop.evaluate`): evaluation is most of a small
+    # loop's time, and a test that judges only the last candidate need not pay for the others.
+    evaluate_each_cycle: bool = True
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,7 @@ class ClosedLoop:
     def traffic_round(self, seconds: dict[str, float]) -> list[Outcome]:
         """Every population sends `plan.requests` requests (populations in parallel), then the lake catches up."""
         started = time.perf_counter()
+        self._wait_adopted()
         seeds = [self.rng.randrange(2**31) for _ in self.populations]
         with ThreadPoolExecutor(len(self.populations)) as pool:
             batches = list(pool.map(self._population_round, self.populations, seeds))
@@ -277,9 +282,10 @@ class ClosedLoop:
         if harm is not None:
             candidate = self._harmed(candidate, champion, harm)
         rec.candidate = candidate
-        started = time.perf_counter()
-        rec.truth_candidate = self.evaluate(candidate)
-        rec.seconds["evaluate"] = time.perf_counter() - started
+        if self.plan.evaluate_each_cycle:
+            started = time.perf_counter()
+            rec.truth_candidate = self.evaluate(candidate)
+            rec.seconds["evaluate"] = time.perf_counter() - started
         started = time.perf_counter()
         try:
             self.approve.tick()
@@ -298,7 +304,7 @@ class ClosedLoop:
         started = time.perf_counter()
         self._wait_loaded(candidate)
         rec.seconds["swap"] = time.perf_counter() - started
-        rec.turnaround_s = time.monotonic() - last_feedback - rec.seconds["evaluate"]  # without our own measuring
+        rec.turnaround_s = time.monotonic() - last_feedback - rec.seconds.get("evaluate", 0.0)  # without measuring
         self.controller.tick()  # the experiment starts: the first ramp step's share
         served: list[Outcome] = []
         for _ in range(self.plan.max_rounds):
@@ -330,10 +336,11 @@ class ClosedLoop:
         self.gate.apply(self.gate.plan_unquarantine(version, by="closed-loop", reason=why))
 
     def _finish(self, rec: CycleRecord) -> CycleRecord:
-        started = time.perf_counter()
-        champion = self.gate.splits.get().champion_version  # type: ignore[union-attr]
-        rec.truth_eval = self.evaluate(champion)
-        _add(rec.seconds, "evaluate", time.perf_counter() - started)
+        if self.plan.evaluate_each_cycle:
+            started = time.perf_counter()
+            champion = self.gate.splits.get().champion_version  # type: ignore[union-attr]
+            rec.truth_eval = self.evaluate(champion)
+            _add(rec.seconds, "evaluate", time.perf_counter() - started)
         self.records.append(rec)
         return rec
 
@@ -345,6 +352,18 @@ class ClosedLoop:
             # Its own run: the trained candidate's run already holds that candidate's artifacts.
             lineage = self.registry.lineage(trained).model_copy(update={"parent_version": champion, "run_id": None})
             return self.registry.register(out, lineage)
+
+    def _wait_adopted(self, timeout_s: float = 120.0) -> None:
+        """Until serving routes by the split in Redis. Serving adopts a gate's change from its pub/sub watcher
+        thread, a moment later; a round started before that would route its first users by the old share, and
+        how many depends on thread timing (so a run would not repeat)."""
+        pool = self.serving_app.state.pool
+        deadline = time.monotonic() + timeout_s
+        while pool.split != self.gate.splits.get():
+            if time.monotonic() > deadline:
+                log.warning("serving has not adopted the traffic split after %.0fs", timeout_s)
+                return
+            time.sleep(0.01)
 
     def _wait_loaded(self, version: str, timeout_s: float = 120.0) -> None:
         pool = self.serving_app.state.pool
