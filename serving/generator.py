@@ -3,11 +3,12 @@
 Routing (the traffic split), logging (the signed `generation` event) and the registry never see
 the model itself; they hand a `Generator` a batch of `GenerationRequest`s and get one `Generation`
 back per request, in order. The embedded default is the in-process Hugging Face back end,
-`flywheel.lm.Policy`, which satisfies this protocol as it is. A production inference server
-(vLLM, SGLang) plugs in as another implementation; docs/serving.md, "Serving back ends", says what it must do.
+`flywheel.lm.Policy`, which satisfies this protocol as it is. A production inference server plugs in
+as another implementation: serving.vllm_backend is vLLM's (`serving_backend="vllm"`); docs/serving.md,
+"Serving back ends", says how to run it and what differs.
 
 What every back end must guarantee (serving.conformance checks it; tests/test_generator_conformance.py
-runs the checks over the HF back end):
+runs the checks over the HF and vLLM back ends):
 - one `Generation` per request, in the order given; a batch never mixes weights: one `Generator`
   object is one model version, so a batch answered by it is answered by that version alone;
 - `logprobs[i]` is the log-prob of `completion_token_ids[i]` at temperature 1 under that version,
