@@ -6,7 +6,8 @@ that was itself a candidate is) and `trainer.cycle.run_cycle` trains one cycle o
 production: `update="full"` (the default config: every weight, stored as a lossless delta against the
 champion) and `update="lora"` (an adapter, rank `--rank` on every linear layer, stored as a peft directory).
 Reported per row: what the registry stores (bytes), the full checkpoint's bytes, their ratio, the trained
-parameters, the KL to the champion and the cycle's wall time.
+parameters, the KL to the champion and the cycle's wall time. Then, counted rather than trained (no hub here), the
+adapter of the same rank on a Qwen2-0.5B-shaped model against that model's bfloat16 weights.
 
 Swap under load. Serving's pool (`serving.pool.PolicyPool` with its default in-process loader) and batcher
 answer `--clients` closed-loop client threads (each submits a completion and waits for it, back to back),
@@ -84,6 +85,24 @@ def one_cycle(base: Path, lake: Path, model: Path, label: str, config: TrainerCo
         "ratio": registry.artifact(champion).checkpoint_bytes / art.stored_bytes, "kind": art.kind,
         "trained_params": trained, "kl_to_champion": result.metrics["kl_to_champion"], "cycle_s": round(cycle_s, 1),
     }, fetched  # fmt: skip
+
+
+def adapter_at_scale(rank: int) -> dict[str, Any]:
+    """Parameters of a rank-`rank` all-linear adapter on a Qwen2-0.5B-shaped model (its published shape), counted
+    on the meta device: no weights exist, nothing is downloaded. Bytes at bfloat16."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    peft_model = get_peft_model(model, TrainerConfig(lora_rank=rank).lora_config())
+    adapter = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    return {"model": "Qwen2-0.5B shape", "params": total, "adapter_params": adapter, "rank": rank,
+            "full_bf16_mb": round(total * 2 / 1e6, 1), "adapter_bf16_mb": round(adapter * 2 / 1e6, 1),
+            "ratio": round(total / adapter, 1)}  # fmt: skip
 
 
 def second_adapter(trained: Path, out: Path, seed: int) -> Path:
@@ -213,6 +232,7 @@ def main() -> None:
                   f"{r['stored_bytes'] / 1e3:>10.1f} {r['ratio']:>6.1f}x {r['trained_params']:>14,} "
                   f"{r['kl_to_champion']:>9.2e} {r['cycle_s']:>7}")  # fmt: skip
         print(f"adapter / full-weights delta: {lora['stored_bytes'] / full['stored_bytes']:.3f}x")
+        print("at scale (counted, not trained):", json.dumps(adapter_at_scale(args.rank)))
 
         cache = base / "cache"
         info: AdapterInfo = read_adapter_info(adapter)

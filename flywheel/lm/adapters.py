@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,7 +89,9 @@ class SharedBase:
         """Free adapter `name` (its LoRA weights); the base and the other adapters stay."""
         with self._lock:
             if name in self._adapters:
-                self._peft.delete_adapter(name)
+                with warnings.catch_warnings():  # "adapter was active, now deleted": the next batch sets its own
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._peft.delete_adapter(name)
                 self._adapters.discard(name)
 
     @contextlib.contextmanager
