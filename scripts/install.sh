@@ -18,6 +18,3 @@ if ! command -v promtool >/dev/null && command -v apt-get >/dev/null && [ "$(id 
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
       >/dev/null; } || echo "could not install promtool: the PrometheusRule check will be skipped" >&2
 fi
-# .venv-vllm: the vLLM serving back end runs from its own venv (its pins conflict with .venv's); its conformance
-# tests skip and say why where it could not be installed.
-bash scripts/install_vllm.sh || echo "could not install .venv-vllm: the vLLM back end's tests will be skipped" >&2
