@@ -411,3 +411,47 @@ def test_gpu_overlay_serves_on_a_vllm_sidecar_with_runtime_adapters_and_trains_a
     changed = {f"{d['kind']}/{d['metadata']['name']}" for d in m.docs if d not in applied.docs}
     assert {c for c in changed if not c.startswith("ConfigMap/flywheel-")} == {
         "Deployment/flywheel-serving", "Deployment/flywheel-trainer"}
+
+
+def _proxy_passes(conf: str, method: str, path: str) -> bool:
+    """Whether the read-only proxy's nginx.conf passes `method path` upstream, by nginx's location rules as this
+    config uses them: an exact `location =` first, then `location ~` regexes in order, then the prefix `/`; a
+    `limit_except` inside the chosen location refuses the methods it does not list (GET brings HEAD)."""
+    blocks = re.findall(r"location\s+(=|~)?\s*(\S+)\s*\{((?:[^{}]|\{[^{}]*\})*)\}", conf)
+    chosen = next((body for kind, where, body in blocks if kind == "=" and where == path), None)
+    if chosen is None:
+        chosen = next((body for kind, where, body in blocks if kind == "~" and re.search(where, path)), None)
+    if chosen is None:
+        chosen = next(body for kind, where, body in blocks if not kind and path.startswith(where))
+    if "proxy_pass" not in chosen:
+        return False
+    limit = re.search(r"limit_except\s+([A-Z ]+)\{", chosen)
+    if limit is None:
+        return True
+    listed = set(limit.group(1).split())
+    return method in listed | ({"HEAD"} if "GET" in listed else set())
+
+
+def test_the_registry_proxy_passes_every_read_and_refuses_every_registry_write(dev: kc.Manifests) -> None:
+    """Serving and the signals workers reach MLflow only through flywheel-mlflow-read (the network-flows check);
+    here, over MLflow's own route table, that proxy passes each model-registry read and refuses each registry write
+    (an alias moved, a version registered, a tag set), and passes the tracking API (a refit logs its runs)."""
+    from mlflow.server.handlers import get_endpoints
+
+    conf = dev.data("ConfigMap", "flywheel-mlflow-read")["nginx.conf"]  # type: ignore[index]
+    registry = re.compile(r"registered_model|model_version|latest_versions|transition_stage")
+    seen = {"read": 0, "write": 0, "tracking": 0}
+    for path, handler, methods in get_endpoints():
+        name = getattr(handler, "__name__", "")
+        for method in methods:
+            passes = _proxy_passes(conf, method, path)
+            if registry.search(name):
+                read = name.startswith(("_get", "_search"))
+                assert passes == read, f"{method} {path} ({name}): {'refused' if read else 'passed'}"
+                seen["read" if read else "write"] += 1
+            elif path.startswith(("/api/2.0/mlflow/runs/", "/api/2.0/mlflow/experiments/")):
+                assert passes, f"{method} {path} ({name}) refused: the signals workers log their refits' runs"
+                seen["tracking"] += 1
+    assert seen["read"] >= 10 and seen["write"] >= 20 and seen["tracking"] >= 20, seen
+    assert not _proxy_passes(conf, "POST", "/api/2.0/mlflow/registered-models/alias")
+    assert _proxy_passes(conf, "GET", "/api/2.0/mlflow/registered-models/alias")

@@ -11,8 +11,8 @@ What is mapped, since no cluster runs here (and nothing else is):
 - the pod's volume (`FLYWHEEL_DATA_DIR`) to a temporary folder, and its address
   (`FLYWHEEL_BIND_HOST=0.0.0.0`) to loopback, and each process's port to a free one, after checking that
   the port its settings give it is the one its probe declares;
-- Kafka's SASL login to PLAINTEXT (the embedded broker has no SCRAM) and the token store's PostgreSQL to
-  SQLite (no PostgreSQL runs here);
+- Kafka's SASL login over TLS to PLAINTEXT (the embedded broker has neither SCRAM nor TLS) and the token
+  store's PostgreSQL to SQLite (no PostgreSQL runs here);
 - the init Job, run first as the overlay gives it, registers a tiny model instead of bootstrapping one;
   MinIO's bucket Job runs as the overlay gives it too (its `python` is this interpreter).
 
@@ -111,6 +111,7 @@ def test_each_deployment_answers_its_readiness_probe(
         "flywheel-kafka-bootstrap:9092": broker,
         "flywheel-valkey:6379": f"127.0.0.1:{port}",
         "http://flywheel-mlflow:5000": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "http://flywheel-mlflow-read:5000": f"sqlite:///{tmp_path / 'mlflow.db'}",  # its read-only proxy
         "http://flywheel-minio:9000": moto_endpoint,
     }
     overrides = {
@@ -215,3 +216,45 @@ def test_each_deployment_answers_its_readiness_probe(
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+# vLLM's own argument parser, run in the vLLM environment (its pins conflict with the project's venv).
+_PARSE_VLLM_ARGS = """
+import json, sys
+import vllm
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+ns = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+print(json.dumps({"version": vllm.__version__, "model": ns.model_tag, "served": ns.served_model_name,
+                  "port": ns.port, "enable_lora": ns.enable_lora, "max_lora_rank": ns.max_lora_rank,
+                  "logprobs_mode": ns.logprobs_mode}))
+"""
+
+
+def test_the_gpu_overlays_vllm_command_line_is_one_its_vllm_accepts(tmp_path: Path) -> None:
+    """overlays/gpu's vLLM sidecar (`vllm serve MODEL --flags`) parsed by the argument parser of the vLLM version
+    its image is pinned to (.venv-vllm, scripts/install_vllm.sh): a misspelt flag or a value vLLM does not take
+    (a LoRA rank outside its choices) fails here, not in a pod's crash loop."""
+    import json
+
+    python = kc.REPO / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv-vllm (scripts/install_vllm.sh): vLLM's own parser is not here to ask")
+    with kc.prod_with_example_secrets(tmp_path) as overlay:
+        m = kc.build(overlay.parent / "gpu")
+    spec = m.get("Deployment", "flywheel-serving")["spec"]["template"]["spec"]  # type: ignore[index]
+    engine = next(c for c in spec["initContainers"] if c["name"] == "vllm")
+    assert engine["command"][:2] == ["vllm", "serve"]
+    out = subprocess.run([str(python), "-c", _PARSE_VLLM_ARGS, json.dumps(engine["command"][2:] + engine["args"])],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    tag = engine["image"].split("@")[0].rsplit(":", 1)[1]
+    assert tag == f"v{parsed['version']}", f"the image is {tag}, the parser vLLM {parsed['version']}: align them"
+    assert parsed["enable_lora"] is True and parsed["logprobs_mode"] == "raw_logprobs"
+    assert parsed["model"] == "/models/base" and parsed["served"] == ["1"]
+    serving = next(c for c in spec["containers"] if c["name"] == "serving")
+    assert kc.environment(m, serving)["FLYWHEEL_VLLM_URL"] == f"http://127.0.0.1:{parsed['port']}"

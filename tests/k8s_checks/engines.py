@@ -56,6 +56,41 @@ def check_kafka(m: Manifests) -> list[Problem]:
         name = kafka["metadata"]["name"]
         if not brokers.get(name) or not controllers.get(name):
             problems.append(Problem("kafka", where(kafka), "needs node pools with broker and controller roles"))
+        for listener in kafka["spec"]["kafka"].get("listeners", []):
+            if listener.get("tls") is not True:
+                problems.append(Problem("kafka", where(kafka), f"listener {listener.get('name')!r} is not TLS: "
+                                        "events and passwords would cross the network in clear"))
+    problems += _kafka_clients_verify_the_cluster_ca(m)
+    return problems
+
+
+def _kafka_clients_verify_the_cluster_ca(m: Manifests) -> list[Problem]:
+    """Every Flywheel Kafka client speaks SASL_SSL and trusts the cluster's CA: FLYWHEEL_KAFKA_SSL_CAFILE is the
+    ca.crt that a volume of Strimzi's `<cluster>-cluster-ca-cert` Secret puts there."""
+    problems = []
+    clusters = {k["metadata"]["name"] for k in m.of("Kafka")}
+    for owner, tpl in m.workloads():
+        volumes = {v["name"]: v for v in tpl["spec"].get("volumes", [])}
+        for c in tpl["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            protocol = env.get("FLYWHEEL_KAFKA_SECURITY_PROTOCOL")
+            if protocol is None:
+                continue
+            if protocol != "SASL_SSL":
+                problems.append(Problem("kafka", where(owner), f"{c['name']}: Kafka protocol {protocol}, not SASL_SSL"))
+                continue
+            cafile = env.get("FLYWHEEL_KAFKA_SSL_CAFILE") or ""
+            source = None
+            for mount in c.get("volumeMounts", []):
+                root = mount["mountPath"].rstrip("/") + "/"
+                secret = volumes.get(mount["name"], {}).get("secret")
+                if cafile.startswith(root) and secret is not None:
+                    items = {i["path"]: i["key"] for i in secret.get("items", [])}
+                    rel = cafile[len(root):]
+                    source = (secret["secretName"], items.get(rel, rel) if items else rel)
+            if source is None or source[1] != "ca.crt" or source[0] not in {f"{k}-cluster-ca-cert" for k in clusters}:
+                problems.append(Problem("kafka", where(owner), f"{c['name']}: FLYWHEEL_KAFKA_SSL_CAFILE {cafile!r} is "
+                                        f"not the cluster CA's ca.crt (mounted from {source})"))
     return problems
 
 

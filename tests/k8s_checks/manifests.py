@@ -79,16 +79,22 @@ class Manifests:
         return next((d for d in self.of(kind) if d["metadata"]["name"] == name), None)
 
     def data(self, kind: str, name: str) -> dict[str, str] | None:
-        """A ConfigMap's or Secret's keys and (decoded) values."""
+        """A ConfigMap's or Secret's keys and (decoded) values; an operator's Secret has its keys, values unknown."""
         obj = self.get(kind, name)
         if obj is None:
-            return None
+            return dict.fromkeys(self._operator_secrets().get(name, []), "") or None if kind == "Secret" else None
         out = {k: str(v) for k, v in (obj.get("data") or {}).items()}
         if kind == "Secret":
             out = {k: base64.b64decode(v).decode() for k, v in out.items()}
             out.update({k: str(v) for k, v in (obj.get("stringData") or {}).items()})
         out.update({k: "" for k in (obj.get("binaryData") or {})})
         return out
+
+    def _operator_secrets(self) -> dict[str, list[str]]:
+        """Secrets an operator makes from these objects, by name, with their keys: Strimzi's cluster CA
+        certificate for each Kafka (what its clients trust)."""
+        return {f"{k['metadata']['name']}-cluster-ca-cert": ["ca.crt", "ca.p12", "ca.password"]
+                for k in self.of("Kafka")}
 
     def workloads(self) -> Iterator[tuple[Resource, Resource]]:
         """(workload, pod template) for every kind that makes pods from a template."""

@@ -112,11 +112,17 @@ OBJECT_STORAGE = Peer(address="52.216.0.10")  # an address outside the cluster (
 # is in the cluster's private range; a CNI matches ipBlocks against it too).
 OUTSIDE_ADDRESSES = (Peer(address="203.0.113.7"), Peer(address="10.244.7.7"))
 
+# What reads the model registry and must not write it (aliases, versions): it reaches MLflow only through the
+# read-only proxy, never MLflow itself.
+MLFLOW_READERS = ("serving", "signals-worker")
+
 # (source app, destination app, destination port): what the loop needs inside the namespace.
 NEEDED_FLOWS = [
     *[(app, "kafka", 9092) for app in ("collector", "serving", "ingest-worker", "signals-worker")],
     *[(app, "valkey", 6379) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
-    *[(app, "mlflow", 5000) for app in ("serving", "signals-worker", "gate", "rollout", "trainer", "init")],
+    *[(app, "mlflow", 5000) for app in ("mlflow-read", "gate", "rollout", "trainer", "init")],
+    # The registry's readers go through its read-only proxy (engines/mlflow-read.yaml).
+    *[(app, "mlflow-read", 5000) for app in MLFLOW_READERS],
     *[(app, "postgres", 5432) for app in ("mlflow", "mlflow-migrate", "gate", "rollout", "trainer")],
     # Lake maintenance asks the registry which table versions models trained on before it vacuums.
     *[(app, "mlflow", 5000) for app in ("lake-compaction", "lake-vacuum-full")],
@@ -162,6 +168,11 @@ def check_network_flows(m: Manifests) -> list[Problem]:
                 need(Peer(src.labels, pod=src), Peer(dst.labels, pod=dst), port, f"{src_app} -> {dst_app}:{port}")
         if not _app_pods(m, src_app) or not _app_pods(m, dst_app):
             problems.append(Problem("network-flows", f"{src_app} -> {dst_app}", "a side has no pod"))
+    for app in MLFLOW_READERS:
+        for src in _app_pods(m, app):
+            for dst in _app_pods(m, "mlflow"):
+                need(Peer(src.labels, pod=src), Peer(dst.labels, pod=dst), 5000,
+                     f"{app} -> mlflow:5000 (past its read-only proxy)", False)
     minio = m.pods_by_app("minio")
     s3 = [Peer(p.labels, pod=p) for p in minio] or [OBJECT_STORAGE]
     for app in S3_CLIENTS:

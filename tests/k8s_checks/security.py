@@ -178,7 +178,7 @@ def check_secrets(m: Manifests) -> list[Problem]:
 
 # The secrets each Flywheel command reads from its settings (flywheel/settings.py's SecretStr fields), and
 # where: a process is given these keys and no other (least privilege), each as one secretKeyRef.
-#   write keys        the collector's doors (ingest/collector.py);
+#   write keys        the collector's doors (ingest/collector/app.py);
 #   serving key       serving signs generations (serving/__init__.py), the trainer verifies them
 #                     (trainer/data.py), the gate's offline gates verify logged ones (deploy_gate/offline/logged.py),
 #                     which the rollout controller's plans run through;
