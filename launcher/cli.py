@@ -19,7 +19,7 @@ app = typer.Typer(help="Flywheel: real-time online RL from user reactions.", no_
 
 # (sub-command name, module holding a Typer `app`, help)
 _COMPONENTS = [
-    ("model", "flywheel.lm.cli", "Bootstrap or inspect the policy model."),
+    ("model", "flywheel.lm.cli", "Bootstrap, make a tiny one of a family, or inspect the policy model."),
     ("serve", "serving.cli", "The model server (OpenAI-compatible completions)."),
     ("ingest", "ingest.cli", "Collector (HTTP) and ingest workers (Kafka to lake), dead letters."),
     ("signals", "signals.cli", "Satisfaction signals: rewards per generation."),

@@ -116,6 +116,18 @@ def test_a_chat_turn_is_retokenised_through_the_familys_template(family: tuple[s
     assert cut == (prompt_ids, completion_ids[:-1])  # a reply cut by its length did not end the turn
 
 
+def test_flywheel_model_tiny_writes_a_loadable_checkpoint_and_names_the_families_it_knows(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from launcher.cli import app
+
+    made = CliRunner().invoke(app, ["model", "tiny", "--family", "gpt2", "--out", str(tmp_path / "m")])
+    assert made.exit_code == 0, made.output
+    assert load_policy(tmp_path / "m").generate("x", max_tokens=2, seed=0).completion_token_ids
+    unknown = CliRunner().invoke(app, ["model", "tiny", "--family", "bert", "--out", str(tmp_path / "b")])
+    assert unknown.exit_code == 2 and "llama, qwen2, mistral, phi3, gpt2" in unknown.output
+
+
 def _even_first_token(g: Generation) -> float:
     # A rule that splits a random model's samples (few of them end early), so the advantages are not all zero.
     return 1.0 if g.completion_token_ids[0] % 2 == 0 else -1.0
