@@ -108,6 +108,12 @@ def open_dashboard(browser: Any, base: str) -> tuple[Any, list[str]]:
     return page, errors
 
 
+def js_pct(x: float) -> str:
+    """The dashboard's `pct`: a share as a percentage to a tenth, trailing zeros dropped (JavaScript's Number)."""
+    text = f"{100 * x:.1f}".rstrip("0").rstrip(".")
+    return f"{text}%"
+
+
 def real_errors(errors: list[str]) -> list[str]:
     # The browser logs every 4xx fetch; those the page expects (refused actions) are fine.
     return [e for e in errors if "the server responded with a status of 4" not in e]
@@ -252,6 +258,26 @@ def test_dashboard_renders_the_experiment_analysis(
         assert page.locator('[data-field="diff-estimate"]').inner_text() == f"{diff['estimate']:.3f}"
         sequential = "[{:.3f}, {:.3f}]".format(*diff["sequential_ci"])
         assert page.locator('[data-field="diff-sequential"]').inner_text().startswith(sequential)
+        relative = page.locator('[data-field="diff-relative"]').inner_text()
+        if diff["relative_estimate"] is None:
+            assert relative.startswith("– (the champion's mean is not above 0)")
+        else:
+            lo, hi = (js_pct(x) for x in diff["relative_ci"])
+            sign = "+" if diff["relative_estimate"] > 0 else ""
+            assert relative.startswith(f"{sign}{js_pct(diff['relative_estimate'])} [{lo}, {hi}]")
+        cap = analysis["capping"]  # the default 99.9th percentile, in force (600 users: no one capped yet)
+        assert cap["percentile"] == cfg.cap_percentile
+        assert page.locator('[data-field="capping"]').inner_text().startswith("at the 99.9th percentile")
+        # The duration calculator, measured on this experiment, as `GET /api/experiment/plan` has it.
+        plan = api.get("/api/experiment/plan").json()
+        assert plan["measured"] and page.locator('[data-field="plan-lines"] li').all_inner_texts() == plan["lines"]
+        page.fill("#plan-users", "2000")
+        page.fill("#plan-accept", "0.3")
+        page.dispatch_event("#plan-accept", "change")
+        given = api.get("/api/experiment/plan", params={"users_per_day": 2000, "accept_rate": 0.3}).json()
+        page.wait_for_function("() => document.querySelector('[data-field=\"plan-source\"]').textContent"
+                               ".startsWith('at 2000 users a day')")  # fmt: skip
+        assert page.locator('[data-field="plan-lines"] li').all_inner_texts() == given["lines"]
         srm = analysis["srm"]
         assert " / ".join(map(str, srm["observed"])) in page.locator("#srm").inner_text()
         assert len(analysis["guardrails"]) == page.locator("#guardrails tr[data-guardrail]").count() > 0

@@ -4,6 +4,7 @@ users capped. Seeded, on per-user frames through `analysis.analyse`, as the cont
 from __future__ import annotations
 
 import math
+import random
 from datetime import UTC, datetime, timedelta
 from statistics import NormalDist
 
@@ -11,11 +12,15 @@ import numpy as np
 import polars as pl
 import pytest
 
-from deploy_gate.rollout import RolloutConfig
+from deploy_gate.gate import DeployGate
+from deploy_gate.rollout import RolloutConfig, RolloutController
 from deploy_gate.rollout.analysis import StepContext, analyse, cap_heavy
 from deploy_gate.rollout.data import USER_COLUMNS, Aggregates
 from deploy_gate.rollout.evidence import relative_lift
 from deploy_gate.rollout.models import AnalysisView
+from flywheel.settings import Settings
+from tests.rollout_sim import write_batch
+from tests.test_rollout import CHAMPION, Clock, config, gate, registry, versions  # noqa: F401  (fixtures)
 
 T0 = datetime(2026, 11, 25, tzinfo=UTC)
 
@@ -128,3 +133,39 @@ def test_capping_waits_for_enough_users_to_set_a_percentile() -> None:
     capped, view = cap_heavy(users, RolloutConfig(cap_percentile=0.999))
     assert view is not None and view.users_capped == 0 and view.cap_generations == users["generations"].max()
     assert capped["reward_sum"].to_list() == users["reward_sum"].to_list()
+
+
+def test_the_plan_endpoint_gives_flywheel_gate_plan_given_or_measured(
+    gate: DeployGate, settings: Settings, versions: tuple[str, str]  # noqa: F811  (the fixtures imported)
+) -> None:
+    """`GET /api/experiment/plan` (the dashboard's duration calculator) is the CLI's plan; what is not given is
+    measured on the running experiment, up to its last look."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from deploy_gate.rollout.api import router
+    from deploy_gate.rollout.duration import plan
+
+    cfg = config()
+    app = FastAPI()
+    app.include_router(router)
+    app.state.gate, app.state.rollout_config = gate, cfg
+    api = TestClient(app)
+    given = api.get("/api/experiment/plan", params={"users_per_day": 2000, "accept_rate": 0.3}).json()
+    assert given["lines"] == plan(cfg, 2000, 0.3).lines(cfg, 0.3) and given["measured"] is False
+    assert api.get("/api/experiment/plan").json() is None  # nothing running, nothing given
+    clock = Clock()
+    controller = RolloutController(gate, cfg, clock=clock)
+    controller.tick()
+    split = gate.splits.get()
+    assert split is not None
+    write_batch(settings, split, {"champion": CHAMPION, "challenger": CHAMPION}, users=300, at=clock.now,
+                rng=random.Random(5), user_ids=[f"user-{i}" for i in range(300)])  # fmt: skip
+    clock.now += timedelta(hours=6)
+    view = controller.tick().analysis
+    assert view is not None and view.power is not None and view.power.champion_accept_rate is not None
+    seen = sum(a.users for a in view.arms.values())
+    got = api.get("/api/experiment/plan").json()
+    assert got["measured"] is True and got["users_per_day"] == pytest.approx(seen * 4)  # six hours: x4 a day
+    assert got["accept_rate"] == pytest.approx(view.power.champion_accept_rate)
+    assert got["lines"] == plan(cfg, seen * 4, got["accept_rate"]).lines(cfg, got["accept_rate"])

@@ -20,7 +20,8 @@ from deploy_gate.rollout import data
 from deploy_gate.rollout.analysis import series
 from deploy_gate.rollout.config import RolloutConfig
 from deploy_gate.rollout.controller import RolloutController, challenger_live
-from deploy_gate.rollout.models import ExperimentView, SeriesBucket, SeriesView
+from deploy_gate.rollout.models import DurationPlanView, ExperimentView, SeriesBucket, SeriesView
+from flywheel.contract import utcnow
 from flywheel.identity import Authenticator, Identity
 
 router = APIRouter(prefix="/api", tags=["experiment"])
@@ -74,6 +75,40 @@ def _run(gate: DeployGate, plan: Plan, dry_run: bool) -> ActionResult:
 def get_experiment(gate: Gate, config: Config) -> ExperimentView:
     """The experiment's state, ramp, last analysis and decision, timeline and holdout."""
     return RolloutController(gate, config).view()
+
+
+@router.get("/experiment/plan")
+def get_plan(
+    gate: Gate,
+    config: Config,
+    users_per_day: Annotated[float | None, Query(gt=0, description="New users a day, all arms.")] = None,
+    accept_rate: Annotated[float | None, Query(gt=0, le=1, description="The champion's accepts a generation.")] = None,
+) -> DurationPlanView | None:
+    """The duration calculator (`flywheel gate plan`) under the rollout's configuration. What is not given is
+    measured on the running experiment: its users so far over its days, the champion's accept rate; null when
+    neither is given nor measurable yet (no experiment, or no user)."""
+    from deploy_gate.rollout.duration import plan
+
+    measured = users_per_day is None or accept_rate is None
+    if measured:
+        rec = RolloutController(gate, config).record()
+        a = rec.analysis
+        if users_per_day is None and a is not None and rec.started_at is not None:
+            # Up to its last look (the controller's clock), not now: an experiment stopped long ago is not slower.
+            days = max(((rec.looked_at or utcnow()) - rec.started_at).total_seconds(), 60.0) / 86400
+            seen = sum(arm.users for arm in a.arms.values())
+            users_per_day = seen / days if seen else None
+        if accept_rate is None:
+            power = (a.power if a is not None else None) or rec.plan
+            accept_rate = power.champion_accept_rate if power is not None else None
+    if users_per_day is None or not accept_rate:
+        return None
+    p = plan(config, users_per_day, accept_rate)
+    return DurationPlanView(
+        users_per_day=users_per_day, accept_rate=accept_rate, measured=measured, reachable=p.reachable,
+        ramp_days=p.ramp_days, max_days=p.max_days, users=p.users, promoted_if_margin_worse=p.promoted_if_margin_worse,
+        promoted_if_10pct_worse=p.promoted_if_10pct_worse, lines=p.lines(config, accept_rate),
+    )  # fmt: skip
 
 
 @router.get("/experiment/series")

@@ -145,6 +145,22 @@ class PowerView(_Model):
     margin_reachable: bool | None = None  # users_for_margin within the users projected at the maximum duration
 
 
+class DurationPlanView(_Model):
+    """The duration calculator (`deploy_gate.rollout.duration.plan`, as `flywheel gate plan` prints it) at a
+    traffic and accept rate: given, or measured on the running experiment (`measured`)."""
+
+    users_per_day: float
+    accept_rate: float
+    measured: bool  # the traffic and accept rate are the running experiment's, not the caller's
+    reachable: bool  # the ramp's minimums fit in the maximum duration
+    ramp_days: float
+    max_days: float
+    users: int  # users the maximum duration brings
+    promoted_if_margin_worse: float
+    promoted_if_10pct_worse: float
+    lines: list[str]
+
+
 class RuleView(_Model):
     """The decision rule in force (`RolloutConfig.decision_rule`) and what it risks at today's precision."""
 

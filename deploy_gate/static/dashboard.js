@@ -258,7 +258,7 @@
       return;
     }
     const d = a.difference;
-    if (d) renderEffect(d, a.power, a.rule); // null while an arm has too few users for an interval
+    if (d) renderEffect(d, a.power, a.rule, a.capping); // null while an arm has too few users for an interval
     else {
       // No challenger reward yet (a.no_data): what the traffic could resolve, from the champion's users.
       const note = a.no_data && exp.plan ? exp.plan.note : a.power ? a.power.note : '';
@@ -281,7 +281,7 @@
       rule.summary, '. ', el('span', { class: 'muted small', 'data-field': 'rule-risk' }, rule.note));
   }
 
-  function renderEffect(d, power, rule) {
+  function renderEffect(d, power, rule, capping) {
     // What decides: the always-valid interval of the regression-adjusted, step-stratified difference.
     const seq = d.sequential_ci;
     const decisive = d.decisive !== false;
@@ -291,6 +291,11 @@
     const num = (x) => (x === null || x === undefined ? '–' : x.toPrecision(3));
     const facts = [
       el('dt', null, 'estimate (adjusted)'), el('dd', { 'data-field': 'diff-adjusted' }, fmt(d.adjusted_estimate)),
+      el('dt', null, 'relative lift'), el('dd', { 'data-field': 'diff-relative' }, d.relative_estimate === null
+        || d.relative_estimate === undefined ? '– (the champion\'s mean is not above 0)'
+        : `${d.relative_estimate > 0 ? '+' : ''}${pct(d.relative_estimate)} [${pct(d.relative_ci[0])}, `
+          + `${pct(d.relative_ci[1])}]`, ' ', el('span', { class: 'muted small' },
+        `(each arm's mean, fixed-sample ${pct(1 - d.alpha)} interval, delta method: shown, not decided on)`)),
       el('dt', null, `always-valid ${pct(1 - d.alpha)} interval`),
       el('dd', { 'data-field': 'diff-sequential' }, ci(seq), ' ', el('span', { class: cls }, verdict)),
       el('dt', null, 'sequential p'), el('dd', { 'data-field': 'diff-p' }, num(d.p_value)),
@@ -308,6 +313,11 @@
       el('dt', null, 'fixed-sample interval'), el('dd', null, ci(d.ci), ' ',
         el('span', { class: 'muted small' }, '(reference only: not valid when looked at repeatedly)')),
       el('dt', null, 'method'), el('dd', { class: 'small' }, d.method),
+      el('dt', null, 'heavy users capped'), el('dd', { 'data-field': 'capping', class: 'small' }, !capping ? 'off'
+        : `at the ${Number((100 * capping.percentile).toFixed(2))}th percentile of generations per user, both arms pooled (`
+          + (capping.cap_generations === null ? 'no cap yet'
+            : `${fmt(capping.cap_generations, 0)} generations; ${capping.users_capped} users capped`)
+          + '): each counts as at most that many, their own rates kept'),
     ];
     if (power) {
       facts.push(el('dt', null, 'what this traffic can resolve'),
@@ -362,6 +372,27 @@
       `${pct(h.share)} of users stay on ${v(h.version)} (${h.users} users, mean ${fmt(h.mean)}). `,
       'Cumulative effect of the releases since: ', el('b', null, eff ? fmt(eff.estimate) : '–'),
       eff ? ` ${ci(eff.ci)}` : ''));
+  }
+
+  // The duration calculator (`flywheel gate plan`): at the traffic and accept rate typed in, else measured on
+  // the running experiment. The same plan before an experiment starts (type both) and while it runs.
+  async function renderPlan() {
+    const q = [['plan-users', 'users_per_day'], ['plan-accept', 'accept_rate']]
+      .filter(([id]) => $(id).value.trim() !== '').map(([id, k]) => `${k}=${encodeURIComponent($(id).value.trim())}`);
+    let p = null;
+    try { p = await load(`api/experiment/plan${q.length ? `?${q.join('&')}` : ''}`); } catch (e) {
+      fill('plan', el('p', { class: 'muted' }, `plan: ${e.message}`));
+      return;
+    }
+    if (!p) {
+      fill('plan', empty('Type the new users a day and the champion\'s accept rate (nothing measured yet).'));
+      return;
+    }
+    fill('plan', el('p', { 'data-field': 'plan-source', class: 'muted small' }, p.measured
+      ? `measured on the running experiment: ${fmt(p.users_per_day, 0)} users a day, accept rate ${fmt(p.accept_rate)}`
+      : `at ${fmt(p.users_per_day, 0)} users a day, accept rate ${fmt(p.accept_rate)}`),
+    el('p', null, badge(p.reachable, 'ramp fits', 'ramp does NOT fit the maximum duration')),
+    el('ul', { 'data-field': 'plan-lines', class: 'small' }, p.lines.map((line) => el('li', null, line))));
   }
 
   function renderRamp(exp) {
@@ -537,6 +568,7 @@
     renderDifference(exp);
     renderGuardrails(exp);
     renderRamp(exp);
+    await renderPlan();
     if (versions) {
       const gatesOf = await versionDetails(versions);
       renderVersions(versions, gatesOf);
@@ -598,6 +630,7 @@
       whoami().catch(() => { canAct = false; });
     });
     for (const f of document.querySelectorAll('form')) f.addEventListener('submit', (e) => e.preventDefault());
+    for (const id of ['plan-users', 'plan-accept']) $(id).addEventListener('change', () => renderPlan());
     document.addEventListener('click', (e) => {
       const b = e.target.closest('button[data-action]');
       if (b) act(b);
