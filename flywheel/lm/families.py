@@ -2,7 +2,7 @@
 Mistral, Phi-3 and GPT-2, each with a tokenizer that has its family's quirks.
 
 No hub is reachable from where Flywheel is tested, so a "Qwen2" here is the real `Qwen2ForCausalLM`
-architecture at a few hundred thousand parameters, and a tokenizer trained locally (the `tokenizers`
+architecture at about 110k-140k parameters, and a tokenizer trained locally (the `tokenizers`
 library, on the bootstrap corpus: `flywheel.lm.corpus`) that reproduces what makes the real one different.
 The loop must not care which family it gets, and these quirks are where it would:
 
@@ -18,7 +18,7 @@ SentencePiece-style decoders drop the leading space of the first token decoded (
 its own loses the space it starts with), and the chat models end a turn with a token of their own
 (`<|im_end|>`, `<|end|>`) that their generation config lists as an end-of-text id beside the EOS.
 GPT-2, Qwen2 and Phi-3 add no BOS, so an empty prompt has no token of its own. Padding side differs
-(Flywheel pads its own batches and never reads it). GPT-2 ties its output layer to the input
+(Flywheel pads its own batches and never reads it). GPT-2 and Qwen2 tie their output layer to the input
 embeddings, Phi-3 fuses its attention and MLP projections: the weight names differ in each safetensors file.
 
 `tiny_checkpoint(family, out)` writes one; `flywheel model tiny --family qwen2 --out DIR` is its CLI.
@@ -142,7 +142,7 @@ def train_family_tokenizer(family: str, texts: list[str], vocab_size: int = 512)
 
 
 def family_config(family: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    """A tiny config of `family`'s own architecture (a few hundred thousand parameters)."""
+    """A tiny config of `family`'s own architecture (110k-140k parameters with a 512-token vocabulary)."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     spec = _spec(family)
@@ -154,8 +154,9 @@ def family_config(family: str, tokenizer: PreTrainedTokenizerFast) -> Pretrained
     }
     if family == "gpt2":
         return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=CONTEXT, **ids)
-    shape: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "max_position_embeddings": CONTEXT}  # fmt: skip
+    shape: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "max_position_embeddings": CONTEXT}  # fmt: skip
     if family == "llama":
         return LlamaConfig(**shape, **ids)
     if family == "mistral":
