@@ -191,6 +191,37 @@ def cache(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Pat
     return root
 
 
+def test_the_offline_gates_judge_an_adapter_as_base_plus_adapter(cache: Path) -> None:
+    """The gates load a fetched adapter with `load_policy` like any checkpoint: a small adapter step passes
+    every gate with a KL above 0, and its held-out data is its base's (the bootstrap's training sample)."""
+    from peft import get_peft_model
+
+    from deploy_gate.offline import GATES, OfflineGateConfig
+    from deploy_gate.offline.gates import run_gates
+    from deploy_gate.offline.heldout import held_out
+    from deploy_gate.offline.logged import LoggedTraffic
+
+    config = OfflineGateConfig(n_prompts=8, logged_prompts=4, n_text_windows=40, lm_min_windows=20,
+                               ope_min_samples=20, ope_min_ess=5, bootstrap_samples=200, num_threads=1)  # fmt: skip
+    champion = load_policy(cache / "1")
+    model = get_peft_model(load_policy(cache / "1").model, TrainerConfig(lora_rank=4).lora_config())  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 1e-3)
+    step = cache / "small-step"
+    model.save_pretrained(step)
+    write_adapter_info(step, AdapterInfo("1", "1" * 64, "tiny"))
+    data = held_out(step, config.n_prompts, config.n_text_windows, config.text_window_tokens * 4, 0)
+    assert data == held_out(cache / "1", config.n_prompts, config.n_text_windows, config.text_window_tokens * 4, 0)
+    results = {r.name: r for r in run_gates(step, champion, data.prompts, data.texts, LoggedTraffic([], None, 0),
+                                            config)}  # fmt: skip
+    for name in GATES[:-1]:
+        assert results[name].status == "passed", results[name]
+    assert 0 < results["kl_to_champion"].value < config.max_kl  # type: ignore[operator]
+
+
 def _pool(cache: Path, split: list[TrafficSplit]) -> PolicyPool:
     return PolicyPool(lambda: split[0], lambda v: str(cache / v))
 
