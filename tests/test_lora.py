@@ -222,6 +222,28 @@ def test_the_offline_gates_judge_an_adapter_as_base_plus_adapter(cache: Path) ->
     assert 0 < results["kl_to_champion"].value < config.max_kl  # type: ignore[operator]
 
 
+def test_a_cycle_starts_from_exactly_its_champion_whichever_update_it_makes(cache: Path) -> None:
+    """"lora" on full weights adds a zero adapter (the policy unchanged, bit for bit, only the adapter trains);
+    "full" on an adapter merges it (every weight trains; the policy within float32 rounding of base + adapter)."""
+    from trainer.cycle import prepare_update
+
+    request = GenerationRequest("def add(a, b):\n    return", max_tokens=6, seed=3)
+    full = load_policy(cache / "1")
+    served = full.generate_batch([request])[0]
+    prepare_update(full, TrainerConfig(update="lora", lora_rank=4))
+    assert full.generate_batch([request])[0] == served
+    trainable = [n for n, p in full.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+    adapter = load_policy(cache / "2")
+    served = adapter.generate_batch([request])[0]
+    prepare_update(adapter, TrainerConfig(update="full"))
+    assert adapter.adapter is None and all(p.requires_grad for p in adapter.model.parameters())
+    assert not any("lora_" in n for n, _ in adapter.model.named_parameters())
+    merged = _trainer_logprobs(adapter, served)
+    assert max(abs(a - b) for a, b in zip(merged, served.logprobs, strict=True)) < 1e-4
+
+
 def _pool(cache: Path, split: list[TrafficSplit]) -> PolicyPool:
     return PolicyPool(lambda: split[0], lambda v: str(cache / v))
 
