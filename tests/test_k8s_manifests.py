@@ -91,7 +91,8 @@ def test_overlays_hold_the_whole_loop(dev: kc.Manifests, prod: kc.Manifests) -> 
     for m in (dev, prod):
         apps = {tpl["metadata"]["labels"].get("app") for _, tpl in m.workloads()}
         assert {"collector", "serving", "ingest-worker", "signals-worker", "gate", "rollout", "trainer",
-                "lake-compaction", "lake-vacuum-full", "init", "valkey", "postgres", "mlflow", "mlflow-migrate"} <= apps
+                "lake-compaction", "lake-vacuum-full", "init", "valkey", "postgres", "mlflow", "mlflow-migrate",
+                "mlflow-read"} <= apps
         assert {t["spec"]["topicName"] for t in m.of("KafkaTopic")} == {
             "flywheel.events", "flywheel.rewards", "flywheel.dead-letter"}
         # The lake is on object storage: no volume for it, and every process on it is told where it is.
