@@ -51,6 +51,7 @@ from typing import IO, Any, cast
 import httpx
 
 from flywheel.lm import CheckpointError
+from flywheel.lm.adapter_info import ADAPTER_INFO, adapter_base_dir, read_adapter_info
 from flywheel.lm.policy import FinishReason, Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,15 @@ class EngineError(RuntimeError):
 def is_adapter(path: str | Path) -> bool:
     """A peft LoRA adapter directory (served on its base model), not a full checkpoint."""
     return (Path(path) / _ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(adapter: str | Path) -> tuple[str, Path | None]:
+    """The name of an adapter's base model and its local directory (None when there is none here): a registry
+    adapter's base version, fetched beside it (flywheel.lm.adapter_info), else peft's `base_model_name_or_path`."""
+    if (Path(adapter) / ADAPTER_INFO).is_file():
+        return read_adapter_info(adapter).base_version, adapter_base_dir(adapter)
+    base = str(json.loads((Path(adapter) / _ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
+    return base, (Path(base) if base and (Path(base) / "config.json").is_file() else None)
 
 
 def vllm_python(configured: str = "") -> Path:
@@ -367,8 +377,8 @@ class VLLMBackend:
     `url` set: the operator's server. A full-weights version must be one of the models it serves (by name);
     an adapter is loaded onto it by name with `POST /v1/load_lora_adapter` (its path must be readable by
     that server). `url` empty (managed): a full-weights version gets a server of its own; an adapter is
-    loaded onto the managed server of its base (the adapter config's `base_model_name_or_path`, a version
-    name or a checkpoint directory), started for that base when none runs. `release` unloads or stops
+    loaded onto the managed server of its base (a registry adapter's base version, fetched beside it; else peft's
+    `base_model_name_or_path`), started for that base when none runs. `release` unloads or stops
     what a version no longer routed to holds."""
 
     def __init__(self, url: str = "", options: ServerOptions | None = None, *, release_grace_s: float = 30.0) -> None:
@@ -398,7 +408,11 @@ class VLLMBackend:
             served = self._served_names(url)
             if version not in served:  # never routed to a name vLLM would not answer with this version's weights
                 raise CheckpointError(f"vLLM at {url} does not serve {version} (it serves {sorted(served)})")
-            generator = VLLMGenerator(url, version, checkpoint)
+            # an adapter directory holds no tokenizer: its base's is the one it was trained with
+            tokens_from = adapter_base(checkpoint)[1] if adapter else checkpoint
+            if tokens_from is None:
+                raise CheckpointError(f"no local copy of the base of adapter {version} to read its tokenizer from")
+            generator = VLLMGenerator(url, version, tokens_from)
             self._generators[version] = generator
             return generator
 
@@ -410,8 +424,8 @@ class VLLMBackend:
         return server.url
 
     def _load_adapter(self, version: str, checkpoint: str | Path) -> str:
-        base = json.loads((Path(checkpoint) / _ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
-        url = self.url or self._base_server(str(base))
+        base, base_dir = adapter_base(checkpoint)
+        url = self.url or self._base_server(base, base_dir)
         response = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": version, "lora_path": str(checkpoint)},
                               timeout=300)  # fmt: skip
         if response.status_code != 200 and "already been loaded" not in response.text:
@@ -419,14 +433,14 @@ class VLLMBackend:
         self._adapters[version] = url
         return url
 
-    def _base_server(self, base: str) -> str:
+    def _base_server(self, base: str, base_dir: Path | None) -> str:
         for name, server in self._servers.items():
-            same_dir = Path(base).is_dir() and Path(base).resolve() == Path(server.checkpoint).resolve()
-            if base in (name, server.checkpoint) or same_dir:
+            same_dir = base_dir is not None and base_dir.resolve() == Path(server.checkpoint).resolve()
+            if base == name or same_dir:
                 return server.url
-        if not Path(base).is_dir():
+        if base_dir is None:
             raise CheckpointError(f"the adapter's base {base!r} is neither a served version nor a local checkpoint")
-        server = VLLMServer(base, f"base-{len(self._servers)}", self.options).start()
+        server = VLLMServer(base_dir, base, self.options).start()
         self._servers[base] = server
         return server.url
 

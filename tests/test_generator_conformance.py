@@ -11,15 +11,18 @@ the trainer's scorer, never the two back ends' samples with each other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from flywheel.contract import TrafficSplit
 from flywheel.lm import CheckpointError, Policy, load_policy, token_logprobs
 from serving.conformance import Check, Harness, generator_checks
 from serving.generator import GenerationRequest, Generator, hf_generator
+from serving.pool import PolicyPool
 from serving.vllm_backend import LOGPROB_ATOL, VLLMBackend, VLLMGenerator, VLLMServer, vllm_unavailable
 from tests.helpers import bench_module
 from trainer.data import Sample
@@ -135,3 +138,64 @@ def test_a_request_out_of_range_is_refused_before_sampling(policy: Policy) -> No
         policy.generate_batch([GenerationRequest("x", stop=("",))])
     with pytest.raises(ValueError, match="max_tokens"):
         policy.generate_batch([GenerationRequest("x"), GenerationRequest("x", max_tokens=0)])
+
+
+@pytest.fixture(scope="module")
+def adapters(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two LoRA adapters (peft directories) of the vLLM test model, randomly initialised so each changes it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, seed in (("v-a", 1), ("v-b", 2)):
+        torch.manual_seed(seed)
+        base = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        out[name] = tmp_path_factory.mktemp("adapters") / name
+        get_peft_model(base, config).save_pretrained(str(out[name]))
+    return out
+
+
+def adapter_scorer(vllm_model: Path, adapter: Path) -> Callable[[Sequence[int], Sequence[int]], list[float]]:
+    """The trainer's log-probs under base + adapter (peft, merged, fp32)."""
+    from peft import PeftModel
+
+    policy = load_policy(vllm_model, dtype="float32")
+    policy.model = PeftModel.from_pretrained(policy.model, adapter).merge_and_unload()  # type: ignore[assignment]
+    return trainer_scorer(policy)
+
+
+def test_two_adapters_on_one_engine_each_answer_with_their_own_weights(
+    vllm_server: VLLMServer, vllm_model: Path, adapters: dict[str, Path]
+) -> None:
+    # Champion and challenger as two adapters on one base: the pool loads both before adopting the split
+    # (vLLM's runtime LoRA API), each user's request is answered by the adapter it was routed to (its
+    # log-probs are that adapter's, as the trainer computes them, and not the other's), and an adapter the
+    # split drops is unloaded from the engine.
+    backend = VLLMBackend(vllm_server.url, release_grace_s=0.0)
+    split = TrafficSplit(champion_version="v-a", challenger_version="v-b", challenger_share=0.5, experiment="e")
+    current = [split]
+    pool = PolicyPool(lambda: current[0], lambda v: str(adapters[v]), loader=backend.load, release=backend.release)
+    assert pool.refresh() and pool.loaded_versions == ["v-a", "v-b"]
+    scorers = {v: adapter_scorer(vllm_model, path) for v, path in adapters.items()}
+    seen = set()
+    for i in range(12):
+        route = pool.route(f"user-{i}")
+        seen.add(route.version)
+        g = route.policy.generate_batch([GenerationRequest("def ", max_tokens=8, seed=i)])[0]
+        other = "v-b" if route.version == "v-a" else "v-a"
+        own = scorers[route.version](g.prompt_token_ids, g.completion_token_ids)
+        assert max(abs(a - b) for a, b in zip(own, g.logprobs, strict=True)) <= LOGPROB_ATOL
+        theirs = scorers[other](g.prompt_token_ids, g.completion_token_ids)
+        assert max(abs(a - b) for a, b in zip(theirs, g.logprobs, strict=True)) > 10 * LOGPROB_ATOL
+    assert seen == {"v-a", "v-b"}, "both arms were routed to"
+
+    current[0] = TrafficSplit(champion_version="v-a", experiment="e2")
+    assert pool.refresh() and pool.loaded_versions == ["v-a"]
+    for _ in range(100):  # the release runs after its grace (0 here) on a timer thread
+        if "v-b" not in backend._served_names(vllm_server.url):
+            break
+        time.sleep(0.05)
+    assert "v-b" not in backend._served_names(vllm_server.url), "the dropped adapter is unloaded"
+    backend.release_now("v-a")
