@@ -23,7 +23,14 @@ from flywheel.lm import CheckpointError, Policy, load_policy, token_logprobs
 from serving.conformance import Check, Harness, generator_checks
 from serving.generator import GenerationRequest, Generator, hf_generator
 from serving.pool import PolicyPool
-from serving.vllm_backend import LOGPROB_ATOL, VLLMBackend, VLLMGenerator, VLLMServer, vllm_unavailable
+from serving.vllm_backend import (
+    LOGPROB_ATOL,
+    VLLMBackend,
+    VLLMGenerator,
+    VLLMServer,
+    adapter_base,
+    vllm_unavailable,
+)
 from tests.helpers import bench_module
 from trainer.data import Sample
 from trainer.loop import mismatch_report
@@ -199,3 +206,27 @@ def test_two_adapters_on_one_engine_each_answer_with_their_own_weights(
         time.sleep(0.05)
     assert "v-b" not in backend._served_names(vllm_server.url), "the dropped adapter is unloaded"
     backend.release_now("v-a")
+
+
+def test_without_its_venv_the_vllm_back_end_says_why(tmp_path: Path) -> None:
+    # What the vLLM fixture's skip reports where scripts/install_vllm.sh has not run.
+    reason = vllm_unavailable(str(tmp_path / "no-venv" / "python"))
+    assert reason is not None and "scripts/install_vllm.sh" in reason
+
+
+def test_a_registry_adapter_names_its_base_beside_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # As the registry fetches an adapter: its base version's directory beside it, named in flywheel_adapter.json;
+    # that base (not peft's training-time path) is the engine it goes onto and the tokenizer it reads.
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "3")
+    (tmp_path / "4").mkdir()
+    (tmp_path / "4" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/elsewhere"}))
+    (tmp_path / "4" / "flywheel_adapter.json").write_text(
+        json.dumps({"base_version": "3", "base_manifest_sha256": "ab" * 32})
+    )
+    assert adapter_base(tmp_path / "4") == ("3", (tmp_path / "3").resolve())
+    (tmp_path / "5").mkdir()
+    (tmp_path / "5" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/elsewhere"}))
+    assert adapter_base(tmp_path / "5") == ("/elsewhere", None)
