@@ -97,7 +97,8 @@ def show(
     if manifest:
         console.print_json(json.dumps(doc))
         return
-    against = f" against v{art.parent}, chain length {art.chain_length}" if art.kind == "delta" else ""
+    against = {"delta": f" against v{art.parent}, chain length {art.chain_length}",
+               "adapter": f" (LoRA) on base v{art.parent}"}.get(art.kind, "")  # fmt: skip
     tensors = sum(len(t) for t in doc.get("tensors", {}).values())
     console.print(f"artifact: [bold]{art.kind}[/]{against}; stores {_size(art.stored_bytes)} for a "
                   f"{_size(art.checkpoint_bytes)} checkpoint; {len(doc['files'])} files, {tensors} tensors hashed")
@@ -154,5 +155,6 @@ def verify(version: str = typer.Argument(..., help="The version number.")) -> No
     except (UnknownVersion, ArtifactIntegrityError) as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None
-    chain = f" (a delta, {art.chain_length} links from a full snapshot)" if art.kind == "delta" else " (full)"
+    chain = {"delta": f" (a delta, {art.chain_length} links from a full snapshot)",
+             "adapter": f" (a LoRA adapter on base v{art.parent}, whose hash it matches)"}.get(art.kind, " (full)")
     console.print(f"[green]version {version} verified[/]{chain}: every file and tensor matches its manifest")

@@ -99,7 +99,8 @@ class VersionInfo:
 
 @dataclass(frozen=True)
 class ArtifactInfo:
-    """How a version is stored: "full", or "delta" against `parent`, `chain_length` deltas from a snapshot."""
+    """How a version is stored: "full", "delta" against `parent`, `chain_length` deltas from a snapshot, or
+    "adapter": a LoRA adapter stored in full, `parent` naming its base version (`checkpoint_bytes`: the adapter's)."""
 
     kind: str
     parent: str | None
@@ -537,6 +538,10 @@ class ModelRegistry:
             info = read_adapter_info(path)
         except CheckpointError as exc:
             raise ArtifactIntegrityError(f"version {version}: {exc}") from None
+        self._check_base_hash(version, info)
+        self._fetch(info.base_version, (version,))
+
+    def _check_base_hash(self, version: str, info: AdapterInfo) -> None:
         try:
             base_mv = self._version(info.base_version)
         except UnknownVersion:
@@ -549,7 +554,6 @@ class ModelRegistry:
                 f"version {version} is a LoRA adapter trained on {info.describe()}, but version {info.base_version}"
                 f" now has manifest sha256 {held[:12]}...: its base does not match, so it is refused"
             )
-        self._fetch(info.base_version, (version,))
 
     def _fetch(self, version: str, below: tuple[str, ...]) -> Path:
         mv = self._version(version)
@@ -585,7 +589,9 @@ class ModelRegistry:
         mv = self._version(version)
         manifest = self._manifest(mv)
         with tempfile.TemporaryDirectory(prefix=f"verify-{version}-") as tmp:
-            self._materialize(mv, manifest, Path(tmp), (), tensors=True)
+            local = self._materialize(mv, manifest, Path(tmp), (), tensors=True)
+            if (local / ADAPTER_INFO).is_file() and is_adapter_dir(local):  # its base still has the hash it names
+                self._check_base_hash(str(version), read_adapter_info(local))
 
     def _materialize(self, mv: ModelVersion, manifest: dict[str, Any], into: Path, below: tuple[str, ...],
                      *, tensors: bool = False) -> Path:  # fmt: skip
@@ -709,6 +715,9 @@ class ModelRegistry:
         """What `version` stores: full weights or a delta (against which parent, how far from a snapshot)."""
         manifest = self.manifest(version)
         art = artifact_of(manifest)
+        adapter = self.adapter(version)
+        if adapter is not None:
+            art |= {"kind": "adapter", "parent": adapter.base_version}
         return ArtifactInfo(
             kind=art["kind"], parent=art.get("parent"), chain_length=int(art["chain_length"]),
             stored_bytes=int(art.get("stored_bytes") or sum(f["bytes"] for f in art["stored"].values())),

@@ -118,6 +118,7 @@ def test_a_lora_cycle_trains_registers_and_serves_an_adapter_then_continues_it(
     assert {"adapter_config.json", "adapter_model.safetensors", "flywheel_adapter.json"} <= names
     assert "model.safetensors" not in names and (fetched.parent / base / "config.json").is_file()
     registry.verify(adapter)  # every stored file and tensor against the manifest
+    assert (registry.artifact(adapter).kind, registry.artifact(adapter).parent) == ("adapter", base)
     stored, full = registry.artifact(adapter).stored_bytes, registry.artifact(base).checkpoint_bytes
     assert stored < full / 2, (stored, full)
     # A fresh adapter starts as the champion exactly (B = 0): serving's logged log-probs reproduced bit for bit.
@@ -326,6 +327,8 @@ def test_an_adapter_whose_base_does_not_match_is_refused_by_the_registry(
     bad = registry.register(forged, ModelLineage(parent_version=base, base="tiny"), full=True)
     with pytest.raises(ArtifactIntegrityError) as refused:
         registry.fetch(bad)
+    with pytest.raises(ArtifactIntegrityError, match="its base does not match"):
+        registry.verify(bad)
     held = registry.client.get_model_version(tsettings.registered_model_name, base).tags["flywheel.manifest_sha256"]
     assert f"trained on base version {base} (manifest sha256 000000000000...)" in str(refused.value)
     assert held[:12] in str(refused.value) and "refused" in str(refused.value)

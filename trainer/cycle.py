@@ -389,9 +389,8 @@ def _train_and_register(
                         step=len(history))  # fmt: skip
     tracker.finished(version)
     _barrier(world)
-    log.info("registered candidate v%s from v%s on %d logged samples (%s%s artifact, %d bytes stored)", version,
-             champion, len(logged), "LoRA adapter, " if config.update == "lora" else "", artifact.kind,
-             artifact.stored_bytes)  # fmt: skip
+    log.info("registered candidate v%s from v%s on %d logged samples (%s artifact, %d bytes stored)", version,
+             champion, len(logged), artifact.kind, artifact.stored_bytes)  # fmt: skip
     detail = f"; {own_note}" if own_note else ""
     return CycleResult(
         "registered", f"trained on {trained_on}; left out: {selection.describe_drops()}{detail}",
