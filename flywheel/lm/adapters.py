@@ -117,20 +117,6 @@ def share_storage(a: Policy, b: Policy) -> bool:
     return bool(base) and all(n in pb and pa[n].data_ptr() == pb[n].data_ptr() for n in base)
 
 
-__all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_INFO",
-    "AdapterInfo",
-    "PolicyLoader",
-    "SharedBase",
-    "adapter_base_dir",
-    "is_adapter_dir",
-    "read_adapter_info",
-    "share_storage",
-    "write_adapter_info",
-]
-
-
 class PolicyLoader:
     """Serving's in-process loader: (version, checkpoint directory) -> that version's `Policy`.
 
@@ -239,3 +225,17 @@ class PolicyLoader:
         for version, base in list(self._bases.items()):
             if version not in self._full and not base.adapters:
                 del self._bases[version]
+
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_INFO",
+    "AdapterInfo",
+    "PolicyLoader",
+    "SharedBase",
+    "adapter_base_dir",
+    "is_adapter_dir",
+    "read_adapter_info",
+    "share_storage",
+    "write_adapter_info",
+]
