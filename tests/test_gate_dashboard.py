@@ -265,6 +265,9 @@ def test_dashboard_renders_the_experiment_analysis(
             lo, hi = (js_pct(x) for x in diff["relative_ci"])
             sign = "+" if diff["relative_estimate"] > 0 else ""
             assert relative.startswith(f"{sign}{js_pct(diff['relative_estimate'])} [{lo}, {hi}]")
+        # By surface (these events name none: one segment), informational.
+        assert page.locator("#difference tr[data-segment]").count() == len(analysis["segments"]) == 1
+        assert "a segment decides nothing" in page.locator('[data-field="segments"]').inner_text()
         cap = analysis["capping"]  # the default 99.9th percentile, in force (600 users: no one capped yet)
         assert cap["percentile"] == cfg.cap_percentile
         assert page.locator('[data-field="capping"]').inner_text().startswith("at the 99.9th percentile")

@@ -15,7 +15,7 @@ import pytest
 from deploy_gate.gate import DeployGate
 from deploy_gate.rollout import RolloutConfig, RolloutController
 from deploy_gate.rollout.analysis import StepContext, analyse, cap_heavy
-from deploy_gate.rollout.data import USER_COLUMNS, Aggregates
+from deploy_gate.rollout.data import SEGMENT_COLUMNS, USER_COLUMNS, Aggregates
 from deploy_gate.rollout.evidence import relative_lift
 from deploy_gate.rollout.models import AnalysisView
 from flywheel.settings import Settings
@@ -165,7 +165,43 @@ def test_the_plan_endpoint_gives_flywheel_gate_plan_given_or_measured(
     view = controller.tick().analysis
     assert view is not None and view.power is not None and view.power.champion_accept_rate is not None
     seen = sum(a.users for a in view.arms.values())
+    # The lake's rewards by their generation's surface (these events name none): one segment, every user in it.
+    assert [s.surface for s in view.segments] == ["(none)"]
+    assert view.segments[0].users == [view.arms["champion"].users, view.arms["challenger"].users]
     got = api.get("/api/experiment/plan").json()
     assert got["measured"] is True and got["users_per_day"] == pytest.approx(seen * 4)  # six hours: x4 a day
     assert got["accept_rate"] == pytest.approx(view.power.champion_accept_rate)
     assert got["lines"] == plan(cfg, seen * 4, got["accept_rate"]).lines(cfg, got["accept_rate"])
+
+
+def test_segments_by_surface_are_shown_per_arm_and_decide_nothing() -> None:
+    rng = np.random.default_rng(6)
+    users = frame(rng, 400, {"champion": 0.45, "challenger": 0.5})
+    # Each user's rewards split over two surfaces; the challenger is worse on chat, better on completion.
+    seg = []
+    for i, row in enumerate(users.iter_rows(named=True)):
+        chat_n = row["reward_n"] // 2
+        worse = (-0.2 if row["arm"] == "challenger" else 0.0) + 0.01 * (i % 5 - 2)  # users differ
+        seg.append({"arm": row["arm"], "user_id": row["user_id"], "surface": "chat", "reward_n": chat_n,
+                    "reward_sum": (0.1 + worse) * chat_n})  # fmt: skip
+        seg.append({"arm": row["arm"], "user_id": row["user_id"], "surface": "completion",
+                    "reward_n": row["reward_n"] - chat_n, "reward_sum": row["reward_sum"] - (0.1 + worse) * chat_n})
+    segments = pl.DataFrame(seg, schema=SEGMENT_COLUMNS).filter(pl.col("reward_n") > 0)
+    lat, n = {"champion": 50.0, "challenger": 50.0}, {"champion": 5000, "challenger": 5000}
+    step = StepContext(index=0, share=0.5, min_users=10, min_seconds=0, entered_at=T0, last=True)
+    views = [analyse(Aggregates(users, lat, n, "rules-v1", segments=s), step, RolloutConfig(), started_at=T0,
+                     now=T0 + timedelta(hours=1)) for s in (None, segments)]  # fmt: skip
+    assert views[0].segments == [] and [s.surface for s in views[1].segments] == ["chat", "completion"]
+    assert views[0].decision == views[1].decision  # informational: the same decision with or without them
+    for s in views[1].segments:
+        part = segments.filter(pl.col("surface") == s.surface)
+        means = []
+        for arm in ("champion", "challenger"):
+            a = part.filter(pl.col("arm") == arm)
+            means.append(a["reward_sum"].sum() / a["reward_n"].sum())
+            assert s.users[("champion", "challenger").index(arm)] == a.height
+        assert s.means == pytest.approx(means) and s.difference == pytest.approx(means[1] - means[0])
+        assert s.ci is not None and s.ci[0] < s.difference < s.ci[1]
+    chat = views[1].segments[0]
+    assert chat.difference == pytest.approx(-0.2, abs=0.01) and chat.relative_estimate == pytest.approx(-2.0, abs=0.1)
+    assert chat.ci is not None and chat.ci[1] < 0  # shown worse on chat, yet the decision did not change

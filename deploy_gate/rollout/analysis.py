@@ -39,7 +39,9 @@ from deploy_gate.rollout.data import Aggregates
 from deploy_gate.rollout.evidence import (
     MOMENTS,
     Comparison,
+    compare,
     detectable,
+    moments,
     relative_lift,
     srm_log_bayes_factor,
     users_to_resolve,
@@ -55,6 +57,7 @@ from deploy_gate.rollout.models import (
     GuardrailView,
     PowerView,
     RuleView,
+    SegmentView,
     SrmPeriod,
     SrmView,
     StratumView,
@@ -225,7 +228,7 @@ def analyse(
     return AnalysisView(
         reward_version=agg.reward_version, arms=arms, difference=diff, srm=srm_view, guardrails=rails,
         decision=decision, power=power, flags=flags, no_data=no_data, rule=rule_view(j, power, config), sycophancy=syc,
-        capping=capping,
+        capping=capping, segments=segments(agg, users, config),
     )  # fmt: skip
 
 
@@ -260,6 +263,32 @@ def cap_heavy(users: pl.DataFrame, config: RolloutConfig) -> tuple[pl.DataFrame,
     out = users.with_columns([(pl.col(c).cast(pl.Float64) * factor).alias(c) for c in scaled])
     capped = int(users.filter(gens > cap).height)
     return out, CappingView(percentile=p, cap_generations=float(cap), users_capped=capped)
+
+
+def segments(agg: Aggregates, users: pl.DataFrame, config: RolloutConfig) -> list[SegmentView]:
+    """Reward per generation by surface, each user in the arm that first served them (`users`), steps pooled and
+    unadjusted: what GrowthBook's and Statsig's dimension breakdowns show. Not decided on (`SegmentView`)."""
+    seg = agg.segments
+    if seg is None or seg.is_empty() or users.is_empty():
+        return []
+    seg = seg.join(users.select("arm", "user_id"), on=["arm", "user_id"], how="semi")
+    out = []
+    for surface in sorted(seg["surface"].unique().to_list()):
+        part = seg.filter(pl.col("surface") == surface)
+        m = np.zeros((1, 1, 2, MOMENTS))
+        for i, arm in enumerate(ARMS):
+            a = part.filter(pl.col("arm") == arm)
+            m[0, 0, i] = moments(a["reward_n"].cast(pl.Float64).to_numpy(), a["reward_sum"].to_numpy())
+        cmp = compare(m)
+        ratio, var = cmp.arm_ratio[0], cmp.arm_variance[0]
+        rel = relative_lift(float(ratio[0]), float(var[0]), float(ratio[1]), float(var[1]), config.alpha)
+        out.append(SegmentView(
+            surface=surface or "(none)", users=[int(m[0, 0, i, 0]) for i in range(2)],
+            means=[_num(ratio[0]), _num(ratio[1])], difference=_num(cmp.estimate[0]),
+            ci=_normal_ci(float(cmp.estimate[0]), float(cmp.raw_variance[0]), 1 - config.alpha),
+            relative_estimate=rel[0] if rel else None, relative_ci=rel[1] if rel else None,
+        ))  # fmt: skip
+    return out
 
 
 def rewarded(users: pl.DataFrame, steps: int) -> np.ndarray:

@@ -76,6 +76,13 @@ class Aggregates:
     latency_n: dict[str, int]
     reward_version: str | None  # the versions read, `flywheel.reward_versions.describe`d (one per surface)
     pre_rate: float | None = None  # reward per generation over the pre-experiment period (all its users)
+    # One row per (arm, user, surface): rewards of that surface's generations (SEGMENT_COLUMNS); None: not read.
+    # Segments by surface are shown, not decided on (`analysis.segments`).
+    segments: pl.DataFrame | None = None
+
+
+SEGMENT_COLUMNS = {"arm": pl.String(), "user_id": pl.String(), "surface": pl.String(), "reward_n": pl.Int64(),
+                   "reward_sum": pl.Float64()}  # fmt: skip
 
 
 def _arm_filter(arm_col: pl.Expr, version_col: pl.Expr, arms: dict[str, str]) -> pl.Expr:
@@ -120,6 +127,7 @@ def _slim_generations(lf: pl.LazyFrame) -> pl.LazyFrame:
         chat.alias("chat"),
         (chat & completion.str.contains(_AGREEMENT)).alias("agreeing"),
         (chat & completion.str.contains(_FLATTERY)).alias("flattering"),
+        p.struct.field("surface").fill_null("").alias("surface"),
     )
 
 
@@ -266,6 +274,13 @@ def load(
             latency_p95[row["arm"]] = row["p95"]
             latency_n[row["arm"]] = int(row["n"])
     users = _merge(per_user)
+    segments = None
+    if rewards is not None and gens is not None and not rewards.is_empty():
+        # Each reward's surface is its generation's; a reward whose generation event is not in yet waits for it.
+        surface = gens.select("generation_id", "surface").unique("generation_id")
+        segments = rewards.join(surface, on="generation_id", how="inner").group_by("arm", "user_id", "surface").agg(
+            pl.len().cast(pl.Int64).alias("reward_n"), pl.col("reward").sum().cast(pl.Float64).alias("reward_sum")
+        ).select([pl.col(c).cast(t) for c, t in SEGMENT_COLUMNS.items()])
     pre_rate = None
     if since is not None and pre_period_s > 0:
         pre = pre_period(lake, since, pre_period_s, versions, cache)
@@ -275,7 +290,7 @@ def load(
             users = users.drop("pre_reward_n", "pre_reward_sum").join(pre, on="user_id", how="left").with_columns(
                 pl.col("pre_reward_n").fill_null(0), pl.col("pre_reward_sum").fill_null(0.0)
             ).select(list(USER_COLUMNS))
-    return Aggregates(users, latency_p95, latency_n, describe(versions) or None, pre_rate)
+    return Aggregates(users, latency_p95, latency_n, describe(versions) or None, pre_rate, segments)
 
 
 def pre_period(

@@ -175,6 +175,21 @@ class RuleView(_Model):
     note: str = ""
 
 
+class SegmentView(_Model):
+    """One surface's users (those with rewards there, in the arm that first served them): reward per generation
+    per arm, the difference with its fixed-sample interval and the relative lift. Informational: nothing is
+    decided on a segment (several surfaces and every look would multiply the false alarms; the decision is
+    on all users, whose primary metric pools the surfaces)."""
+
+    surface: str
+    users: list[int]  # champion, challenger
+    means: list[float | None]  # champion, challenger
+    difference: float | None
+    ci: tuple[float, float] | None
+    relative_estimate: float | None = None
+    relative_ci: tuple[float, float] | None = None
+
+
 class CappingView(_Model):
     """Heavy users capped: each user's generations (and every count and sum of theirs with them) scaled down to
     the cap, the `percentile` of generations per user over both arms pooled, so the user's own rates stand."""
@@ -199,6 +214,7 @@ class AnalysisView(_Model):
     no_data: bool = False  # the challenger has no rewarded user yet (its traffic or rewards may not arrive)
     rule: RuleView | None = None
     capping: CappingView | None = None  # heavy users' weight capped (`RolloutConfig.cap_percentile`)
+    segments: list[SegmentView] = []  # by surface; shown, never decided on
     sycophancy: SycophancyView | None = None  # chat surfaces only
 
 

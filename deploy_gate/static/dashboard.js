@@ -258,7 +258,7 @@
       return;
     }
     const d = a.difference;
-    if (d) renderEffect(d, a.power, a.rule, a.capping); // null while an arm has too few users for an interval
+    if (d) renderEffect(d, a.power, a.rule, a.capping, a.segments); // null while an arm has too few users
     else {
       // No challenger reward yet (a.no_data): what the traffic could resolve, from the champion's users.
       const note = a.no_data && exp.plan ? exp.plan.note : a.power ? a.power.note : '';
@@ -281,7 +281,17 @@
       rule.summary, '. ', el('span', { class: 'muted small', 'data-field': 'rule-risk' }, rule.note));
   }
 
-  function renderEffect(d, power, rule, capping) {
+  // Reward per generation by surface: informational, never decided on (several surfaces, every look).
+  const segmentTable = (segments) => (segments && segments.length
+    ? table([{ label: 'surface' }, { label: 'users', num: true }, { label: 'champion', num: true },
+      { label: 'challenger', num: true }, { label: 'difference', num: true }, { label: 'interval' },
+      { label: 'relative' }], segments.map((s) => [s.surface, s.users.join(' / '), fmt(s.means[0]), fmt(s.means[1]),
+      fmt(s.difference), ci(s.ci), s.relative_estimate === null ? '–'
+        : `${pct(s.relative_estimate)} [${pct(s.relative_ci[0])}, ${pct(s.relative_ci[1])}]`]),
+    (i) => ({ 'data-segment': segments[i].surface }))
+    : el('span', { class: 'muted' }, 'no surface seen yet'));
+
+  function renderEffect(d, power, rule, capping, segments) {
     // What decides: the always-valid interval of the regression-adjusted, step-stratified difference.
     const seq = d.sequential_ci;
     const decisive = d.decisive !== false;
@@ -313,6 +323,8 @@
       el('dt', null, 'fixed-sample interval'), el('dd', null, ci(d.ci), ' ',
         el('span', { class: 'muted small' }, '(reference only: not valid when looked at repeatedly)')),
       el('dt', null, 'method'), el('dd', { class: 'small' }, d.method),
+      el('dt', null, 'by surface'), el('dd', { 'data-field': 'segments', class: 'small' }, segmentTable(segments),
+        el('span', { class: 'muted small' }, 'informational: a segment decides nothing (the decision is on all users)')),
       el('dt', null, 'heavy users capped'), el('dd', { 'data-field': 'capping', class: 'small' }, !capping ? 'off'
         : `at the ${Number((100 * capping.percentile).toFixed(2))}th percentile of generations per user, both arms pooled (`
           + (capping.cap_generations === null ? 'no cap yet'
