@@ -11,6 +11,7 @@ the trainer's scorer, never the two back ends' samples with each other.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -20,6 +21,7 @@ import pytest
 
 from flywheel.contract import TrafficSplit
 from flywheel.lm import CheckpointError, Policy, load_policy, token_logprobs
+from flywheel.settings import Settings
 from serving.conformance import Check, Harness, generator_checks
 from serving.generator import GenerationRequest, Generator, hf_generator
 from serving.pool import PolicyPool
@@ -31,7 +33,7 @@ from serving.vllm_backend import (
     adapter_base,
     vllm_unavailable,
 )
-from tests.helpers import bench_module
+from tests.helpers import bench_module, read_events
 from trainer.data import Sample
 from trainer.loop import mismatch_report
 
@@ -230,3 +232,43 @@ def test_a_registry_adapter_names_its_base_beside_it(tmp_path: Path, tiny_model_
     (tmp_path / "5").mkdir()
     (tmp_path / "5" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/elsewhere"}))
     assert adapter_base(tmp_path / "5") == ("/elsewhere", None)
+
+
+def test_serving_on_vllm_routes_signs_and_logs_as_on_hf(
+    settings: Settings, vllm_server: VLLMServer, vllm_model: Path
+) -> None:
+    # The real app (routing by the split in Redis, signing, logging to the broker) with the pool's loader on
+    # vLLM: `n` choices, each logged with the version that answered and log-probs within the tolerance, and a
+    # stream that joins to the same text. Nothing in the app knows which back end answered.
+    from fastapi.testclient import TestClient
+
+    from flywheel.bus import ensure_topics, make_producer
+    from flywheel.connections import redis_client
+    from flywheel.contract import EventType
+    from flywheel.traffic import TrafficSplitStore
+    from serving.app import create_app
+
+    ensure_topics(settings)
+    store = TrafficSplitStore(redis_client(settings), settings)
+    backend = VLLMBackend(vllm_server.url)
+    pool = PolicyPool(store.get, {"tiny": str(vllm_model)}.__getitem__, loader=backend.load, release=backend.release)
+    producer = make_producer(settings)
+    app = create_app(pool, producer, settings.events_topic, refresh_interval_s=0.2, on_shutdown=producer.close,
+                     max_batch_wait_s=0.0, batch_workers=4, signing_key=settings.serving_key.get_secret_value())
+    store.put(TrafficSplit(champion_version="tiny"))
+    body = {"prompt": "def ", "user": "u1", "max_tokens": 8, "seed": 5, "n": 2, "logprobs": 1}
+    with TestClient(app) as client:
+        answer = client.post("/v1/completions", json=body).json()
+        stream = client.post("/v1/completions", json={**body, "n": 1, "stream": True}).text
+    assert answer["model"] == "tiny" and len(answer["choices"]) == 2
+    chunks = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == answer["choices"][0]["text"], "choice 0 = seed 5"
+    events = read_events(settings, 3)
+    assert {e.type for e in events} == {EventType.GENERATION}
+    score = trainer_scorer(load_policy(vllm_model, dtype="float32"))
+    for event in events:
+        record = event.generation()
+        assert record.model_version == "tiny" and record.signature
+        want = score(record.prompt_token_ids, record.completion_token_ids)
+        assert max(abs(a - b) for a, b in zip(want, record.behaviour_logprobs, strict=True)) <= LOGPROB_ATOL
+    backend.release_now("tiny")
