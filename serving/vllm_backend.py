@@ -288,7 +288,8 @@ class ServerOptions:
 
 class VLLMServer:
     """A vLLM OpenAI-compatible server this process starts (the managed mode), serving one checkpoint under
-    the name `served_name`, with runtime LoRA loading on. Its output goes to a log file named on failure."""
+    the name `served_name`, with runtime LoRA loading on. Its output goes to a temporary log file, named in the
+    error and kept when it fails, removed when it is stopped after a clean run."""
 
     def __init__(self, checkpoint: str | Path, served_name: str, options: ServerOptions | None = None) -> None:
         self.checkpoint = str(checkpoint)
@@ -298,6 +299,7 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._keep_log = False
 
     def command(self) -> list[str]:
         o = self.options
@@ -353,6 +355,7 @@ class VLLMServer:
     def _tail(self) -> str:
         if self._log is None:
             return ""
+        self._keep_log = True  # named in an error: left for whoever reads it
         if not self._log.closed:
             self._log.flush()
         lines = Path(self._log.name).read_text(errors="replace").splitlines()
@@ -369,6 +372,8 @@ class VLLMServer:
         self._process = None
         if self._log is not None:
             self._log.close()
+            if not self._keep_log:  # a clean run's log goes with it
+                Path(self._log.name).unlink(missing_ok=True)
 
 
 class VLLMBackend:
