@@ -30,7 +30,9 @@ _PLACEHOLDER = re.compile(r"^replace|example|changeme|change-me|change_me|placeh
 # Stores the lake's Delta tables open (`flywheel.lake`); a value without a scheme is a local path.
 _LAKE_SCHEMES = frozenset({"file", "s3", "s3a", "gs", "az", "abfs", "abfss"})
 # Secret fields holding a comma-separated list; each item is checked as one secret.
-_LIST_SECRETS = frozenset({"write_keys"})
+_LIST_SECRETS = frozenset({"write_keys", "serving_api_keys"})
+# Secret fields whose empty value means "off" rather than "not set" (development: serving answers without a key).
+_OPTIONAL_SECRETS = frozenset({"serving_api_keys"})
 # Secret fields holding a URL; what production checks in one is its password.
 _URL_SECRETS = frozenset({"token_store_url"})
 
@@ -184,6 +186,12 @@ class Settings(BaseSettings):
         description="HMAC key serving signs its generation events with; the trainer learns off-policy only "
         "from generations whose signature verifies under it. Serving and the trainer need the same key.",
     )
+    serving_api_keys: SecretStr = Field(
+        default=SecretStr(""),
+        description="Comma-separated API keys serving's /v1 endpoints accept as `Authorization: Bearer` (several "
+        "while one is rotated out). Empty: serving answers without a key (development only; in production serving "
+        "refuses to start without one).",
+    )
     approval_token: SecretStr = Field(
         default=SecretStr("dev-approval-token"),
         description="Bootstrap admin bearer token for the gate and trainer APIs (identity "
@@ -251,6 +259,13 @@ class Settings(BaseSettings):
     )
     train_interval_s: float = Field(
         default=3 * 3600.0, gt=0, description="Seconds between the trainer scheduler's cycles."
+    )
+    trainer_stale_after_s: float = Field(
+        default=1800.0, gt=0,
+        description="Seconds a running training cycle may go without looking at its stop flag before the trainer's "
+        "/healthz fails (a wedged cycle is restarted). It looks at least every optimizer step, scoring chunk and "
+        "own-sample prompt; the longest stretch without a look is loading the champion and storing the candidate, "
+        "which a large model on a slow disk can take minutes to do.",
     )
     min_train_samples: int = Field(
         default=32, ge=1,
@@ -365,6 +380,8 @@ class Settings(BaseSettings):
             items = _secret_items(name, value)
             if name in _URL_SECRETS:
                 items = [_url_password(item) for item in items]
+            if not items and name in _OPTIONAL_SECRETS:
+                continue  # off
             if not items:
                 problems.append(f"{env} is empty; set a secret value")
             elif production:
@@ -392,6 +409,11 @@ class Settings(BaseSettings):
     def _check_write_key_limits(self) -> Settings:
         self.write_key_scopes  # noqa: B018 - parsed now, so a malformed limit fails at start, not per request
         return self
+
+    @property
+    def serving_api_key_set(self) -> frozenset[str]:
+        """The keys serving accepts; empty: it answers without one."""
+        return frozenset(_secret_items("serving_api_keys", self.serving_api_keys))
 
     @property
     def write_key_set(self) -> frozenset[str]:

@@ -21,6 +21,9 @@ def build_serving_app(settings: Settings) -> FastAPI:
     from serving.app import create_app
     from serving.pool import PolicyPool
 
+    if settings.environment == "production" and not settings.serving_api_key_set:
+        raise ValueError("FLYWHEEL_SERVING_API_KEYS is empty: in production serving answers only callers with a key "
+                         "(comma-separated; k8s/README.md, 'Rotate secrets')")
     kafka = kafka_dependency(settings)
     # Redis and the registry are not required: the split and weights held in memory keep serving.
     health = ProcessHealth("serving", [kafka, redis_dependency(settings), mlflow_dependency(settings)],
@@ -54,7 +57,7 @@ def build_serving_app(settings: Settings) -> FastAPI:
 
     return create_app(
         pool, producer, settings.events_topic, health=health, signing_key=settings.serving_key.get_secret_value(),
-        on_shutdown=shut_down,
+        on_shutdown=shut_down, api_keys=settings.serving_api_key_set,
         # vLLM batches continuously itself: hand it each request at once, several batches in flight
         max_batch_wait_s=0.0 if backend is not None else 0.002, batch_workers=8 if backend is not None else 1,
     )

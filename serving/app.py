@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import threading
@@ -30,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -41,7 +42,7 @@ from flywheel.ops import ProcessHealth, ops_router
 from flywheel.ops.deps import Dependency, describe
 from flywheel.signing import sign_generation
 from serving.batching import Batcher
-from serving.errors import ContextExceeded, GenerationNotLogged, ServingError
+from serving.errors import ContextExceeded, GenerationNotLogged, InvalidApiKey, ServingError
 from serving.generator import Generation, Generator
 from serving.pool import PolicyPool, Route
 from serving.request import MAX_BODY_BYTES, CompletionRequest, parse_completion_request, read_body, request_schema
@@ -85,12 +86,14 @@ def create_app(
     max_batch_wait_s: float = 0.002,
     batch_workers: int = 1,
     on_shutdown: Callable[[], None] | None = None,
+    api_keys: frozenset[str] = frozenset(),
 ) -> FastAPI:
     """The serving app; `signing_key` is `Settings.serving_key`, shared with the trainer. `health`: the
     process's dependencies (`serving.build_serving_app` gives Kafka, Redis and MLflow); a `split` check is
     added to it. `max_batch` choices at most share a forward pass, after waiting at most
     `max_batch_wait_s` for each other (serving.batching); `batch_workers` batches are in flight at once (1 for the
-    in-process back end; more for a back end that batches continuously itself, such as vLLM)."""
+    in-process back end; more for a back end that batches continuously itself, such as vLLM). `api_keys`: the
+    keys `/v1/...` accepts as `Authorization: Bearer` (`Settings.serving_api_keys`); empty, it answers anyone."""
     metrics = ServingMetrics()
     batcher = Batcher(max_batch=max_batch, max_wait_s=max_batch_wait_s, workers=batch_workers,
                       on_batch=metrics.batch_size.observe)
@@ -126,7 +129,16 @@ def create_app(
         metrics.errors.labels(str(exc.status_code), exc.code).inc()
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
-    @app.post("/v1/completions", openapi_extra={"requestBody": request_schema()})
+    def caller(authorization: Annotated[str | None, Header()] = None) -> None:
+        """With keys set, a `/v1` request must carry one of them (compared in constant time, each)."""
+        if not api_keys:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip().encode(), k.encode())
+                                                 for k in api_keys):  # fmt: skip
+            raise InvalidApiKey("a valid API key is required: Authorization: Bearer <key>")
+
+    @app.post("/v1/completions", openapi_extra={"requestBody": request_schema()}, dependencies=[Depends(caller)])
     async def completions(req: Annotated[CompletionRequest, Depends(completion_request)]) -> Response:
         route = pool.route(req.user)
         generator: Generator = route.policy
@@ -152,7 +164,7 @@ def create_app(
                                      headers={"Cache-Control": "no-cache"})
         return JSONResponse(answer.body())
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(caller)])
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": v, "object": "model"} for v in pool.loaded_versions]}
 

@@ -44,6 +44,15 @@ class ContextExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class InvalidApiKey(ServingError):
+    """No API key, or not one of `FLYWHEEL_SERVING_API_KEYS` (OpenAI's answer for a bad key)."""
+
+    status_code = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    headers = {"WWW-Authenticate": "Bearer"}  # noqa: RUF012 - a class constant, never mutated
+
+
 class InvalidField(ServingError):
     """A field of the right JSON but the wrong type or range (what pydantic refuses)."""
 

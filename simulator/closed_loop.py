@@ -44,8 +44,8 @@ from flywheel.lake.tables import REWARDS
 from flywheel.lm import load_policy
 from flywheel.lm.policy import Generation, GenerationRequest, Policy
 from flywheel.settings import Settings
-from ingest.collector import create_app as create_collector
-from ingest.worker import IngestWorker
+from ingest.collector.app import create_app as create_collector
+from ingest.worker.loop import IngestWorker
 from model_registry import ModelRegistry
 from serving import build_serving_app
 from signals.config import SignalsConfig

@@ -221,7 +221,7 @@ def test_each_component_gets_only_the_secret_keys_its_settings_read(
             if key.startswith("FLYWHEEL_") and (key in SECRET_SETTINGS or key == "FLYWHEEL_ENVIRONMENT"):
                 monkeypatch.setenv(key, value)
         settings = Settings()
-        fields = ("write_keys", "serving_key", "approval_token", "token_store_url")
+        fields = ("write_keys", "serving_key", "serving_api_keys", "approval_token", "token_store_url")
         held = {f"FLYWHEEL_{name.upper()}" for name in fields
                 if (v := getattr(settings, name)) is not None and v.get_secret_value()}
         if settings.environment == "production":
@@ -235,6 +235,7 @@ def test_each_component_gets_only_the_secret_keys_its_settings_read(
 _READ_BY = {
     "FLYWHEEL_WRITE_KEYS": r"\.write_key(s|_set|_scopes)\b",
     "FLYWHEEL_SERVING_KEY": r"\.serving_key\b",
+    "FLYWHEEL_SERVING_API_KEYS": r"\.serving_api_key(s|_set)\b",
     "FLYWHEEL_APPROVAL_TOKEN": r"\.approval_token\b|\bAuthenticator\(",
     "FLYWHEEL_TOKEN_STORE_URL": r"\.token_store_url\b|\bstore_url\(|\bAuthenticator\(|\bAuditLog\b",
 }

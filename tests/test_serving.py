@@ -29,7 +29,9 @@ def two_versions(tiny_model_dir: Path, tmp_path: Path) -> dict[str, str]:
     return {"1": str(tiny_model_dir), "2": str(v2)}
 
 
-def make_client(settings: Settings, versions: dict[str, str]) -> tuple[TestClient, TrafficSplitStore, PolicyPool]:
+def make_client(
+    settings: Settings, versions: dict[str, str], api_keys: frozenset[str] = frozenset()
+) -> tuple[TestClient, TrafficSplitStore, PolicyPool]:
     from flywheel.bus import ensure_topics
 
     ensure_topics(settings)
@@ -37,8 +39,39 @@ def make_client(settings: Settings, versions: dict[str, str]) -> tuple[TestClien
     pool = PolicyPool(store.get, versions.__getitem__)
     producer = make_producer(settings)  # closed with the app (its lifespan), not left running after the test
     app = create_app(pool, producer, settings.events_topic, refresh_interval_s=0.2, on_shutdown=producer.close,
-                     signing_key=settings.serving_key.get_secret_value())
+                     signing_key=settings.serving_key.get_secret_value(), api_keys=api_keys)
     return TestClient(app), store, pool
+
+
+def test_with_api_keys_set_only_a_caller_with_one_is_answered_and_nothing_is_logged_for_the_others(
+    settings: Settings, two_versions: dict[str, str]
+) -> None:
+    client, store, _ = make_client(settings, two_versions, frozenset({"key-old", "key-new"}))
+    store.put(TrafficSplit(champion_version="1"))
+    body = {"prompt": "def ", "user": "u1", "max_tokens": 4, "seed": 1}
+    with client:
+        refused = [client.post("/v1/completions", json=body, headers=h)
+                   for h in ({}, {"Authorization": "Bearer key-other"}, {"Authorization": "Basic key-new"},
+                             {"Authorization": "Bearer key-ol"})]  # fmt: skip
+        models = client.get("/v1/models")
+        health = client.get("/readyz")
+        answered = [client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {k}"})
+                    for k in ("key-old", "key-new")]  # both while one is rotated out
+    for r in refused:
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key" and "key-" not in r.text  # no key echoed
+    assert models.status_code == 401
+    assert health.status_code == 200  # probes need no key
+    assert [r.status_code for r in answered] == [200, 200]
+    assert len(read_events(settings, 3, timeout_s=5.0)) == 2  # only the answered requests were logged
+
+
+def test_production_serving_refuses_to_start_without_api_keys(settings: Settings) -> None:
+    from serving import build_serving_app
+
+    production = settings.model_copy(update={"environment": "production"})
+    with pytest.raises(ValueError, match="FLYWHEEL_SERVING_API_KEYS is empty"):
+        build_serving_app(production)
 
 
 def test_not_ready_without_a_split(settings: Settings, two_versions: dict[str, str]) -> None:

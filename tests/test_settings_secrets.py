@@ -11,6 +11,9 @@ from flywheel.settings import MIN_SECRET_LENGTH, Settings
 
 GOOD = "k" * MIN_SECRET_LENGTH
 SECRET_FIELDS = [name for name, f in Settings.model_fields.items() if f.annotation is SecretStr]
+# Secrets whose empty default means "off" (serving's API keys: development answers without a key).
+OPTIONAL = [name for name in SECRET_FIELDS if not Settings.model_fields[name].default.get_secret_value()]
+REQUIRED = [name for name in SECRET_FIELDS if name not in OPTIONAL]
 
 
 def production(**overrides: str) -> Settings:
@@ -26,7 +29,15 @@ def test_the_secret_fields_are_the_expected_ones() -> None:
     assert production().approval_token.get_secret_value() == f"approval_token-{GOOD}"
 
 
-@pytest.mark.parametrize("field", SECRET_FIELDS)
+def test_the_optional_secrets_are_off_when_empty_in_either_environment() -> None:
+    assert OPTIONAL == ["serving_api_keys"]
+    assert Settings().serving_api_key_set == frozenset()
+    assert production(serving_api_keys="").serving_api_key_set == frozenset()
+    keys = production(serving_api_keys=f"a-{GOOD}, b-{GOOD}").serving_api_key_set
+    assert keys == {f"a-{GOOD}", f"b-{GOOD}"}  # a list: the new key beside the old one while rotating
+
+
+@pytest.mark.parametrize("field", REQUIRED)
 @pytest.mark.parametrize("environment", ["development", "production"])
 def test_an_empty_secret_is_refused_at_load_and_never_echoed(field: str, environment: str) -> None:
     for empty in ("", "   ", "\n"):
@@ -45,6 +56,8 @@ def test_a_short_or_default_secret_is_refused_in_production_without_its_value(fi
     assert f"FLYWHEEL_{field.upper()} is too short" in str(err.value)
     assert short not in str(err.value) and short not in repr(err.value)
     default = Settings.model_fields[field].default.get_secret_value()
+    if not default:  # an optional secret: its development value is "off", which production may hold
+        return
     with pytest.raises(ValidationError, match="development value") as err:
         production(**{field: default})
     assert default not in str(err.value)

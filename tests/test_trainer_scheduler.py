@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -203,4 +204,53 @@ def test_each_finished_cycle_is_counted_by_outcome(
             time.sleep(0.1)
         assert count() == before + 1  # what the FlywheelTrainingCycleFailed alert (k8s/) reads
     finally:
+        scheduler.shutdown()
+
+
+# A stand-in cycle that makes progress (looks at its stop) until told to hang, then hangs without looking.
+HANG = threading.Event()
+RELEASE = threading.Event()
+
+
+def hanging_cycle(settings: Settings, config: TrainerConfig, progress: bool = False,
+                  stop: threading.Event | None = None) -> CycleResult:  # fmt: skip
+    assert stop is not None
+    while not HANG.is_set():
+        stop.is_set()  # where a real cycle looks: an optimizer step, a scoring chunk, an own-sample prompt
+        time.sleep(0.05)
+    RELEASE.wait(30)
+    return CycleResult("skipped", "released")
+
+
+def test_a_wedged_cycle_fails_healthz_while_one_making_progress_and_the_wait_between_cycles_do_not(
+    settings: Settings, tmp_path: Path
+) -> None:
+    HANG.clear()
+    RELEASE.clear()
+    stale_s = 0.6
+    scheduler = TrainerScheduler(settings.model_copy(update={"trainer_stale_after_s": stale_s}), interval_s=3600,
+                                 jobstore_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+                                 cycle="test_trainer_scheduler:hanging_cycle")  # fmt: skip
+    beat = scheduler.health.heartbeat
+    scheduler.start()
+    try:
+        assert beat.check() == (True, "no worker loop running")  # waiting for the next run is not wedged
+        scheduler.run_now()
+        deadline = time.monotonic() + 20
+        while not beat.armed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert beat.armed
+        time.sleep(3 * stale_s)  # the cycle keeps looking at its stop: alive however long it runs
+        assert beat.check()[0]
+        HANG.set()  # now it makes no progress
+        time.sleep(2 * stale_s)
+        healthy, why = beat.check()
+        assert not healthy, why
+        RELEASE.set()  # it ends: disarmed, healthy again
+        deadline = time.monotonic() + 20
+        while beat.armed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert beat.check() == (True, "no worker loop running")
+    finally:
+        RELEASE.set()
         scheduler.shutdown()

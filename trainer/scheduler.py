@@ -13,6 +13,10 @@
   `health` answers the trainer API's `/readyz`.
 - Every finished cycle is counted by outcome on `/metrics` (`flywheel_trainer_cycles_total`:
   registered, skipped, stopped, failed, outage), so an alert can say a cycle failed without reading logs.
+- Liveness: a running cycle beats the process's heartbeat each time it looks at its stop flag (every optimizer
+  step, scoring chunk and own-sample prompt), so `/healthz` fails when a cycle makes no progress for
+  `settings.trainer_stale_after_s` (a wedged cycle: the orchestrator restarts the process); between cycles the
+  heartbeat is disarmed, so waiting an interval is never mistaken for being stuck.
 - Shutdown is bounded: `shutdown()` (SIGTERM) sets the running cycle's stop, so it ends within one optimizer
   step or scoring chunk with nothing registered (`trainer.cycle`'s docstring: where it looks, what is lost),
   and stores that cycle's next run `OWED_RUN_DELAY_S` after the shutdown, so the next start runs it at once
@@ -40,7 +44,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter
 
 from flywheel.connections import redis_client
-from flywheel.ops import ProcessHealth, mlflow_dependency, redis_dependency
+from flywheel.ops import Heartbeat, ProcessHealth, mlflow_dependency, redis_dependency
 from flywheel.settings import Settings, get_settings
 from trainer.config import TrainerConfig
 from trainer.cycle import CycleResult
@@ -56,12 +60,27 @@ _RUNS: dict[str, _Run] = {}  # and how each one stops its cycle
 CYCLES = Counter("flywheel_trainer_cycles", "Training cycles finished, by outcome", ["outcome"])
 
 
+class BeatingStop(threading.Event):
+    """A cycle's stop flag that also says the cycle is alive: each look at it beats `heartbeat` while that is
+    armed (the scheduler arms it for the cycle's run only), since a cycle looks at its stop wherever it makes
+    progress (`trainer.cycle`'s docstring). An Event still, so a cycle needs no change to be watched."""
+
+    def __init__(self, heartbeat: Heartbeat | None = None) -> None:
+        super().__init__()
+        self.heartbeat = heartbeat
+
+    def is_set(self) -> bool:
+        if self.heartbeat is not None and self.heartbeat.armed:
+            self.heartbeat.beat()
+        return super().is_set()
+
+
 @dataclass
 class _Run:
-    """A scheduler's cycle as its shutdown sees it: `stop` asks it to end, `lock` is held while it runs, `owed`
-    says the last one was stopped (so it is run again at the next start)."""
+    """A scheduler's cycle as its shutdown sees it: `stop` asks it to end (and its looks beat the heartbeat),
+    `lock` is held while it runs, `owed` says the last one was stopped (so it is run again at the next start)."""
 
-    stop: threading.Event = field(default_factory=threading.Event)
+    stop: BeatingStop = field(default_factory=BeatingStop)
     lock: threading.Lock = field(default_factory=threading.Lock)
     owed: bool = False
 
@@ -131,8 +150,15 @@ def scheduled_cycle(scheduler_id: str, config: dict[str, Any], cycle: str = DEFA
     run = _RUNS.get(scheduler_id)
     if run is None:
         return guarded_cycle(settings, TrainerConfig.from_dict(config), cycle)
+    heartbeat = run.stop.heartbeat
     with run.lock:
-        result = guarded_cycle(settings, TrainerConfig.from_dict(config), cycle, run.stop)
+        if heartbeat is not None:
+            heartbeat.arm()
+        try:
+            result = guarded_cycle(settings, TrainerConfig.from_dict(config), cycle, run.stop)
+        finally:
+            if heartbeat is not None:
+                heartbeat.disarm()  # between cycles the trainer waits; it is not wedged
         run.owed = result.status == "stopped"
     return result
 
@@ -155,7 +181,6 @@ class TrainerScheduler:
             jobstore_url = f"sqlite:///{(settings.data_dir / 'trainer-schedule.db').resolve()}"
         self._id = uuid.uuid4().hex
         _SETTINGS[self._id] = settings
-        self._run = _RUNS[self._id] = _Run()
         self._kwargs = {"scheduler_id": self._id, "config": (config or TrainerConfig()).to_dict(), "cycle": cycle}
         self._scheduler = BackgroundScheduler(
             jobstores={"default": SQLAlchemyJobStore(url=jobstore_url)},
@@ -167,7 +192,9 @@ class TrainerScheduler:
             "trainer-scheduler",
             [redis_dependency(settings), mlflow_dependency(settings)],
             {"scheduler": self._running},
+            loop_stale_after_s=settings.trainer_stale_after_s,
         )
+        self._run = _RUNS[self._id] = _Run(stop=BeatingStop(self.health.heartbeat))
         self._outage_retries = 0
         self._scheduler.add_listener(self._on_job, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
 

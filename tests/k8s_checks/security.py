@@ -179,6 +179,7 @@ def check_secrets(m: Manifests) -> list[Problem]:
 # The secrets each Flywheel command reads from its settings (flywheel/settings.py's SecretStr fields), and
 # where: a process is given these keys and no other (least privilege), each as one secretKeyRef.
 #   write keys        the collector's doors (ingest/collector/app.py);
+#   serving API keys  what callers of serving's /v1 endpoints present (serving/app.py);
 #   serving key       serving signs generations (serving/__init__.py), the trainer verifies them
 #                     (trainer/data.py), the gate's offline gates verify logged ones (deploy_gate/offline/logged.py),
 #                     which the rollout controller's plans run through;
@@ -186,11 +187,12 @@ def check_secrets(m: Manifests) -> list[Problem]:
 #   token store       the rollout controller's API and the gate's audit log, the trainer's API (flywheel/identity.py).
 # The collector also scrubs the serving key and the approval token from dead letters when it holds them; it is
 # not given them, so it holds none to leak.
-SECRET_SETTINGS = {"FLYWHEEL_WRITE_KEYS", "FLYWHEEL_SERVING_KEY", "FLYWHEEL_APPROVAL_TOKEN", "FLYWHEEL_TOKEN_STORE_URL"}
+SECRET_SETTINGS = {"FLYWHEEL_WRITE_KEYS", "FLYWHEEL_SERVING_KEY", "FLYWHEEL_SERVING_API_KEYS",
+                   "FLYWHEEL_APPROVAL_TOKEN", "FLYWHEEL_TOKEN_STORE_URL"}  # fmt: skip
 _API = {"FLYWHEEL_APPROVAL_TOKEN", "FLYWHEEL_TOKEN_STORE_URL"}
 SECRETS_READ: dict[tuple[str, ...], set[str]] = {
     ("ingest", "collector"): {"FLYWHEEL_WRITE_KEYS"},
-    ("serve",): {"FLYWHEEL_SERVING_KEY"},
+    ("serve",): {"FLYWHEEL_SERVING_KEY", "FLYWHEEL_SERVING_API_KEYS"},
     ("ingest", "worker"): set(),
     ("signals", "worker"): set(),
     ("gate", "serve"): {"FLYWHEEL_SERVING_KEY", *_API},
