@@ -36,7 +36,7 @@ def frame(rng: np.random.Generator, n: int, accept: dict[str, float]) -> pl.Data
         cols = {"arm": [arm] * n, "user_id": [f"{arm}-{i}" for i in range(n)], "first_seen": [T0] * n,
                 "generations": k, "reward_n": k, "reward_sum": 0.75 * a - 0.25 * (k - a), "explicit_n": zero,
                 "thumbs_up": zero, "thumbs_down": zero, "shown": k, "accepted": a, "undone": zero, "declined": zero,
-                "suggested": k, "empty": zero, "errors": zero, "length_sum": 40.0 * k, "latency_sum": 50.0 * k}
+                "suggested": k, "empty": zero, "truncated": zero, "length_sum": 40.0 * k, "latency_sum": 50.0 * k}
         parts.append(pl.DataFrame({c: cols.get(c) for c in USER_COLUMNS}, schema=USER_COLUMNS))  # fmt: skip
     return pl.concat(parts)
 

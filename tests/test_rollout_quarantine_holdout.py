@@ -191,10 +191,10 @@ def test_experiment_api_answers_the_contract(
     assert a["decision"]["action"] == "continue" and "challenger users so far" in a["decision"]["reason"]
     assert a["srm"]["expected_shares"] == [0.5, 0.5]
     assert a["power"]["min_arm_users"] > 0 and a["power"]["note"]  # what this traffic can resolve, stated
-    assert {g["name"] for g in a["guardrails"]} >= {"latency_ms", "error_rate", "undo_rate", "thumbs_down_rate",
+    assert {g["name"] for g in a["guardrails"]} >= {"latency_ms", "truncated_rate", "undo_rate", "thumbs_down_rate",
                                                      "accepted_rate", "empty_rate", "mean_length_chars"}  # fmt: skip
     info = {g["name"]: g for g in a["guardrails"] if g["kind"] == "info"}
-    assert set(info) == {"shown_rate", "declined_rate"} and all(g["ok"] for g in info.values())
+    assert set(info) == {"shown_rate", "declined_rate", "truncated_rate"} and all(g["ok"] for g in info.values())
     series = client.get("/api/experiment/series?bucket=1h").json()["buckets"]
     assert {b["arm"] for b in series} == {"champion", "challenger"}
     assert sum(b["users"] for b in series) == 300

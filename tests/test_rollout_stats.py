@@ -91,7 +91,7 @@ def test_a_reward_rise_with_falling_explicit_satisfaction_is_flagged() -> None:
         up -= i % 4 == 3  # users differ (identical users would have no variance: no evidence)
         rows.append({"arm": arm, "user_id": f"u{i}", "first_seen": t0, "generations": 4, "reward_n": 4,
                      "reward_sum": reward + (i % 7) * 0.05, "explicit_n": 2, "thumbs_up": up, "thumbs_down": 2 - up,
-                     "shown": 4, "accepted": 2, "undone": 0, "declined": 0, "suggested": 4, "empty": 0, "errors": 0,
+                     "shown": 4, "accepted": 2, "undone": 0, "declined": 0, "suggested": 4, "empty": 0, "truncated": 0,
                      "length_sum": 40.0})  # fmt: skip
     agg = Aggregates(pl.DataFrame(rows, schema=USER_COLUMNS), {"champion": 50.0, "challenger": 50.0},
                      {"champion": 800, "challenger": 800}, "rules-v1")  # fmt: skip
@@ -127,7 +127,7 @@ def _analyse_declines(challenger: dict[str, float]) -> list[GuardrailView]:
                   "length_sum": counts["length_sum"] + 2 * jitter}  # fmt: skip
         rows.append({"arm": arm, "user_id": f"u{i}", "first_seen": t0, "generations": 10, "reward_n": 10,
                      "reward_sum": 0.5 + (i % 5) * 0.1, "explicit_n": 0, "thumbs_up": 0, "thumbs_down": 0,
-                     "undone": 0, "errors": 0, **varied})  # fmt: skip
+                     "undone": 0, "truncated": 0, **varied})  # fmt: skip
     agg = Aggregates(pl.DataFrame(rows, schema=USER_COLUMNS), {"champion": 50.0, "challenger": 50.0},
                      {"champion": 4000, "challenger": 4000}, "rules-v1")  # fmt: skip
     step = StepContext(index=0, share=0.5, min_users=10, min_seconds=0, entered_at=t0, last=True)
@@ -147,6 +147,20 @@ def test_declining_most_suggestions_trips_nothing_while_the_accepts_hold() -> No
         "info", 0.0, 0.6
     )
     assert (rails["shown_rate"].kind, rails["shown_rate"].challenger) == ("info", 0.4)
+
+
+def test_completions_cut_at_max_tokens_are_shown_but_decide_nothing() -> None:
+    # The challenger's lines are longer (1.3x, within the length drift bound) and 4 of its 10 are cut at
+    # max_tokens where the champion's never are: reported, and nothing trips (it was the `error_rate`
+    # guardrail, which rolled back every candidate on users nobody tuned for while no request failed).
+    rails = {g.name: g for g in _analyse_declines(
+        {"shown": 10, "accepted": 3, "declined": 0, "suggested": 10, "empty": 0, "length_sum": 130.0,
+         "truncated": 4})}  # fmt: skip
+    assert [n for n, g in rails.items() if not g.ok] == []
+    assert (rails["truncated_rate"].kind, rails["truncated_rate"].champion, rails["truncated_rate"].challenger) == (
+        "info", 0.0, 0.4
+    )
+    assert "error_rate" not in rails
 
 
 def test_declining_that_costs_accepts_or_blank_outputs_trip_their_guardrails() -> None:

@@ -120,9 +120,6 @@ class RolloutConfig(BaseSettings):
     latency_min_generations: int = Field(
         default=100, ge=1, description="Generations both arms need before the latency guardrail may decide."
     )
-    error_rate_rise: float = Field(
-        default=0.02, ge=0, description="Error-rate rise shown beside its guardrail (absolute)."
-    )
     undo_rate_rise: float = Field(default=0.05, ge=0, description="Undos per accept: rise shown beside its guardrail.")
     thumbs_down_rate_rise: float = Field(
         default=0.05, ge=0, description="Thumbs down per generation: rise shown beside its guardrail."

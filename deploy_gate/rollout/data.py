@@ -52,7 +52,7 @@ USER_COLUMNS = {
     "declined": pl.Int64(),
     "suggested": pl.Int64(),  # generation events not declined: what the mean length is over
     "empty": pl.Int64(),
-    "errors": pl.Int64(),
+    "truncated": pl.Int64(),
     "length_sum": pl.Float64(),
     "latency_sum": pl.Float64(),  # over generations with a latency: the latency guardrail is per user
     # The user's rewards before the experiment started (any version): the covariate of regression adjustment.
@@ -248,7 +248,7 @@ def load(
                 pl.col("declined").sum().cast(pl.Int64).alias("declined"),
                 (~pl.col("declined")).sum().cast(pl.Int64).alias("suggested"),
                 pl.col("empty").sum().cast(pl.Int64).alias("empty"),
-                pl.col("truncated").sum().cast(pl.Int64).alias("errors"),
+                pl.col("truncated").sum().cast(pl.Int64).alias("truncated"),
                 pl.col("length").sum().cast(pl.Float64).alias("length_sum"),
                 pl.col("latency_ms").fill_null(0.0).sum().alias("latency_sum"),
                 pl.col("chat").sum().cast(pl.Int64).alias("chat_replies"),

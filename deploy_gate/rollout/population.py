@@ -28,7 +28,7 @@ class Population:
     shown: float = 0.85
     undo: float = 0.05
     thumbs: float = 0.1
-    error: float = 0.01
+    error: float = 0.01  # share of completions cut at max_tokens (`truncated_rate`, shown only)
     latency_ms: float = 50.0
     returning: float = 0.7  # share of users seen before the experiment (a pre-period to adjust on)
     persistence: float = 1.0  # 1: a user's propensity is the same before and during; 0: independent
@@ -72,7 +72,7 @@ def users(
         "pre_reward_sum": reward_pre.astype(float), "pre_reward_n": k_pre.astype(float),
         "thumbs_up": up.astype(float), "thumbs_down": down.astype(float), "shown": shown.astype(float),
         "accepted": accepted.astype(float), "undone": undone.astype(float), "declined": (k - shown).astype(float),
-        "suggested": shown.astype(float), "empty": np.zeros(m), "errors": rng.binomial(k, pop.error).astype(float),
+        "suggested": shown.astype(float), "empty": np.zeros(m), "truncated": rng.binomial(k, pop.error).astype(float),
         "length_sum": shown * rng.lognormal(math.log(40), 0.3, m),
         "latency_sum": kf * mu + np.sqrt(kf) * 0.3 * mu * rng.standard_normal(m),
         "latency_mu": mu,  # the user's typical latency (generations scatter ±30% around it)
