@@ -294,6 +294,9 @@ def progress_table(sim: UserSimulator, status: GateStatus, started: float, exper
     table.add_column("last 100 per population", justify="right")
     for arm in ("champion", "challenger"):
         s = sim.stats
+        if not s.served[arm]:  # nothing to rate yet (or no simulated users: `--users 0`), not NaN
+            table.add_row(arm, "0", "-", "-", "-")
+            continue
         table.add_row(arm, str(s.served[arm]), f"{s.shown_rate(arm):.2f}", f"{s.satisfaction(arm):.3f}",
                       f"{s.recent_accept_rate(arm):.3f}")  # fmt: skip
     split = status.split
@@ -365,6 +368,9 @@ def run_up(
                             sorted(s.write_key_set)[0], n_users=users, rate_per_s=rate,
                             populations=populations_named(populations) if populations else None)  # fmt: skip
         user_threads = sim.start(stop)
+        if users == 0:
+            console.print("no simulated users (--users 0): send your own traffic to serving and the collector; "
+                          "the table below counts only simulated users, the dashboard counts everyone")
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         started = time.monotonic()
         gate = DeployGate.from_settings(s)  # one registry and Redis connection for the whole run

@@ -162,3 +162,21 @@ def test_a_new_deployment_forgets_what_an_earlier_run_left_in_redis(settings: Se
     client.set(left[0], "this deployment's")
     assert forget_an_earlier_deployment(settings) == 0
     assert client.get(left[0]) == b"this deployment's"
+
+
+def test_the_progress_table_shows_no_nan_before_any_simulated_user_is_served() -> None:
+    # `flywheel up --users 0` (outside traffic only) and the first seconds of any run: dashes, not NaN.
+    from rich.console import Console
+
+    from deploy_gate.views import GateStatus
+    from flywheel.contract import TrafficSplit
+    from launcher.up import progress_table
+    from simulator.users import UserSimulator
+
+    sim = UserSimulator("http://127.0.0.1:9", "http://127.0.0.1:9", "key", n_users=0)
+    status = GateStatus(split=TrafficSplit(champion_version="1"), champion="1", challenger=None, pending=[],
+                        versions=[])  # fmt: skip
+    console = Console(width=150, record=True)
+    console.print(progress_table(sim, status, started=0.0))
+    text = console.export_text()
+    assert "nan" not in text and "champion" in text and "challenger" in text
