@@ -201,7 +201,7 @@ def collector_cli(settings: Settings, env: dict[str, str], until: Callable[[int]
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # two processes importing torch on two busy cores
         while True:
             try:
                 if httpx.get(f"{base}/readyz").status_code == 200 and until(proc.pid):
