@@ -210,7 +210,10 @@ def test_collector_never_answers_5xx_and_everything_lands_once_or_is_dead_letter
 
     assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10 and statuses.get(401, 0) > 5, statuses
     produced = [Event.from_bytes(r.value) for r in read_topic(settings, settings.events_topic)]
-    assert len(produced) == accepted > 20 and refused > 20 and bodies_refused > 10
+    # Enough of each outcome drawn to mean something (a full-suite CI run drew 19 valid events where a run of this
+    # module alone draws more); the invariants are the equalities: each accepted event produced once, each refusal
+    # dead-lettered once.
+    assert len(produced) == accepted > 10 and refused > 20 and bodies_refused > 10
     letters = [DeadLetter.from_bytes(r.value) for r in read_topic(settings, settings.dead_letter_topic)]
     assert len(letters) == refused + bodies_refused
     assert all(d.reason and d.source.startswith("http:/v1/") for d in letters)

@@ -4,9 +4,3 @@
 It shares only the dead-letter format and the metrics with the collector (`ingest.dead_letters`, `ingest.metrics`),
 never the collector's code. Run it with `python -m ingest.worker` or `flywheel ingest worker`.
 """
-
-from __future__ import annotations
-
-from ingest.worker.loop import IngestWorker, run_worker
-
-__all__ = ["IngestWorker", "run_worker"]
