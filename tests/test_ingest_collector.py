@@ -213,8 +213,12 @@ def collector_cli(settings: Settings, env: dict[str, str], until: Callable[[int]
         yield proc, base
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+            proc.terminate()  # the supervisor stops its worker processes; a SIGKILL would orphan them on their port
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
 
 
 def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics(settings, tmp_path):
