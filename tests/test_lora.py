@@ -44,16 +44,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def tsettings(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    """`settings` on a copy of an already-migrated empty MLflow store (creating the schema takes seconds)."""
-    template = tmp_path_factory.getbasetemp() / "mlflow-template-lora.db"
-    if not template.exists():
-        ModelRegistry(settings.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{template}"})).versions()
-    shutil.copy(template, settings.mlflow_tracking_uri.removeprefix("sqlite:///"))
-    return settings
-
-
 def _ends_early(g: Generation) -> float:
     return 1.0 if g.finish_reason != "length" else -1.0
 
@@ -96,22 +86,22 @@ def _served_as_trained(pool: PolicyPool, split: TrafficSplit, registry: ModelReg
 
 
 def test_a_lora_cycle_trains_registers_and_serves_an_adapter_then_continues_it(
-    tsettings: Settings, tiny_model_dir: Path
+    settings: Settings, tiny_model_dir: Path
 ) -> None:
-    registry = ModelRegistry(tsettings)
+    registry = ModelRegistry(settings)
     base = registry.register(tiny_model_dir, ModelLineage(base=str(tiny_model_dir)))
     registry.set_alias("champion", base)
-    write_events(tsettings, consent_events(USERS))
-    simulate_feedback(tsettings, load_policy(registry.fetch(base)), PROMPTS, _ends_early, model_version=base, n=24,
+    write_events(settings, consent_events(USERS))
+    simulate_feedback(settings, load_policy(registry.fetch(base)), PROMPTS, _ends_early, model_version=base, n=24,
                       seed=1, users=USERS)  # fmt: skip
 
-    first = run_cycle(tsettings, LORA, progress=False)
+    first = run_cycle(settings, LORA, progress=False)
     assert first.status == "registered" and first.parent_version == base
     adapter = first.version
     assert adapter is not None
     # Registered: an adapter naming its base by version and content hash, with its lineage.
     assert registry.adapter(adapter) == AdapterInfo(base, registry.client.get_model_version(
-        tsettings.registered_model_name, base).tags["flywheel.manifest_sha256"], str(tiny_model_dir))  # fmt: skip
+        settings.registered_model_name, base).tags["flywheel.manifest_sha256"], str(tiny_model_dir))  # fmt: skip
     assert registry.adapter(base) is None and registry.lineage(adapter).parent_version == base
     fetched = registry.fetch(adapter)
     names = {p.name for p in fetched.iterdir()}
@@ -139,9 +129,9 @@ def test_a_lora_cycle_trains_registers_and_serves_an_adapter_then_continues_it(
 
     # The next cycle continues the champion's adapter on the same base.
     registry.set_alias("champion", adapter)
-    simulate_feedback(tsettings, load_policy(registry.fetch(adapter)), PROMPTS, lambda g: -_ends_early(g),
+    simulate_feedback(settings, load_policy(registry.fetch(adapter)), PROMPTS, lambda g: -_ends_early(g),
                       model_version=adapter, n=24, seed=2, users=USERS)  # fmt: skip
-    second = run_cycle(tsettings, LORA, progress=False)
+    second = run_cycle(settings, LORA, progress=False)
     assert second.status == "registered" and second.version is not None
     assert registry.adapter(second.version).base_version == base  # type: ignore[union-attr]
     assert registry.lineage(second.version).parent_version == adapter
@@ -311,9 +301,9 @@ def test_an_adapter_on_another_base_is_refused_by_serving_with_both_bases_named(
 
 
 def test_an_adapter_whose_base_does_not_match_is_refused_by_the_registry(
-    tsettings: Settings, tiny_model_dir: Path, cache: Path, tmp_path: Path
+    settings: Settings, tiny_model_dir: Path, cache: Path, tmp_path: Path
 ) -> None:
-    registry = ModelRegistry(tsettings)
+    registry = ModelRegistry(settings)
     base = registry.register(tiny_model_dir, ModelLineage(base="tiny"))
     good = tmp_path / "good"
     shutil.copytree(cache / "2", good)
@@ -329,7 +319,7 @@ def test_an_adapter_whose_base_does_not_match_is_refused_by_the_registry(
         registry.fetch(bad)
     with pytest.raises(ArtifactIntegrityError, match="its base does not match"):
         registry.verify(bad)
-    held = registry.client.get_model_version(tsettings.registered_model_name, base).tags["flywheel.manifest_sha256"]
+    held = registry.client.get_model_version(settings.registered_model_name, base).tags["flywheel.manifest_sha256"]
     assert f"trained on base version {base} (manifest sha256 000000000000...)" in str(refused.value)
     assert held[:12] in str(refused.value) and "refused" in str(refused.value)
     assert json.loads((forged / "flywheel_adapter.json").read_text())["base_version"] == base
