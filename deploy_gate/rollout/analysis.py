@@ -271,7 +271,8 @@ def segments(agg: Aggregates, users: pl.DataFrame, config: RolloutConfig) -> lis
     seg = agg.segments
     if seg is None or seg.is_empty() or users.is_empty():
         return []
-    seg = seg.join(users.select("arm", "user_id"), on=["arm", "user_id"], how="semi")
+    # Sorted so that the sums below add in one order whatever order the lake's files were read in.
+    seg = seg.join(users.select("arm", "user_id"), on=["arm", "user_id"], how="semi").sort("arm", "user_id", "surface")
     out = []
     for surface in sorted(seg["surface"].unique().to_list()):
         part = seg.filter(pl.col("surface") == surface)
