@@ -90,7 +90,7 @@ def first_arm_users(agg: Aggregates) -> pl.DataFrame:
     users = agg.users.filter(pl.col("arm").is_in(list(ARMS)))
     if users.is_empty():
         return users
-    return users.sort("first_seen", "arm").unique("user_id", keep="first", maintain_order=True)
+    return users.sort("first_seen", "arm", "user_id").unique("user_id", keep="first", maintain_order=True)
 
 
 def both_arms(agg: Aggregates) -> int:
