@@ -151,7 +151,7 @@ class Trained:
 
 
 def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
-    """One cycle's training from the base, as `trainer.cycle._train_and_register` trains."""
+    """One cycle's training from the base, as `trainer.phases` (prepare, optimise) trains."""
     import math
 
     import torch

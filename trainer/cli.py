@@ -11,7 +11,8 @@ from rich.console import Console
 
 from flywheel.settings import get_settings
 from trainer.config import TrainerConfig
-from trainer.cycle import broadcast_from_zero, distributed_rank_world, run_cycle
+from trainer.cycle import run_cycle
+from trainer.distributed import broadcast_from_zero, distributed_rank_world
 from trainer.scheduler import TrainerScheduler, cycle_lock, lock_key
 
 app = typer.Typer(no_args_is_help=True)
@@ -104,8 +105,13 @@ def schedule(
         # uvicorn handles SIGINT / SIGTERM and returns when asked to stop.
         uvicorn.run(create_app(settings, scheduler), host=host, port=port, log_level="warning", log_config=None)
     else:
-        from flywheel.ops import stop_on_signals
+        from flywheel.ops import serve_ops, stop_on_signals
 
+        metrics = None
+        if settings.trainer_metrics_port:  # no API, but its /metrics and health still
+            metrics = serve_ops(settings.trainer_metrics_port, scheduler.health, settings.bind_host)
         stop_on_signals().wait()
+        if metrics is not None:
+            metrics.stop()
     scheduler.shutdown(wait=True)
     console.print("trainer scheduler stopped")
