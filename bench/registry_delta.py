@@ -21,7 +21,6 @@ Without --model the default preset is bootstrapped (`flywheel model bootstrap`, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -60,11 +59,11 @@ def plans(lrs: list[float]) -> list[tuple[str, TrainerConfig]]:
     """(label, config): the default config for one step and a cycle per learning rate, then one step and one
     default cycle training in bfloat16 and storing float32."""
     default = TrainerConfig()
-    out = [("default", dataclasses.replace(default, max_steps=1))]
-    out += [("default", dataclasses.replace(default, learning_rate=lr)) for lr in lrs]
-    for label, config in (("bf16 train", dataclasses.replace(default, dtype="bfloat16")),
-                          ("fp32 store", dataclasses.replace(default, save_dtype="float32"))):  # fmt: skip
-        out += [(label, dataclasses.replace(config, max_steps=1)), (label, config)]
+    out = [("default", default.replace(max_steps=1))]
+    out += [("default", default.replace(learning_rate=lr)) for lr in lrs]
+    for label, config in (("bf16 train", default.replace(dtype="bfloat16")),
+                          ("fp32 store", default.replace(save_dtype="float32"))):  # fmt: skip
+        out += [(label, config.replace(max_steps=1)), (label, config)]
     return out
 
 

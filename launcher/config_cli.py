@@ -1,30 +1,30 @@
 """`flywheel config`: every setting's effective value and where it came from, and a check that starts nothing.
 
-The five configuration objects are the ones the reference documents (`launcher/settings_reference.py`):
-`Settings`, `SignalsConfig` and `RolloutConfig` from the environment, `TrainerConfig` and `OfflineGateConfig`
-from a JSON file (`--trainer-config`, `--offline-config`, as `flywheel trainer schedule --config` takes it).
+The five configuration objects are the ones the reference documents (`launcher/settings_reference.py`), all
+read from the environment; `TrainerConfig` and `OfflineGateConfig` also from a JSON file of their fields
+(`--trainer-config`, `--offline-config`, as `flywheel trainer schedule --config` takes it), which wins over the
+environment.
 
-- `show [--component NAME]`: one line per setting: its name (its variable, for the environment's objects), the
-  value in force and its source: `environment`, `file <path>` or `default`. Secrets show as pydantic masks
-  them, and a password in a URL as `***`: what an operator pastes into a ticket must not leak one.
+- `show [--component NAME]`: one line per setting: its variable, the value in force and its source:
+  `environment`, `file <path>` or `default`. Secrets show as pydantic masks them, and a password in a URL as
+  `***`: what an operator pastes into a ticket must not leak one.
 - `check`: builds each object as its process does, so every check a process makes at start runs here (bounds,
-  unknown variables, secrets in production, the trainer's `__post_init__`), and exits 1 naming the first bad
+  unknown variables, secrets in production, the objects' cross-field checks), and exits 1 naming the first bad
   setting and why; 0 when all hold. Nothing is started or connected to.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import typer
-from pydantic import BaseModel, ValidationError
-from pydantic_settings import BaseSettings
+from pydantic import ValidationError
 
 from launcher.settings_reference import fields, owners
 
@@ -43,7 +43,7 @@ _URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^:/@\s]*:)[^@\s]+@")
 @dataclass(frozen=True)
 class Setting:
     owner: str
-    name: str  # the variable, for an environment object; the key, for a file's
+    name: str  # the variable (a file's key sets the same field)
     value: str
     source: str
 
@@ -69,65 +69,61 @@ def _variables(owner: str) -> dict[str, tuple[str, ...]]:
     return {f.name: f.variables for f in fields() if f.owner == owner}
 
 
-def _first_error(owner: str, exc: ValidationError, variables: dict[str, tuple[str, ...]]) -> BadSetting:
+def _first_error(owner: str, exc: ValidationError, variables: dict[str, tuple[str, ...]],
+                 given: Collection[str] = ()) -> BadSetting:  # fmt: skip
+    """The first error of `exc`, named by the key of the file (`given`) or the variable that set it."""
     err = exc.errors()[0]
     field = str(err["loc"][0]) if err["loc"] else ""
     env = _environment()
     names = variables.get(field, ())
-    name = next((v for v in names if v in env), names[0] if names else field)
+    name = field if field in given else next((v for v in names if v in env), names[0] if names else field)
     why = str(err["msg"]).removeprefix("Value error, ")
     inner = ".".join(str(part) for part in err["loc"][1:])  # where inside a structured value (the ramp's steps)
     # A model-level check names no field; its message does (RolloutConfig's unknown variables, the secrets).
     return BadSetting(owner, name or "(the object as a whole)", f"{inner}: {why}" if inner else why)
 
 
-def _from_file(cls: Any, path: Path | None) -> Any:
-    owner = cls.__name__
+def _file_values(owner: str, path: Path | None) -> dict[str, Any]:
+    """The fields a JSON file gives `owner` ({} without a file)."""
     if path is None:
-        return cls()
+        return {}
     try:
         values = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise BadSetting(owner, str(path), f"not a readable JSON object ({exc})") from exc
     if not isinstance(values, dict):
         raise BadSetting(owner, str(path), "not a JSON object")
-    try:
-        return cls.from_dict(values)
-    except (TypeError, ValueError) as exc:
-        text = str(exc).removeprefix(f"invalid {owner}: ").split("; ")[0]
-        key = next((f.name for f in dataclasses.fields(cls) if re.match(rf"{f.name}\b", text)), str(path))
-        raise BadSetting(owner, key, text) from exc
+    return values
 
 
 def build(owner: str, files: dict[str, Path | None]) -> Any:
     """The object `owner` as its process builds it; `BadSetting` names the first bad setting."""
     cls = next(c for c, _ in owners() if c.__name__ == owner)
-    if isinstance(cls, type) and issubclass(cls, BaseSettings):
-        try:
-            return cls()
-        except ValidationError as exc:
-            raise _first_error(owner, exc, _variables(owner)) from exc
-    return _from_file(cls, files.get(owner))
+    values = _file_values(owner, files.get(owner))
+    unknown = sorted(set(values) - set(cls.model_fields))
+    if unknown:
+        raise BadSetting(owner, unknown[0], f"not a field of {owner} (in {files.get(owner)}); known: "
+                         f"{', '.join(cls.model_fields)}")  # fmt: skip
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        raise _first_error(owner, exc, _variables(owner), set(values)) from exc
 
 
 def settings_of(owner: str, files: dict[str, Path | None]) -> list[Setting]:
     """Every setting of `owner`: its effective value and its source."""
     obj = build(owner, files)
-    env = _environment()
-    if isinstance(obj, BaseModel):
-        values = obj.model_dump(mode="json")  # secrets come out masked
-        out = []
-        for name, variables in _variables(owner).items():
-            given = next((v for v in variables if v in env), None)  # the alias read, where a field has several
-            shown = given or (variables[0] if variables else name)
-            out.append(Setting(owner, shown, _masked(values[name]), "environment" if given else "default"))
-        return out
     path = files.get(owner)
-    given_keys = set(json.loads(path.read_text())) if path is not None else set()
-    return [
-        Setting(owner, f.name, _masked(getattr(obj, f.name)), f"file {path}" if f.name in given_keys else "default")
-        for f in dataclasses.fields(obj)
-    ]
+    in_file = set(_file_values(owner, path))
+    env = _environment()
+    values = obj.model_dump(mode="json")  # secrets come out masked
+    out = []
+    for name, variables in _variables(owner).items():
+        given = next((v for v in variables if v in env), None)  # the alias read, where a field has several
+        shown = given or (variables[0] if variables else name)
+        source = f"file {path}" if name in in_file else "environment" if given else "default"
+        out.append(Setting(owner, shown, _masked(values[name]), source))
+    return out
 
 
 def _owners(component: str | None) -> list[str]:

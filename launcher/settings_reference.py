@@ -1,11 +1,12 @@
 """The configuration reference, generated from the fields themselves: `docs/configuration.md`.
 
-Every setting Flywheel reads is a typed field of one of five objects. Three are read from the environment
-by pydantic-settings (`Settings`, `SignalsConfig`, `RolloutConfig`: a field's variable is its object's
-prefix plus its name in capitals, or an alias); two are read from a JSON file (`TrainerConfig`, given with
-`flywheel trainer schedule --config FILE`; `OfflineGateConfig`). This module walks those fields, so the
-reference cannot drift from the code: `tests/test_settings_reference.py` fails when a field, a default or
-a variable changes and the page was not regenerated with
+Every setting Flywheel reads is a typed field of one of five pydantic-settings objects, read from the
+environment (a field's variable is its object's prefix plus its name in capitals, or an alias): `Settings`,
+`SignalsConfig`, `RolloutConfig`, `TrainerConfig` (also from a JSON file of its fields, given with
+`flywheel trainer schedule --config FILE`, over the environment) and `OfflineGateConfig`. A field's
+`group` (TrainerConfig's: the base, then each objective's part) makes a section of its own. This module walks
+those fields, so the reference cannot drift from the code: `tests/test_settings_reference.py` fails when a
+field, a default or a variable changes and the page was not regenerated with
 
     .venv/bin/python -m launcher.settings_reference > docs/configuration.md
 
@@ -14,7 +15,6 @@ A variable read before any settings object exists would be listed in `OTHER_VARI
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
 from collections.abc import Iterator
@@ -36,11 +36,12 @@ class Field:
 
     owner: str  # the object that holds it
     name: str
-    variables: tuple[str, ...]  # environment variables (empty: set in a file)
+    variables: tuple[str, ...]  # environment variables
     type: str
     default: str
     bounds: str
     help: str
+    group: str = ""  # the part of its object it belongs to (TrainerConfig's objectives), "" where none
 
 
 def _type_name(annotation: Any) -> str:
@@ -95,46 +96,13 @@ def _env_fields(cls: type[BaseSettings]) -> Iterator[Field]:
             default = _default_text(info.default_factory())  # type: ignore[call-arg]
         else:
             default = _default_text(info.default)
+        extra = info.json_schema_extra
+        group = str(extra.get("group", "")) if isinstance(extra, dict) else ""
         yield Field(cls.__name__, name, variables, _type_name(info.annotation), default, bounds,
-                    " ".join((info.description or comments.get(name, "")).split()))  # fmt: skip
+                    " ".join((info.description or comments.get(name, "")).split()), group)  # fmt: skip
 
 
-def _docstring_entries(doc: str) -> list[str]:
-    """The docstring's entries: a head line and the more-indented lines under it. A head is indented 8 under a
-    section heading, or 4 when it names its fields itself ("seed: ..."); anything else ends the entry."""
-    entries: list[list[str]] = []
-    head_indent = None
-    for line in doc.splitlines():
-        text, indent = line.strip(), len(line) - len(line.lstrip())
-        if not text:
-            continue
-        if head_indent is not None and indent > head_indent:
-            entries[-1].append(text)
-        elif indent == 8 or (indent == 4 and re.match(r"[a-z_][a-z0-9_, ]*:", text)):
-            entries.append([text])
-            head_indent = indent
-        else:  # a section heading
-            head_indent = None
-    return [" ".join(e) for e in entries]
-
-
-def _file_fields(cls: type) -> Iterator[Field]:
-    entries = _docstring_entries(cls.__doc__ or "")
-    for f in dataclasses.fields(cls):
-        word = re.compile(rf"(^|[ ,(`[-]){re.escape(f.name)}\b")
-        # The entry that names it before its colon; else the first that mentions it (a group's shared entry).
-        text = next((e for e in entries if word.search(e.split(":", 1)[0])), "") or next(
-            (e for e in entries if word.search(e)), "")
-        if f.default is not dataclasses.MISSING:
-            default = _default_text(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = _default_text(f.default_factory())
-        else:
-            default = "(required)"
-        yield Field(cls.__name__, f.name, (), _type_name(f.type), default, "", text)
-
-
-def owners() -> list[tuple[type, str]]:
+def owners() -> list[tuple[type[BaseSettings], str]]:
     """Every configuration object, with how it is set."""
     from deploy_gate.offline import OfflineGateConfig
     from deploy_gate.rollout import RolloutConfig
@@ -146,15 +114,16 @@ def owners() -> list[tuple[type, str]]:
         (Settings, "every process, from the environment"),
         (SignalsConfig, "the signals worker, from the environment"),
         (RolloutConfig, "the rollout controller, from the environment"),
-        (TrainerConfig, "the trainer, from a JSON file: `flywheel trainer schedule --config FILE` (or `run-once`)"),
-        (OfflineGateConfig, "the offline gates, from their defaults (set in code by whoever builds `OfflineGates`)"),
+        (TrainerConfig, "the trainer, from the environment, under a JSON file of its fields (the key is the field's "
+         "name): `flywheel trainer schedule --config FILE` (or `run-once`)"),
+        (OfflineGateConfig, "the offline gates (in the deploy gate), from the environment"),
     ]
 
 
 def fields() -> list[Field]:
     out: list[Field] = []
     for cls, _ in owners():
-        out.extend(_env_fields(cls) if issubclass(cls, BaseSettings) else _file_fields(cls))
+        out.extend(_env_fields(cls))
     return out
 
 
@@ -182,17 +151,15 @@ def render() -> str:
     for cls, how in owners():
         rows = by_owner.get(cls.__name__, [])
         lines += [f"## {cls.__name__}", "", f"Read by {how}.", ""]
-        env = any(f.variables for f in rows)
-        lines += ["| variable | type | default | bounds | what it is |" if env else
-                  "| key | type | default | what it is |",
-                  "| --- | --- | --- | --- | --- |" if env else "| --- | --- | --- | --- |"]  # fmt: skip
-        for f in rows:
-            if env:
+        groups: dict[str, str] = getattr(cls, "GROUPS", {})
+        for group in dict.fromkeys(f.group for f in rows):
+            if group:
+                lines += [f"### {cls.__name__}: {group}", "", f"{groups.get(group, group).capitalize()}.", ""]
+            lines += ["| variable | type | default | bounds | what it is |", "| --- | --- | --- | --- | --- |"]
+            for f in (f for f in rows if f.group == group):
                 names = " or ".join(f"`{v}`" for v in f.variables)
                 lines.append(f"| {names} | `{_cell(f.type)}` | `{_cell(f.default)}` | {f.bounds} | {_cell(f.help)} |")
-            else:
-                lines.append(f"| `{f.name}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.help)} |")
-        lines.append("")
+            lines.append("")
     if OTHER_VARIABLES:
         lines += ["## Other variables", "", "| variable | what it is |", "| --- | --- |"]
         lines += [f"| `{k}` | {v} |" for k, v in OTHER_VARIABLES.items()]

@@ -58,6 +58,29 @@ def test_check_refuses_a_bad_trainer_file_naming_the_key(tmp_path: Path) -> None
     assert code == 1 and "epocs" in out, out
 
 
+def test_trainer_settings_come_from_the_environment_under_the_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FLYWHEEL_TRAINER_LEARNING_RATE", "0.0003")
+    monkeypatch.setenv("FLYWHEEL_TRAINER_EPOCHS", "2")
+    trainer = tmp_path / "trainer.json"
+    trainer.write_text(json.dumps({"epochs": 3}))  # the file wins over the environment
+    code, out = _flywheel("show", "--component", "trainer", "--trainer-config", str(trainer))
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ")}
+    assert code == 0, out
+    assert rows["FLYWHEEL_TRAINER_LEARNING_RATE"] == ["0.0003", "[environment]"]
+    assert rows["FLYWHEEL_TRAINER_EPOCHS"] == ["3", "[file", f"{trainer}]"]
+    assert rows["FLYWHEEL_TRAINER_KTO_BETA"] == ["0.1", "[default]"]
+
+    monkeypatch.setenv("FLYWHEEL_TRAINER_KTO_BETA", "0")  # a bound of the KTO part
+    code, out = _flywheel("check", "--component", "trainer")
+    assert code == 1 and "bad setting FLYWHEEL_TRAINER_KTO_BETA (TrainerConfig): Input should be greater than 0" in out
+    monkeypatch.delenv("FLYWHEEL_TRAINER_KTO_BETA")
+    monkeypatch.setenv("FLYWHEEL_OFFLINE_LM_MARGIN", "0.5")  # above lm_reference_margin: a cross-field check
+    code, out = _flywheel("check", "--component", "offline")
+    assert code == 1 and "lm_reference_margin" in out and "OfflineGateConfig" in out, out
+
+
 def test_show_names_each_values_source_and_hides_secrets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLYWHEEL_ROLLOUT_INTERVAL_S", "12")
     monkeypatch.setenv("FLYWHEEL_REDIS_URL", "redis://:hunter2@127.0.0.1:6390/0")
@@ -69,8 +92,9 @@ def test_show_names_each_values_source_and_hides_secrets(monkeypatch: pytest.Mon
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
     assert rows["FLYWHEEL_ROLLOUT_INTERVAL_S"][1:] == ["12.0", "[environment]"]
     assert rows["FLYWHEEL_ROLLOUT_ALPHA"][-1] == "[default]"
-    assert rows["epochs"][1:] == ["3", "[file", f"{trainer}]"]
-    assert rows["learning_rate"][-1] == "[default]"
+    assert rows["FLYWHEEL_TRAINER_EPOCHS"][1:] == ["3", "[file", f"{trainer}]"]
+    assert rows["FLYWHEEL_TRAINER_LEARNING_RATE"][-1] == "[default]"
+    assert rows["FLYWHEEL_OFFLINE_MAX_KL"][1:] == ["0.1", "[default]"]
     assert rows["FLYWHEEL_REDIS_URL"][1:] == ["redis://:***@127.0.0.1:6390/0", "[environment]"]
     assert "hunter2" not in out and "a-long-and-private-approval-token" not in out
     assert {"Settings:", "SignalsConfig:", "RolloutConfig:", "TrainerConfig:", "OfflineGateConfig:"} <= set(

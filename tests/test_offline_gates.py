@@ -6,7 +6,6 @@ Real parts: tiny bootstrapped models, the real registry (MLflow on SQLite), Redi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -619,7 +618,7 @@ def test_the_lm_gate_passes_within_the_margin_fails_beyond_it_and_is_undecided_a
     assert lm.non_inferiority(far[:5], CONFIG.lm_margin, 0.95, CONFIG.lm_min_windows).verdict == "undecided"
 
     # Through the gates: the verdict is recorded as it is (undecided does not block), with the windows and interval.
-    config = dataclasses.replace(CONFIG, lm_margin=within.mean, lm_reference_margin=1.0)
+    config = CONFIG.replace(lm_margin=within.mean, lm_reference_margin=1.0)
     results = by_name(run_gates(tmp_path / "close", champion, data.prompts, data.texts, NO_TRAFFIC, config))
     gate = results["lm_vs_champion"]
     assert gate.status == "undecided" and gate.passed and gate.value == pytest.approx(within.mean)
@@ -655,7 +654,7 @@ def test_the_gates_honour_their_cpu_budgets_and_say_what_they_covered(
     import itertools
 
     ticks = itertools.count()
-    config = dataclasses.replace(CONFIG, lm_cpu_budget_s=11.0, ope_cpu_budget_s=2.0, lm_min_windows=2)
+    config = CONFIG.replace(lm_cpu_budget_s=11.0, ope_cpu_budget_s=2.0, lm_min_windows=2)
     traffic = calls_traffic(champion, 120)
     results = by_name(run_gates(healthy(tiny_model_dir, tmp_path / "h"), champion, data.prompts, data.texts, traffic,
                                 config, clock=lambda: float(next(ticks))))  # fmt: skip

@@ -7,7 +7,6 @@ column layout. MLflow is the real SQLite store.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import shutil
 from collections.abc import Iterator
@@ -199,7 +198,7 @@ def test_larger_kl_coefficient_keeps_the_policy_closer_to_the_champion(
         kls.append(kl_to_reference(policy.model, samples, reference, scorer, policy.pad_id, 8))
     assert kls[1] < 0.7 * kls[0], f"KL to the champion: coef 0 -> {kls[0]:.4f}, coef 2 -> {kls[1]:.4f}"
     # and a run cut short says so, by its own rule
-    capped = train_policy(policy.model, samples, reference, dataclasses.replace(config, max_steps=2), scorer,
+    capped = train_policy(policy.model, samples, reference, config.replace(max_steps=2), scorer,
                           policy.pad_id)  # fmt: skip
     assert (len(capped.history), capped.samples_reached, capped.stopped_at) == (2, 2 * config.batch_size, "max_steps")
 

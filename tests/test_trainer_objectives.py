@@ -166,9 +166,11 @@ def test_kto_matches_the_paper_formula() -> None:
         ({"device": "tpu"}, "device"),
         ({"replay_fraction": 2}, "replay_fraction"),
         ({"consent_property": " "}, "consent_property"),
-        ({"own_cpu_budget_s": -1}, "own_cpu_budget_s=-1: must be 0 .no budget. or up to 3600 CPU-seconds"),
+        ({"own_cpu_budget_s": -1}, r"own_cpu_budget_s\s+Input should be greater than or equal to 0"),  # names the field
         ({"own_cpu_budget_s": 1e5}, "own_cpu_budget_s"),
         ({"own_cpu_budget_s": float("nan")}, "own_cpu_budget_s"),
+        ({"kto_beta": 0}, "kto_beta"),  # the KTO part's bounds hold whatever the objective
+        ({"text_generations": True}, "text_generations=True with objective='pg'"),  # a cross-field check
     ],
 )
 def test_trainer_config_refuses_bad_input_and_says_how_to_fix_it(kwargs: dict, message: str) -> None:

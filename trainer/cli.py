@@ -23,7 +23,7 @@ _CONFIG_OPTION = typer.Option(
     "--config",
     exists=True,
     dir_okay=False,
-    help="JSON file with TrainerConfig fields (see trainer/config.py).",
+    help="JSON file with TrainerConfig fields, over FLYWHEEL_TRAINER_* (docs/configuration.md).",
 )
 
 
