@@ -31,7 +31,7 @@ from deploy_gate.rollout.api import router as experiment_router
 from deploy_gate.security import SECURITY_HEADERS, add_security_headers, token_holder
 from flywheel.identity import Authenticator
 from flywheel.logs import redact_access_log
-from flywheel.ops import ProcessHealth, mlflow_dependency, ops_router, redis_dependency
+from flywheel.ops import ProcessHealth, add_ops, mlflow_dependency, redis_dependency
 from flywheel.ops.rate_limit import add_rate_limit
 from flywheel.settings import Settings
 
@@ -153,6 +153,6 @@ def create_app(
     app.include_router(page)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
-    app.include_router(ops_router(health))
+    add_ops(app, health, metrics_port=settings.gate_metrics_port, host=settings.bind_host)
 
     return app

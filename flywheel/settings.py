@@ -168,6 +168,24 @@ class Settings(BaseSettings):
     )
     gate_port: int = Field(default=8002, description="The deploy gate's API and A/B dashboard.")
     trainer_port: int = Field(default=8003, description="The trainer scheduler's API (status, run a cycle now).")
+    # The HTTP servers' /metrics on a port of its own (Kubernetes: the `metrics` port, the only one the monitoring
+    # namespace may reach); 0 keeps it on the API's port, as `flywheel up` runs them.
+    serving_metrics_port: int = Field(
+        default=0, ge=0, le=65535,
+        description="Serving's /metrics on this port instead of serving_port; 0: on serving_port.",
+    )
+    collector_metrics_port: int = Field(
+        default=0, ge=0, le=65535,
+        description="The collector's /metrics on this port instead of collector_port (shared by its --workers); "
+        "0: on collector_port.",
+    )
+    gate_metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="The gate's /metrics on this port instead of gate_port; 0: on gate_port."
+    )
+    trainer_metrics_port: int = Field(
+        default=0, ge=0, le=65535,
+        description="The trainer scheduler's /metrics on this port instead of trainer_port; 0: on trainer_port.",
+    )
     ingest_metrics_port: int = Field(default=9101, ge=0, description="Ingest worker /metrics and health; 0 = off.")
     signals_metrics_port: int = Field(default=9102, ge=0, description="Signals worker /metrics and health; 0 = off.")
     write_keys: SecretStr = Field(

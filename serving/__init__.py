@@ -57,7 +57,8 @@ def build_serving_app(settings: Settings) -> FastAPI:
 
     return create_app(
         pool, producer, settings.events_topic, health=health, signing_key=settings.serving_key.get_secret_value(),
-        on_shutdown=shut_down, api_keys=settings.serving_api_key_set,
+        on_shutdown=shut_down, api_keys=settings.serving_api_key_set, metrics_port=settings.serving_metrics_port,
+        bind_host=settings.bind_host,
         # vLLM batches continuously itself: hand it each request at once, several batches in flight
         max_batch_wait_s=0.0 if backend is not None else 0.002, batch_workers=8 if backend is not None else 1,
     )

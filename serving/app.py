@@ -38,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 
 from flywheel.bus import BrokerUnavailable, Outgoing, Producer
 from flywheel.contract import Event, EventType, GenerationRecord
-from flywheel.ops import ProcessHealth, ops_router
+from flywheel.ops import ProcessHealth, add_ops
 from flywheel.ops.deps import Dependency, describe
 from flywheel.signing import sign_generation
 from serving.batching import Batcher
@@ -87,13 +87,16 @@ def create_app(
     batch_workers: int = 1,
     on_shutdown: Callable[[], None] | None = None,
     api_keys: frozenset[str] = frozenset(),
+    metrics_port: int = 0,
+    bind_host: str = "127.0.0.1",
 ) -> FastAPI:
     """The serving app; `signing_key` is `Settings.serving_key`, shared with the trainer. `health`: the
     process's dependencies (`serving.build_serving_app` gives Kafka, Redis and MLflow); a `split` check is
     added to it. `max_batch` choices at most share a forward pass, after waiting at most
     `max_batch_wait_s` for each other (serving.batching); `batch_workers` batches are in flight at once (1 for the
     in-process back end; more for a back end that batches continuously itself, such as vLLM). `api_keys`: the
-    keys `/v1/...` accepts as `Authorization: Bearer` (`Settings.serving_api_keys`); empty, it answers anyone."""
+    keys `/v1/...` accepts as `Authorization: Bearer` (`Settings.serving_api_keys`); empty, it answers anyone.
+    `metrics_port`: `/metrics` there (on `bind_host`) instead of the app's port (`Settings.serving_metrics_port`)."""
     metrics = ServingMetrics()
     batcher = Batcher(max_batch=max_batch, max_wait_s=max_batch_wait_s, workers=batch_workers,
                       on_batch=metrics.batch_size.observe)
@@ -168,7 +171,8 @@ def create_app(
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": v, "object": "model"} for v in pool.loaded_versions]}
 
-    app.include_router(ops_router(health, lambda: generate_latest(metrics.registry) + generate_latest(REGISTRY)))
+    add_ops(app, health, lambda: generate_latest(metrics.registry) + generate_latest(REGISTRY),
+            metrics_port=metrics_port, host=bind_host)
 
     return app
 

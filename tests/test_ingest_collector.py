@@ -166,6 +166,22 @@ def test_schema_and_metrics_are_served(client):
     assert 'flywheel_ingest_events_accepted_total{stage="collector"}' in text
 
 
+def test_with_a_metrics_port_metrics_are_served_there_and_not_on_the_api_port(settings):
+    """FLYWHEEL_COLLECTOR_METRICS_PORT (Kubernetes: the `metrics` port, the only one monitoring may reach): the
+    collector's series on that port, and its public port, which anyone reaches with a write key, answers no /metrics."""
+    import httpx
+
+    ensure_topics(settings)
+    port = free_port()
+    with TestClient(create_app(settings.model_copy(update={"collector_metrics_port": port}))) as c:
+        assert c.post("/v1/batch", json={"batch": [track(0)]}, headers=auth()).json()["accepted"] == 1
+        assert c.get("/metrics").status_code == 404
+        assert c.get("/readyz").status_code == 200  # the kubelet's probes stay on the API's port
+        scraped = httpx.get(f"http://127.0.0.1:{port}/metrics")
+        assert scraped.status_code == 200
+        assert 'flywheel_ingest_events_accepted_total{stage="collector"}' in scraped.text
+
+
 def test_concurrent_requests_each_land_once(client, settings):
     """Requests in flight at once share sends (`ingest.collector.group_send`); each is answered for its own events."""
     from concurrent.futures import ThreadPoolExecutor
@@ -232,7 +248,9 @@ def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics
 
     metrics_dir = tmp_path / "prom"
     metrics_dir.mkdir()
-    with collector_cli(settings, {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}) as (proc, base):
+    metrics_port = free_port()  # both processes answer it (SO_REUSEPORT), as they answer the API's port
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "FLYWHEEL_COLLECTOR_METRICS_PORT": str(metrics_port)}
+    with collector_cli(settings, env) as (proc, base):
         per_request = 100
 
         def post(k: int) -> int:
@@ -263,14 +281,16 @@ def test_collector_cli_with_several_processes_lands_every_event_and_sums_metrics
         ids = [Event.from_bytes(r.value).event_id for r in read_topic(settings, settings.events_topic)]
         assert sorted(ids) == sorted(f"m{i}" for i in range(events))
 
-        # Whichever process answers the scrape reports the sum over both.
-        accepted = {
-            sample.labels.get("stage"): sample.value
-            for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
-            for sample in family.samples
-            if sample.name == "flywheel_ingest_events_accepted_total"
-        }
-        assert accepted["collector"] == events
+        # Whichever process answers the scrape (each on its own connection) reports the sum over both.
+        for _ in range(4):
+            accepted = {
+                sample.labels.get("stage"): sample.value
+                for family in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text)
+                for sample in family.samples
+                if sample.name == "flywheel_ingest_events_accepted_total"
+            }
+            assert accepted["collector"] == events
+        assert httpx.get(f"{base}/metrics").status_code == 404
 
         # SIGTERM reaches both processes, which finish and exit cleanly; so does the parent.
         proc.terminate()

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from tests import k8s_checks as kc
-from tests.k8s_checks.network import Peer, allowed
+from tests.k8s_checks.network import Peer, allowed, metrics_ports
 from tests.k8s_checks.objects import containers
 from tests.k8s_checks.security import SECRET_SETTINGS, SECRETS_READ, secrets_read
 from tests.k8s_checks.security import cron_ok as kc_cron_ok
@@ -163,6 +163,24 @@ def test_lake_maintenance_reaches_mlflow_and_a_full_vacuum_is_scheduled(prod: kc
     assert 'kube_job_failed{condition="true"' in alerts["FlywheelMaintenanceJobFailed"]
     assert "flywheel-lake-vacuum-full" in alerts["FlywheelFullVacuumStale"]
     assert re.search("flywheel-lake-", alerts["FlywheelMaintenanceJobFailed"])
+
+
+def test_monitoring_reaches_metrics_ports_only(built: kc.Manifests) -> None:
+    """Every process Prometheus scrapes serves /metrics on a port of its own named `metrics`, and the monitoring
+    namespace reaches no other port of any pod (an API's port, a database's), the collector's public one aside."""
+    prometheus = Peer(namespace={"kubernetes.io/metadata.name": "monitoring"})
+    anyone = Peer(namespace={"kubernetes.io/metadata.name": "elsewhere"})
+    servers = {"collector", "serving", "ingest-worker", "signals-worker", "gate", "rollout", "trainer"}
+    for pod in built.pods:
+        metrics = metrics_ports(built, pod)
+        if pod.labels.get("app") in servers:
+            assert metrics, f"{pod.owner}: no metrics port"
+        for port in sorted(set(pod.ports.values()) - metrics):
+            dst = Peer(pod.labels, pod=pod)
+            assert not allowed(built, prometheus, dst, port) or allowed(built, anyone, dst, port), (
+                f"monitoring reaches {pod.owner}:{port}, which is no metrics port")
+    for sm in built.of("ServiceMonitor"):
+        assert {ep.get("port") for ep in sm["spec"]["endpoints"]} == {"metrics"}, sm["metadata"]["name"]
 
 
 def test_no_rendered_manifest_sets_a_field_an_autoscaler_or_operator_owns(

@@ -9,15 +9,17 @@ What is mapped, since no cluster runs here (and nothing else is):
   (`flywheel-mlflow:5000`: an MLflow server would cost this test a minute to start), and MinIO to moto's
   S3 server (`flywheel-minio:9000`; the lake lives there, in the bucket the overlay's bucket Job makes);
 - the pod's volume (`FLYWHEEL_DATA_DIR`) to a temporary folder, and its address
-  (`FLYWHEEL_BIND_HOST=0.0.0.0`) to loopback, and each process's port to a free one, after checking that
-  the port its settings give it is the one its probe declares;
+  (`FLYWHEEL_BIND_HOST=0.0.0.0`) to loopback, and each process's port (and metrics port) to a free one, after
+  checking that the port its settings give it is the one its probe declares (and its metrics port the one named
+  `metrics`);
 - Kafka's SASL login over TLS to PLAINTEXT (the embedded broker has neither SCRAM nor TLS) and the token
   store's PostgreSQL to SQLite (no PostgreSQL runs here);
 - the init Job, run first as the overlay gives it, registers a tiny model instead of bootstrapping one;
   MinIO's bucket Job runs as the overlay gives it too (its `python` is this interpreter).
 
-Once all are ready, the lake's reward-definition pointer (which the signals worker writes at its start) is
-in the bucket, and nothing of the lake is on the local disk.
+Once all are ready, each HTTP server answers /metrics on its metrics port and not on its API's port, the
+lake's reward-definition pointer (which the signals worker writes at its start) is in the bucket, and nothing
+of the lake is on the local disk.
 
 Before that, each process's Redis URL tries to write beside the traffic split: only the gate's user may.
 """
@@ -167,6 +169,7 @@ def test_each_deployment_answers_its_readiness_probe(
     assert init.returncode == 0, init.stdout + init.stderr
 
     started: list[tuple[str, subprocess.Popen[bytes], str, Path]] = []
+    scrapes: list[tuple[str, str]] = []  # (its metrics port's /metrics, its API port's /metrics)
     try:
         for dep in m.of("Deployment"):
             c = dep["spec"]["template"]["spec"]["containers"][0]
@@ -179,7 +182,14 @@ def test_each_deployment_answers_its_readiness_probe(
             env = local_env(c)
             setting = PORT_SETTING[tuple(w for w in args if not w.startswith("-"))]
             assert _port_of(env, setting) == declared, f"{dep['metadata']['name']} listens elsewhere than its probe"
+            # /metrics on a port of its own where the API's port is not it (the only port monitoring may reach).
+            metrics = kc.METRICS_PORT_SETTING[tuple(w for w in args if not w.startswith("-"))]
+            declared_metrics = next(p["containerPort"] for p in c["ports"] if p.get("name") == "metrics")
+            assert _port_of(env, metrics) == declared_metrics, f"{dep['metadata']['name']}: /metrics elsewhere"
             env[setting] = str(free_port())
+            if metrics != setting:
+                env[metrics] = str(free_port())
+                scrapes.append((f"http://127.0.0.1:{env[metrics]}/metrics", f"http://127.0.0.1:{env[setting]}/metrics"))
             log = tmp_path / f"{dep['metadata']['name']}.log"
             proc = subprocess.Popen(command(c), env=env, cwd=tmp_path, stdout=log.open("wb"), stderr=subprocess.STDOUT)
             started.append((dep["metadata"]["name"], proc, f"http://127.0.0.1:{env[setting]}{probe['path']}", log))
@@ -204,6 +214,10 @@ def test_each_deployment_answers_its_readiness_probe(
             time.sleep(1.0)
         assert not waiting, "not ready: " + "; ".join(
             f"{name} ({last.get(name)}):\n{log.read_text()[-2000:]}" for name, (_, _, log) in waiting.items())
+        assert len(scrapes) == 4  # collector, serving, gate, trainer
+        for metrics_url, api_url in scrapes:
+            assert httpx.get(metrics_url, timeout=5.0).status_code == 200, metrics_url
+            assert httpx.get(api_url, timeout=5.0).status_code == 404, api_url
         # The lake is the bucket's: the signals worker's pointer is there, and no process wrote a lake locally.
         pointer = f"{lake.path.strip('/')}/reward_definitions/active.json"
         assert s3.get_object(Bucket=lake.netloc, Key=pointer)["Body"].read()

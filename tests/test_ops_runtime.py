@@ -519,6 +519,64 @@ def test_healthz_on_the_fastapi_router_answers_503_for_a_stale_heartbeat() -> No
         ProcessHealth("p", loop_stale_after_s=0)
 
 
+
+def test_add_ops_with_a_metrics_port_answers_metrics_there_only_while_the_app_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """/metrics moves off the app's port onto its own (the port monitoring may reach), served from the app's start-up
+    to its shutdown around the app's own lifespan; processes of one server share it with `reuse_port`; without a
+    metrics port it stays on the app's port."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from flywheel.ops import add_ops
+
+    registry = CollectorRegistry()
+    Counter("flywheel_test_scrapes", "a series of this test's own", registry=registry).inc()
+
+    def metrics() -> bytes:
+        return generate_latest(registry)
+
+    ran: list[str] = []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
+        ran.append("start")
+        yield
+        ran.append("stop")
+
+    health = ProcessHealth("p")
+    port = free_port()
+    app = FastAPI(lifespan=lifespan)
+    add_ops(app, health, metrics, metrics_port=port)
+    with TestClient(app) as client:
+        assert ran == ["start"]
+        assert client.get("/metrics").status_code == 404  # the API's port: not Prometheus's
+        assert client.get("/readyz").status_code == 200 and client.get("/healthz").status_code == 200
+        scraped = httpx.get(f"http://127.0.0.1:{port}/metrics")
+        assert scraped.status_code == 200 and "flywheel_test_scrapes_total 1.0" in scraped.text
+    assert ran == ["start", "stop"]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics")
+
+    # Two processes of one server (`--workers N`) both bind the port; without reuse_port the second could not.
+    shared = free_port()
+    apps = [FastAPI(), FastAPI(), FastAPI()]
+    for one, reuse in zip(apps, (True, True, False), strict=True):
+        add_ops(one, health, metrics, metrics_port=shared, reuse_port=reuse)
+    with caplog.at_level(logging.ERROR, logger="flywheel.ops.http"), TestClient(apps[0]), TestClient(apps[1]):
+        assert not [r for r in caplog.records if "port taken" in r.getMessage()]
+        assert "flywheel_test_scrapes_total" in httpx.get(f"http://127.0.0.1:{shared}/metrics").text
+        with TestClient(apps[2]):  # refused the port: it says so and serves its API all the same
+            assert [r for r in caplog.records if "port taken" in r.getMessage()]
+
+    plain = FastAPI()
+    add_ops(plain, health, metrics)
+    with TestClient(plain) as client:
+        assert "flywheel_test_scrapes_total 1.0" in client.get("/metrics").text
+
 # ------------------------------------------------------------------ the trainer's bounded shutdown
 
 CYCLE_STEPS: list[int] = []

@@ -5,7 +5,8 @@ through the replica-wide lock and the persistent schedule (it never trains besid
 running cycle). It needs the bearer token of an approver (issued with `flywheel gate tokens
 issue`, from the token store the gate uses) or the bootstrap admin token
 (`FLYWHEEL_APPROVAL_TOKEN`): no token or an unknown / revoked one is 401, a viewer's 403. `/metrics`,
-`/healthz` and `/readyz` are the ones every process answers (`flywheel.ops`).
+`/healthz` and `/readyz` are the ones every process answers (`flywheel.ops`); `/metrics` on
+`FLYWHEEL_TRAINER_METRICS_PORT` instead when that is set.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sqlalchemy.exc
 from fastapi import FastAPI, Header, HTTPException
 
 from flywheel.identity import Authenticator, NotAllowed, NotAuthenticated
-from flywheel.ops import ops_router
+from flywheel.ops import add_ops
 from flywheel.settings import Settings
 from trainer.scheduler import TrainerScheduler
 
@@ -41,7 +42,7 @@ def create_app(
             log.warning("the token store does not answer", exc_info=True)
             raise HTTPException(503, "the token store does not answer; try again shortly") from None
 
-    app.include_router(ops_router(scheduler.health))
+    add_ops(app, scheduler.health, metrics_port=settings.trainer_metrics_port, host=settings.bind_host)
 
     @app.get("/api/status")
     def status() -> dict[str, Any]:

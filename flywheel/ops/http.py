@@ -2,6 +2,9 @@
 
 - `ops_router(health)`: a FastAPI router, for processes that are FastAPI apps already.
 - `serve_ops(port, health)`: a standard-library HTTP server in a daemon thread, for plain workers.
+- `add_ops(app, health, metrics_port=...)`: the router on an app; with a metrics port, `/metrics` moves off the
+  app's port onto a `serve_ops` server of its own that lives as long as the app. A NetworkPolicy can then let
+  monitoring reach the metrics port and nothing else (an API's port answers its callers, not Prometheus).
 
 Both answer the `ProcessHealth` body (`flywheel.ops.health`); `/readyz` is 503 with Retry-After when
 not ready, `/healthz` 503 when the worker loop's heartbeat is stale.
@@ -13,10 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -32,7 +37,8 @@ def default_metrics() -> bytes:
     return generate_latest(REGISTRY)
 
 
-def ops_router(health: ProcessHealth, metrics: Metrics = default_metrics) -> APIRouter:
+def ops_router(health: ProcessHealth, metrics: Metrics | None = default_metrics) -> APIRouter:
+    """`/healthz`, `/readyz` and, unless `metrics` is None (served on a port of its own), `/metrics`."""
     router = APIRouter(tags=["ops"])
 
     # Plain functions: FastAPI runs them in its thread pool, so a slow probe never blocks the event loop.
@@ -48,18 +54,51 @@ def ops_router(health: ProcessHealth, metrics: Metrics = default_metrics) -> API
             return JSONResponse(body)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    @router.get("/metrics")
-    def prometheus() -> Response:
-        return Response(metrics(), media_type=CONTENT_TYPE_LATEST)
+    if metrics is not None:
+        scrape = metrics
+
+        @router.get("/metrics")
+        def prometheus() -> Response:
+            return Response(scrape(), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def add_ops(app: FastAPI, health: ProcessHealth, metrics: Metrics = default_metrics, *, metrics_port: int = 0,
+            host: str = "127.0.0.1", reuse_port: bool = False) -> None:
+    """The ops endpoints on `app`. `metrics_port` 0: all three on the app's port. Otherwise `/metrics` is not on
+    the app's port but on `host`:`metrics_port` (with `/healthz` and `/readyz`, as a worker's), served from the
+    app's start-up to its shutdown. `reuse_port`: several processes of one server share the port (SO_REUSEPORT),
+    each answering the same multi-process sum (the collector's `--workers N`)."""
+    app.include_router(ops_router(health, None if metrics_port else metrics))
+    if not metrics_port:
+        return
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:  # the app's state, if its lifespan gives one
+        server: OpsServer | None = None
+        try:  # first: a slow start-up (serving loading its weights) is watched too
+            server = serve_ops(metrics_port, health, host, metrics, reuse_port=reuse_port)
+        except OSError as exc:  # another process holds the port: answering callers matters more
+            log.error("%s does not serve /metrics: port taken", health.process,
+                      extra={"service": health.process, "host": host, "port": metrics_port, "detail": str(exc)})
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            if server is not None:
+                server.stop()
+
+    app.router.lifespan_context = lifespan
 
 
 class OpsServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, port: int, health: ProcessHealth, host: str = "127.0.0.1",
-                 metrics: Metrics = default_metrics) -> None:
+                 metrics: Metrics = default_metrics, *, reuse_port: bool = False) -> None:
+        self.allow_reuse_port = reuse_port  # read by socketserver's bind, below
         super().__init__((host, port), _Handler)
         self.health = health
         self.metrics = metrics
@@ -107,9 +146,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve_ops(port: int, health: ProcessHealth, host: str = "127.0.0.1",
-              metrics: Metrics = default_metrics) -> OpsServer:
+              metrics: Metrics = default_metrics, *, reuse_port: bool = False) -> OpsServer:
     """Serve in a daemon thread and return the server (`stop()` ends it). Port 0 picks a free one."""
-    server = OpsServer(port, health, host, metrics)
+    server = OpsServer(port, health, host, metrics, reuse_port=reuse_port)
     threading.Thread(target=server.serve_forever, name=f"{health.process}-ops-http", daemon=True).start()
     log.info("%s serves /metrics, /healthz and /readyz", health.process,
              extra={"service": health.process, "url": f"http://{host}:{server.port}/readyz"})

@@ -49,7 +49,7 @@ from starlette.concurrency import run_in_threadpool
 from flywheel.bus import BrokerUnavailable, MessageTooLarge, Outgoing, Producer, make_producer
 from flywheel.contract import MAX_EVENT_BYTES, event_json_schema
 from flywheel.logs import redact_access_log
-from flywheel.ops import ProcessHealth, freeze_startup, kafka_dependency, ops_router
+from flywheel.ops import ProcessHealth, add_ops, freeze_startup, kafka_dependency
 from flywheel.ops.rate_limit import add_rate_limit
 from flywheel.settings import Settings, get_settings
 from ingest import metrics
@@ -325,7 +325,9 @@ def create_app(
     app.include_router(otlp_router(door))
     app.include_router(posthog_router(door))
 
-    app.include_router(ops_router(health, metrics_text))
+    # Under --workers N each process answers the metrics port too (SO_REUSEPORT), with the sum over all of them.
+    add_ops(app, health, metrics_text, metrics_port=settings.collector_metrics_port, host=settings.bind_host,
+            reuse_port=bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")))
 
     return app
 

@@ -25,6 +25,7 @@ import yaml
 
 from tests.k8s_checks.engines import check_kafka, check_partitions, check_redis_users, check_service_monitors
 from tests.k8s_checks.flywheel import (
+    METRICS_PORT_SETTING,
     check_commands,
     check_probes,
     check_settings,
@@ -67,8 +68,9 @@ from tests.k8s_checks.security import (
 )
 
 __all__ = [
-    "BIN", "CHECKS", "K8S", "REPO", "Manifests", "Problem", "build", "check_schemas", "crd_dir", "environment",
-    "flywheel_args", "mounted_file", "prod_with_example_secrets", "prometheus_rules", "settings_classes", "tool",
+    "BIN", "CHECKS", "K8S", "METRICS_PORT_SETTING", "REPO", "Manifests", "Problem", "build", "check_schemas",
+    "crd_dir", "environment", "flywheel_args", "mounted_file", "prod_with_example_secrets", "prometheus_rules",
+    "settings_classes", "tool",
 ]
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import fnmatch
 
-from tests.k8s_checks.flywheel import environment, flywheel_args
+from tests.k8s_checks.flywheel import METRICS_PORT_SETTING, command_of, environment, flywheel_args, setting_value
 from tests.k8s_checks.manifests import Manifests, Problem, selects, where
+from tests.k8s_checks.objects import containers
 
 
 def check_service_monitors(m: Manifests) -> list[Problem]:
+    """Each ServiceMonitor scrapes a Service's port named `metrics` (the only ports monitoring may reach), and a
+    Flywheel process serves /metrics on the container port named `metrics` (its metrics-port setting)."""
     problems = []
     for sm in m.of("ServiceMonitor"):
         services = [s for s in m.of("Service") if selects(sm["spec"]["selector"], s["metadata"].get("labels") or {})]
@@ -18,6 +21,19 @@ def check_service_monitors(m: Manifests) -> list[Problem]:
         for ep in sm["spec"]["endpoints"]:
             if "port" in ep and not any(p.get("name") == ep["port"] for s in services for p in s["spec"]["ports"]):
                 problems.append(Problem("service-monitors", where(sm), f"no selected Service has port {ep['port']!r}"))
+            if ep.get("port") != "metrics":
+                scraped = ep.get("port") or ep.get("targetPort")
+                problems.append(Problem("service-monitors", where(sm), f"scrapes {scraped!r}, not a metrics port"))
+    for owner, c in containers(m):
+        declared = [p["containerPort"] for p in c.get("ports", []) if p.get("name") == "metrics"]
+        args = flywheel_args(c)
+        if not declared or args is None:
+            continue
+        setting = METRICS_PORT_SETTING.get(command_of(args))
+        served = setting_value(environment(m, c), setting) if setting else "no port"
+        if served != str(declared[0]):
+            problems.append(Problem("service-monitors", where(owner), f"{c['name']}: `flywheel {' '.join(args)}` "
+                                    f"serves /metrics on {served} ({setting}), not its metrics port {declared[0]}"))
     return problems
 
 

@@ -59,6 +59,39 @@ def settings_classes() -> list[tuple[Any, str]]:
     return [(Settings, "FLYWHEEL_"), (SignalsConfig, "FLYWHEEL_SIGNALS_"), (RolloutConfig, "FLYWHEEL_ROLLOUT_")]
 
 
+# The setting that decides where each long-running command serves /metrics (0: on its API's port).
+METRICS_PORT_SETTING = {
+    ("serve",): "FLYWHEEL_SERVING_METRICS_PORT",
+    ("ingest", "collector"): "FLYWHEEL_COLLECTOR_METRICS_PORT",
+    ("ingest", "worker"): "FLYWHEEL_INGEST_METRICS_PORT",
+    ("signals", "worker"): "FLYWHEEL_SIGNALS_METRICS_PORT",
+    ("gate", "serve"): "FLYWHEEL_GATE_METRICS_PORT",
+    ("gate", "rollout"): "FLYWHEEL_ROLLOUT_METRICS_PORT",
+    ("trainer", "schedule"): "FLYWHEEL_TRAINER_METRICS_PORT",
+}
+
+
+def command_of(args: list[str]) -> tuple[str, ...]:
+    """The sub-command words of a `flywheel` command line (its options and their values left out)."""
+    words: list[str] = []
+    for i, word in enumerate(args):
+        if word.startswith("-") or (i and args[i - 1].startswith("--") and "=" not in args[i - 1]):
+            continue
+        words.append(word)
+    return tuple(words)
+
+
+def setting_value(env: dict[str, str], variable: str) -> str:
+    """The value a process reads for `variable`: the environment's, else the setting's default."""
+    if variable in env:
+        return env[variable]
+    for cls, prefix in settings_classes():
+        name = variable.removeprefix(prefix).lower()
+        if variable.startswith(prefix) and name in cls.model_fields:
+            return str(cls.model_fields[name].default)
+    raise KeyError(f"{variable} is no setting")
+
+
 def known_variables() -> dict[str, tuple[Any, str]]:
     """Environment variable -> (settings class, field) for every setting any Flywheel process reads."""
     from pydantic import AliasChoices

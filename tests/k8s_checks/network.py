@@ -154,6 +154,19 @@ def _app_pods(m: Manifests, app: str) -> list[Pod]:
     return m.pods_by_app(app)
 
 
+def metrics_ports(m: Manifests, pod: Pod) -> set[int]:
+    """The pod's metrics ports: the ones it names `metrics`, and those a Service's port named `metrics` targets on
+    it (Strimzi names Kafka's own `tcp-prometheus`). Each process serves /metrics there, never on its API's port."""
+    ports = {port for name, port in pod.ports.items() if name == "metrics"}
+    for svc in m.of("Service"):
+        if svc["spec"].get("selector") and selects({"matchLabels": svc["spec"]["selector"]}, pod.labels):
+            for p in svc["spec"]["ports"]:
+                if p.get("name") == "metrics":
+                    target = p.get("targetPort", p["port"])
+                    ports.add(target if isinstance(target, int) else pod.ports.get(target, -1))
+    return ports - {-1}
+
+
 def check_network_flows(m: Manifests) -> list[Problem]:
     problems = []
 
@@ -180,14 +193,17 @@ def check_network_flows(m: Manifests) -> list[Problem]:
             for store in s3:
                 port = 9000 if store.pod else 443
                 need(Peer(src.labels, pod=src), store, port, f"{app} -> object storage:{port}")
-    # From outside the namespace only the collector answers anyone, on any port any pod declares (serving only
-    # its clients, the gate's dashboard only through the ingress controller, /metrics only from Prometheus).
+    # From outside the namespace only the collector answers anyone, on every port any pod declares but its metrics
+    # port (serving only its clients, the gate's dashboard only through the ingress controller, /metrics only
+    # from Prometheus).
     for dst in m.pods:
         app = dst.labels.get("app", dst.owner)
+        metrics = metrics_ports(m, dst)
         for port in sorted(set(dst.ports.values())):
-            need(OUTSIDE, Peer(dst.labels, pod=dst), port, f"outside -> {app}:{port}", app in PUBLIC)
+            public = app in PUBLIC and port not in metrics
+            need(OUTSIDE, Peer(dst.labels, pod=dst), port, f"outside -> {app}:{port}", public)
             for address in OUTSIDE_ADDRESSES:
-                need(address, Peer(dst.labels, pod=dst), port, f"{address.address} -> {app}:{port}", app in PUBLIC)
+                need(address, Peer(dst.labels, pod=dst), port, f"{address.address} -> {app}:{port}", public)
     for dst in m.pods_by_app("gate"):
         need(INGRESS_CONTROLLER, Peer(dst.labels, pod=dst), 8002, "ingress controller -> gate:8002")
     for dst in [p for p in m.pods if p.labels.get("acme.cert-manager.io/http01-solver") == "true"]:
@@ -218,9 +234,18 @@ def check_network_flows(m: Manifests) -> list[Problem]:
                     port = target if isinstance(target, int) else pod.ports.get(target, 0)
                     need(PROMETHEUS, Peer(pod.labels, pod=pod), port, f"prometheus -> {pod.owner}:{port}")
                     scraped.add((pod.owner, port))
-    # Monitoring reaches the ports it scrapes and no other.
+    # Monitoring reaches the metrics ports it scrapes and no other: never an API's port (the gate's approvals, the
+    # trainer's manual run, serving's completions), though a ServiceMonitor scraped it. A port open to anyone (the
+    # collector's) is the outside check's to judge.
     for dst in m.pods:
-        for port in sorted(set(dst.ports.values()) - {p for o, p in scraped if o == dst.owner}):
-            if dst.labels.get("app") not in PUBLIC:
-                need(PROMETHEUS, Peer(dst.labels, pod=dst), port, f"prometheus -> {dst.owner}:{port}", False)
+        metrics = metrics_ports(m, dst)
+        reach = {p for o, p in scraped if o == dst.owner} & metrics
+        for port in sorted(set(dst.ports.values()) - reach):
+            if allowed(m, OUTSIDE, Peer(dst.labels, pod=dst), port):
+                continue
+            kind = "a metrics port it does not scrape" if port in metrics else "not a metrics port"
+            need(PROMETHEUS, Peer(dst.labels, pod=dst), port, f"prometheus -> {dst.owner}:{port} ({kind})", False)
+        for port in sorted({p for o, p in scraped if o == dst.owner} - metrics):
+            problems.append(Problem("network-flows", f"prometheus -> {dst.owner}:{port}",
+                                    "scraped, and not a metrics port (serve /metrics on a port named metrics)"))
     return problems
