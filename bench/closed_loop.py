@@ -51,8 +51,9 @@ from deploy_gate.rollout.config import RolloutConfig
 from flywheel.connections import delete_prefix, redis_client
 from flywheel.lm import PRESETS, bootstrap_model, load_policy
 from flywheel.settings import Settings
+from launcher.demo import DEMO
 from launcher.embedded import free_port, start_embedded
-from launcher.up import DEMO_ROLLOUT_ENV, DEMO_TRAINER_CONFIG, demo_rollout_config, demo_trainer_config
+from launcher.up import demo_rollout_config, demo_trainer_config
 from signals.config import SignalsConfig
 from simulator.closed_loop import ClosedLoop, CycleRecord, LoopPlan, Truth, harm_weights, train_inverted
 from simulator.contexts import held_out_contexts
@@ -92,13 +93,13 @@ def settings_used(args: argparse.Namespace, pops: list[Population]) -> list[str]
     names = ("lr", "epochs", "max_samples", "time_budget", "ope_holdout", "baseline", "abstain_coef",
              "target_kl", "own_samples", "max_duration", "margin")  # fmt: skip
     overridden = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
-    demo_rollout = sorted(k.removeprefix("FLYWHEEL_ROLLOUT_").lower() for k in DEMO_ROLLOUT_ENV)
+    demo_rollout = sorted(DEMO.rollout)
     tuning = {p.name for p in tuning_populations()}
     kinds = [f"{p.name} ({'a tuning population' if p.name in tuning else 'not used for tuning'}:"
              f" {type(p).__name__})" for p in pops]  # fmt: skip
     return [
         "settings: " + ("overridden by " + ", ".join(overridden) if overridden else "the product's (`flywheel up`)"),
-        f"- trainer: TrainerConfig defaults with {changed} (flywheel up: {DEMO_TRAINER_CONFIG})",
+        f"- trainer: TrainerConfig defaults with {changed} (flywheel up: {DEMO.trainer})",
         f"- rollout: RolloutConfig defaults with flywheel up's {demo_rollout}: ramp "
         + ", ".join(f"{r.share:.0%} from {r.min_users} users and {r.min_seconds:.0f}s" for r in rollout.ramp)
         + f"; maximum duration {rollout.max_duration_s:.0f}s, then non-inferiority within"

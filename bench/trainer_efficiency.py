@@ -324,7 +324,8 @@ def frac(x: float | None) -> str:
 
 def main() -> None:
     from flywheel.lm import load_policy
-    from launcher.up import DEMO_TRAINER_CONFIG, demo_trainer_config
+    from launcher.demo import DEMO
+    from launcher.up import demo_trainer_config
     from simulator.closed_loop import eval_generations
     from simulator.contexts import fit_prompts, held_out_contexts
     from simulator.populations import populations_named, tuning_populations
@@ -359,7 +360,7 @@ def main() -> None:
     evals = fit_prompts(held_out_contexts(args.eval_contexts, args.seed + 10_000, preset=args.preset), room)
     args.cache.mkdir(parents=True, exist_ok=True)
     lines = [f"# bench/trainer_efficiency.py {' '.join(sys.argv[1:])}", "",
-             f"model {args.model}; product config {DEMO_TRAINER_CONFIG} over TrainerConfig; {args.samples} logged"
+             f"model {args.model}; product config {DEMO.trainer} over TrainerConfig; {args.samples} logged"
              f" requests per population; {args.repeats} seeds per evaluation context; gate bound {args.max_kl}", "",
              "| population | config | trained on (steps, stop) | train s | gate KL | accept (base) | vs base [95%] "
              "| frontier at that KL | share | share@bound | prep CPU-s (own prompts) | log-loss vs base, text [95%] "

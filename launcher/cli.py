@@ -68,7 +68,7 @@ for _name, _module, _help in _COMPONENTS:
 
 
 _TRAINER_CONFIG_OPTION = typer.Option(
-    None, help="TrainerConfig JSON for the trainer (default: the demo's, launcher/up.py DEMO_TRAINER_CONFIG)."
+    None, help="TrainerConfig JSON for the trainer (default: the demo's fields, launcher/demo.py)."
 )
 
 

@@ -5,8 +5,9 @@ read from the environment; `TrainerConfig` and `OfflineGateConfig` also from a J
 (`--trainer-config`, `--offline-config`, as `flywheel trainer schedule --config` takes it), which wins over the
 environment.
 
-- `show [--component NAME]`: one line per setting: its variable, the value in force and its source:
-  `environment`, `file <path>` or `default`. Secrets show as pydantic masks them, and a password in a URL as
+- `show [--component NAME] [--demo]`: one line per setting: its variable, the value in force and its source:
+  `file <path>`, `environment`, `demo` (with `--demo`: what `flywheel up` sets, `launcher.demo.DEMO`, where the
+  environment does not) or `default`. Secrets show as pydantic masks them, and a password in a URL as
   `***`: what an operator pastes into a ticket must not leak one.
 - `check`: builds each object as its process does, so every check a process makes at start runs here (bounds,
   unknown variables, secrets in production, the objects' cross-field checks), and exits 1 naming the first bad
@@ -96,8 +97,20 @@ def _file_values(owner: str, path: Path | None) -> dict[str, Any]:
     return values
 
 
-def build(owner: str, files: dict[str, Path | None]) -> Any:
-    """The object `owner` as its process builds it; `BadSetting` names the first bad setting."""
+def _demo_values(owner: str, files: dict[str, Path | None], demo: bool) -> dict[str, Any]:
+    """What `flywheel up` sets on `owner` where the environment does not (a trainer file replaces the demo's).
+    The embedded stack's own settings (ports, data dir) and `--train-interval` are `flywheel up`'s flags, not
+    shown here."""
+    if not demo or files.get(owner) is not None:
+        return {}
+    from launcher.demo import DEMO  # the objects' modules load only when a command needs them
+
+    return DEMO.of(owner, _environment())
+
+
+def build(owner: str, files: dict[str, Path | None], demo: bool = False) -> Any:
+    """The object `owner` as its process builds it (as `flywheel up` starts it, with `demo`); `BadSetting` names
+    the first bad setting."""
     cls = next(c for c, _ in owners() if c.__name__ == owner)
     values = _file_values(owner, files.get(owner))
     unknown = sorted(set(values) - set(cls.model_fields))
@@ -105,23 +118,25 @@ def build(owner: str, files: dict[str, Path | None]) -> Any:
         raise BadSetting(owner, unknown[0], f"not a field of {owner} (in {files.get(owner)}); known: "
                          f"{', '.join(cls.model_fields)}")  # fmt: skip
     try:
-        return cls(**values)
+        return cls(**{**_demo_values(owner, files, demo), **values})
     except ValidationError as exc:
         raise _first_error(owner, exc, _variables(owner), set(values)) from exc
 
 
-def settings_of(owner: str, files: dict[str, Path | None]) -> list[Setting]:
+def settings_of(owner: str, files: dict[str, Path | None], demo: bool = False) -> list[Setting]:
     """Every setting of `owner`: its effective value and its source."""
-    obj = build(owner, files)
+    obj = build(owner, files, demo)
     path = files.get(owner)
     in_file = set(_file_values(owner, path))
+    in_demo = set(_demo_values(owner, files, demo))
     env = _environment()
     values = obj.model_dump(mode="json")  # secrets come out masked
     out = []
     for name, variables in _variables(owner).items():
         given = next((v for v in variables if v in env), None)  # the alias read, where a field has several
         shown = given or (variables[0] if variables else name)
-        source = f"file {path}" if name in in_file else "environment" if given else "default"
+        source = (f"file {path}" if name in in_file else "environment" if given else "demo" if name in in_demo
+                  else "default")  # fmt: skip
         out.append(Setting(owner, shown, _masked(values[name]), source))
     return out
 
@@ -141,20 +156,22 @@ def _owners(component: str | None) -> list[str]:
 ComponentOpt = typer.Option(None, "--component", "-c", help=f"Only this one: {', '.join(COMPONENTS)}.")
 TrainerOpt = typer.Option(None, "--trainer-config", help="The trainer's JSON file, as `flywheel trainer schedule` "
                           "takes it (default: TrainerConfig's defaults).", dir_okay=False)  # fmt: skip
+DemoOpt = typer.Option(False, "--demo", help="As `flywheel up` runs: the demo's overrides (launcher/demo.py) "
+                       "where the environment does not set them.")  # fmt: skip
 OfflineOpt = typer.Option(None, "--offline-config", help="A JSON file of OfflineGateConfig fields (default: "
                           "its defaults).", dir_okay=False)  # fmt: skip
 
 
 @app.command("show")
 def show(component: str | None = ComponentOpt, trainer_config: Path | None = TrainerOpt,
-         offline_config: Path | None = OfflineOpt) -> None:  # fmt: skip
-    """Every setting's effective value and where it came from (environment, file or default)."""
+         offline_config: Path | None = OfflineOpt, demo: bool = DemoOpt) -> None:  # fmt: skip
+    """Every setting's effective value and where it came from (file, environment, demo or default)."""
     files = {"TrainerConfig": trainer_config, "OfflineGateConfig": offline_config}
     bad = None
     for owner in _owners(component):
         typer.echo(f"{owner}:")
         try:
-            rows = settings_of(owner, files)
+            rows = settings_of(owner, files, demo)
         except BadSetting as exc:
             typer.echo(f"  not valid: {exc.setting}: {exc.why} (flywheel config check)")
             bad = bad or exc
@@ -168,13 +185,13 @@ def show(component: str | None = ComponentOpt, trainer_config: Path | None = Tra
 
 @app.command("check")
 def check(component: str | None = ComponentOpt, trainer_config: Path | None = TrainerOpt,
-          offline_config: Path | None = OfflineOpt) -> None:  # fmt: skip
+          offline_config: Path | None = OfflineOpt, demo: bool = DemoOpt) -> None:  # fmt: skip
     """Validate the configuration without starting anything; exit 1 naming the first bad setting."""
     files = {"TrainerConfig": trainer_config, "OfflineGateConfig": offline_config}
     checked = _owners(component)
     for owner in checked:
         try:
-            build(owner, files)
+            build(owner, files, demo)
         except BadSetting as exc:
             typer.echo(f"bad setting {exc.setting} ({exc.owner}): {exc.why}", err=True)
             raise typer.Exit(1) from exc

@@ -142,7 +142,8 @@ def render() -> str:
         "",
         "Generated from the fields by `launcher/settings_reference.py` "
         "(`.venv/bin/python -m launcher.settings_reference > docs/configuration.md`); do not edit by hand.",
-        "`flywheel up` runs the demo's overrides on top (`launcher/up.py`: `DEMO_TRAINER_CONFIG`, `DEMO_ROLLOUT_ENV`).",
+        "`flywheel up` runs the demo's overrides (`launcher/demo.py`) where the environment does not set a variable;",
+        "`flywheel config show --demo` shows them, each marked `demo`.",
         "",
     ]
     by_owner: dict[str, list[Field]] = {}

@@ -8,7 +8,6 @@ progress until interrupted.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from flywheel.connections import redis_client
 from flywheel.contract import ModelLineage, TrafficSplit
 from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
+from launcher.demo import DEMO
 from launcher.embedded import EmbeddedStack, settings_env, start_embedded
 from simulator.populations import populations_named
 from simulator.users import UserSimulator
@@ -38,7 +38,6 @@ from trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 console = Console()
-DEMO_REWARD_WINDOW_S = 60.0  # unless FLYWHEEL_REWARD_WINDOW_S says otherwise
 
 # (name, flywheel sub-command) for every long-running component.
 COMPONENTS: list[tuple[str, list[str]]] = [
@@ -114,40 +113,6 @@ class Running:
     log_path: Path
 
 
-# The demo's trainer takes bigger steps than production's default (lr 1e-5, made for a model serving real
-# users for hours between cycles): on a few hundred samples every two minutes the embedded model's accept
-# rate should move within minutes. Its baseline is the reward of not suggesting (0 under Cursor's rewards),
-# so each suggestion is weighed against silence, and a declined request teaches nothing by itself.
-# A cycle reads at most 1,000 of the eligible samples since its parent champion's window (a seeded uniform
-# sample, the rest reported as left out; they stay eligible for the next cycle) and trains within a 90-s wall
-# budget (cycles start every two minutes); past it, it stops and reports how many samples it did not reach
-# (visited in a seeded random order, so the trained ones are a uniform sample), never "the newest N".
-# `flywheel up --trainer-config FILE` replaces it (TrainerConfig fields as JSON, trainer/config.py).
-# A fifth of the traffic is held out of training so the offline gate estimates each candidate on traffic it
-# never saw (flywheel/holdout.py).
-# It trains on the champion's own samples, 4 a logged prompt, scored by a reward model fitted on the cycle's
-# logged rewards (trainer/reward_model.py; the logged samples when the fit predicts nothing), and stops once
-# the batches' KL to the champion passes 0.025 nats: chosen on the tuning populations (README, "Does it make
-# users happier?"), where it doubled one cycle's gain on `length` (+42% against +20%) and left `style` where
-# the logged samples leave it (+3% against +4%, both inside the noise).
-# Preparing own samples is bounded in CPU, not wall time (which on a loaded machine counts everyone's work):
-# unbounded, one cycle beside the running demo scored and sampled for 894 s before its first step. 30 CPU-s
-# from the logged samples' scoring on (at most 1,000: ~17 CPU-s), the rest for own samples of a seeded uniform
-# sample of the prompts (~0.15 CPU-s a prompt: 90 or more, 360 samples, more than a 90-s cycle trains on under
-# load); the reason says how many prompts it covered. Chosen on `length`: budgets of 15 and 30 CPU-s reached
-# the unbounded cycle's gain within the noise (+29% and +39% against +35%; 20 CPU-s without the wall budget:
-# +38%), as `target_kl` stops training after ~250 own samples (bench/results/trainer_ptx_budget.md). With the
-# pretraining mix at 0.1
-# (ptx_coef: InstructGPT's PPO-ptx on each batch's logged contexts) the gain on `length` stayed (+37.7% against
-# +37.9%) while the held-out text's log-loss rose +0.025 nats a token instead of +0.045 (the product's own
-# contexts: +0.003 instead of +0.037); 0.3 halved the gain, 1.0 removed it. The combination, rerun on `length`:
-# +21.5% [+11%, +33%], log-loss +0.016 (one cycle's gain varies this much between runs). On the reporting
-# populations the held-out log-loss no longer rose; accept moved within the noise on `brackets` and
-# `style-mirror`, and fell on `content` (-5% [-9%, -1%], against -3% before), where the reward model predicts
-# nothing and the mix let `target_kl` stop later: the gates are what refuse such a candidate.
-DEMO_TRAINER_CONFIG = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline": 0.0, "time_budget_s": 90,
-                       "ope_holdout_share": 0.2, "own_samples": 4, "target_kl": 0.025, "max_samples": 1000,
-                       "own_cpu_budget_s": 30, "ptx_coef": 0.1}
 
 
 def start_components(
@@ -194,47 +159,20 @@ def wait_healthy(urls: dict[str, str], running: list[Running], timeout_s: float 
             time.sleep(0.5)
 
 
-# The demo drives a handful of simulated users: a ramp with production minimums (hundreds of users
-# per step) would never move. So the demo's ramp and maximum duration are short and the confidence
-# sequence is tuned for small samples (N* = 100); the decision rules are production's, evidence floor
-# included (deploy_gate/rollout/rules.py), so a demo whose traffic cannot support a decision says
-# "not enough evidence yet" and rolls the challenger back as inconclusive at the maximum duration
-# instead of promoting on noise (bench/rollout_decisions.py measures this very configuration). These
-# apply unless FLYWHEEL_ROLLOUT_* says otherwise; production keeps the defaults. The decision rule is
-# production's default, expected loss, on purpose: harm rolls back at any look from 30 users an arm, a
-# challenger whose users never arrive is rolled back (no data) at the 10 minutes instead of stalling the
-# loop, and at 2,000 users in 10 minutes it promoted 40% of 10%-better and 97% of 30%-better
-# challengers with no 10%-worse one promoted (bench/results/rollout_decisions.md); the sequential
-# rule's margin cannot be resolved at a demo's traffic. Eight minutes, not ten, at the demo's 6 requests a
-# second (about 2,000 users by the end, `flywheel up --rate`): the first candidate is approved about six minutes
-# after the components start, so its decision comes within 15; measured on the bench's users (100 experiments a
-# cell, 2026-12-03), 43% of 10%-better and 94% of 30%-better challengers promoted, no 10%-worse one, no A/A
-# wrong decision, where ten minutes at 3 requests a second (1,450 users) gave 28% and 82%.
-DEMO_ROLLOUT_ENV = {
-    "FLYWHEEL_ROLLOUT_RAMP": json.dumps([
-        {"share": 0.25, "min_users": 1, "min_seconds": 60},
-        {"share": 0.5, "min_users": 2, "min_seconds": 120},
-    ]),
-    "FLYWHEEL_ROLLOUT_MAX_DURATION_S": "480",
-    "FLYWHEEL_ROLLOUT_TUNING_N": "100",
-    "FLYWHEEL_ROLLOUT_INTERVAL_S": "10",
-    "FLYWHEEL_ROLLOUT_SRM_MIN_USERS": "50",
-}
 
 
 def demo_trainer_config(**overrides: object) -> TrainerConfig:
-    """The trainer configuration `flywheel up` runs with: `DEMO_TRAINER_CONFIG` over `TrainerConfig`'s defaults,
-    then `overrides` (TrainerConfig fields; unknown ones are refused)."""
-    return TrainerConfig.from_dict({**DEMO_TRAINER_CONFIG, **overrides})
+    """The trainer configuration `flywheel up` runs with: the demo's fields (`launcher.demo.DEMO`) where the
+    environment does not set them, `FLYWHEEL_TRAINER_*` from the environment, `TrainerConfig`'s defaults for the
+    rest, then `overrides` (TrainerConfig fields; unknown ones are refused)."""
+    return TrainerConfig.from_dict({**DEMO.of("TrainerConfig", os.environ), **overrides})
 
 
 def demo_rollout_config(**overrides: object) -> RolloutConfig:
-    """The rollout configuration `flywheel up` gives its controller: `DEMO_ROLLOUT_ENV` where the environment
-    does not set that variable, `FLYWHEEL_ROLLOUT_*` from the environment, `RolloutConfig`'s defaults for the
-    rest, then `overrides` (RolloutConfig fields)."""
-    prefix = "FLYWHEEL_ROLLOUT_"
-    demo = {k.removeprefix(prefix).lower(): json.loads(v) for k, v in DEMO_ROLLOUT_ENV.items() if k not in os.environ}
-    return RolloutConfig(**{**demo, **overrides})
+    """The rollout configuration `flywheel up` gives its controller: the demo's fields (`launcher.demo.DEMO`)
+    where the environment does not set them, `FLYWHEEL_ROLLOUT_*` from the environment, `RolloutConfig`'s
+    defaults for the rest, then `overrides` (RolloutConfig fields)."""
+    return RolloutConfig(**{**DEMO.of("RolloutConfig", os.environ), **overrides})
 
 
 def auto_approve(gate: DeployGate) -> list[str]:
@@ -337,12 +275,8 @@ def run_up(
     populations: list[str] | None = None,
 ) -> None:
     stack: EmbeddedStack = start_embedded(settings)
-    demo: dict[str, object] = {"train_interval_s": train_interval_s}
-    if "FLYWHEEL_REWARD_WINDOW_S" not in os.environ:
-        # The simulated users' latest check comes 30 s after an accept: a one-minute window covers it, so
-        # the demo's loop turns in minutes, not the 16 a real product's 15-minute retention check needs.
-        demo["reward_window_s"] = DEMO_REWARD_WINDOW_S
-    s = stack.settings.model_copy(update=demo)
+    # The demo's settings (launcher/demo.py) where the environment does not set them, rendered with the rest.
+    s = stack.settings.model_copy(update={"train_interval_s": train_interval_s, **DEMO.of("Settings", os.environ)})
     running: list[Running] = []
     user_threads: list[threading.Thread] = []
     stop = threading.Event()
@@ -350,11 +284,11 @@ def run_up(
         ensure_topics(s)
         forget_an_earlier_deployment(s)
         ensure_champion(s, bootstrap_seconds=bootstrap_seconds)
-        if trainer_config is None:
-            trainer_config = s.data_dir / "trainer-demo.json"
-            trainer_config.write_text(json.dumps(DEMO_TRAINER_CONFIG, indent=2) + "\n")
-        running = start_components(s, {k: v for k, v in DEMO_ROLLOUT_ENV.items() if k not in os.environ},
-                                   {"trainer": ["--config", str(trainer_config)]})  # fmt: skip
+        # The demo's overrides, rendered to the components' environment (a --trainer-config file replaces the
+        # trainer's); the operator's environment wins over them.
+        demo_env = DEMO.environment(os.environ, trainer=trainer_config is None)
+        running = start_components(s, demo_env, {"trainer": ["--config", str(trainer_config)]} if trainer_config
+                                   else None)  # fmt: skip
         base = "http://127.0.0.1"
         wait_healthy({
             "serving": f"{base}:{s.serving_port}/readyz",

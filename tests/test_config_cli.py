@@ -81,6 +81,24 @@ def test_trainer_settings_come_from_the_environment_under_the_file(
     assert code == 1 and "lm_reference_margin" in out and "OfflineGateConfig" in out, out
 
 
+def test_show_with_demo_names_what_flywheel_up_sets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FLYWHEEL_ROLLOUT_INTERVAL_S", "12")  # the environment wins over the demo
+    code, out = _flywheel("show", "--demo")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ")}
+    assert code == 0, out
+    assert rows["FLYWHEEL_TRAINER_LEARNING_RATE"] == ["0.0001", "[demo]"]
+    assert rows["FLYWHEEL_ROLLOUT_MAX_DURATION_S"] == ["480.0", "[demo]"]
+    assert rows["FLYWHEEL_ROLLOUT_INTERVAL_S"] == ["12.0", "[environment]"]
+    assert rows["FLYWHEEL_TRAINER_KL_COEF"][-1] == "[default]"
+    assert rows["FLYWHEEL_REWARD_WINDOW_S"] == ["60.0", "[demo]"]
+    assert _flywheel("check", "--demo")[0] == 0
+
+    trainer = tmp_path / "trainer.json"  # a trainer file replaces the demo's trainer fields
+    trainer.write_text(json.dumps({"epochs": 3}))
+    code, out = _flywheel("show", "--demo", "--component", "trainer", "--trainer-config", str(trainer))
+    assert code == 0 and "[demo]" not in out, out
+
+
 def test_show_names_each_values_source_and_hides_secrets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLYWHEEL_ROLLOUT_INTERVAL_S", "12")
     monkeypatch.setenv("FLYWHEEL_REDIS_URL", "redis://:hunter2@127.0.0.1:6390/0")

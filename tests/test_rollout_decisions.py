@@ -46,14 +46,12 @@ CASES = {
 
 
 def test_the_demo_configuration_is_the_launchers() -> None:
-    import json
+    from launcher import demo
 
-    from launcher.up import DEMO_ROLLOUT_ENV
-
-    ramp = json.loads(DEMO_ROLLOUT_ENV["FLYWHEEL_ROLLOUT_RAMP"])
-    assert [RampStep(**s) for s in ramp] == DEMO.ramp
-    assert float(DEMO_ROLLOUT_ENV["FLYWHEEL_ROLLOUT_MAX_DURATION_S"]) == DEMO.max_duration_s
-    assert float(DEMO_ROLLOUT_ENV["FLYWHEEL_ROLLOUT_TUNING_N"]) == DEMO.tuning_n
+    launched = demo.DEMO.rollout
+    assert launched["ramp"] == DEMO.ramp and all(isinstance(s, RampStep) for s in launched["ramp"])
+    assert launched["max_duration_s"] == DEMO.max_duration_s
+    assert launched["tuning_n"] == DEMO.tuning_n
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,8 +1,8 @@
 """`flywheel up --users 0` with an outside client, shortened: the demo's rollout configuration for 30 minutes.
 
-The controller runs with the configuration `flywheel up` gives it (`launcher.up.DEMO_ROLLOUT_ENV`,
-read from the environment as the launched process reads it), real Redis, registry and lake. An
-outside client's users (a few a minute, each with a handful of generations) send feedback that never
+The controller runs with the configuration `flywheel up` gives it (`launcher.demo.DEMO`, rendered to the
+environment as `flywheel up` renders it, read as the launched process reads it), real Redis, registry and
+lake. An outside client's users (a few a minute, each with a handful of generations) send feedback that never
 changes between arms. The controller's clock is a fake one stepped by the demo's tick (10 s) for 30
 minutes, so the test takes seconds; each time an experiment ends a new candidate is approved, as the
 demo's auto-approval does. Not one promotion as a win and not one guardrail rollback. (The seeded
@@ -40,9 +40,10 @@ def test_the_demo_never_promotes_an_equal_challenger_as_a_win_nor_rolls_it_back_
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from launcher.up import DEMO_ROLLOUT_ENV, rollout_line
+    from launcher.demo import DEMO
+    from launcher.up import rollout_line
 
-    for k, v in DEMO_ROLLOUT_ENV.items():
+    for k, v in DEMO.environment({}, trainer=False).items():
         monkeypatch.setenv(k, v)
     cfg = RolloutConfig(metrics_port=0)
     clock = Clock()
