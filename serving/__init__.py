@@ -37,7 +37,7 @@ def build_serving_app(settings: Settings) -> FastAPI:
     registry = ModelRegistry(settings)
     backend = None
     if settings.serving_backend == "vllm":  # versions run on vLLM; routing, signing and logging are the same
-        from serving.vllm_backend import ServerOptions, VLLMBackend
+        from flywheel.lm.vllm import ServerOptions, VLLMBackend
 
         backend = VLLMBackend(settings.vllm_url, ServerOptions(python=settings.vllm_python,
                                                                kv_cache_gb=settings.vllm_kv_cache_gb))

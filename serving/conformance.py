@@ -11,7 +11,7 @@ the back end and a reference scorer for its log-probs:
 its log-probs are the trainer's, bit for bit. A remote back end (vLLM, SGLang) computes them with its
 own kernels and declares the tolerance it meets; the trainer's importance ratio sees that difference.
 Each check raises AssertionError naming the rule broken. tests/test_generator_conformance.py runs
-them over the HF back end and the vLLM one (serving.vllm_backend, `LOGPROB_ATOL`). The checks compare a
+them over the HF back end and the vLLM one (flywheel.lm.vllm, `LOGPROB_ATOL`). The checks compare a
 back end with itself and with the trainer's scorer, never two back ends' samples: seeded sampling is each
 engine's own (the same seed gives the same completion within vLLM, not the one HF gives for that seed).
 """

@@ -76,7 +76,7 @@ class PolicyPool:
         release: Callable[[str], None] | None = None,
     ) -> None:
         """`loader` makes a version's `Generator` from its checkpoint (default: the in-process HF back end;
-        serving.vllm_backend's for vLLM); `release` frees what a version no longer routed to holds."""
+        flywheel.lm.vllm's for vLLM); `release` frees what a version no longer routed to holds."""
         self._split_source = split_source
         self._checkpoint_source = checkpoint_source
         self._device = device

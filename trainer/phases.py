@@ -1,7 +1,8 @@
 """The four phases of a cycle that trains, after `trainer.cycle` has chosen its champion and samples.
 
 - `prepare`: score the champion on the samples (the KL reference and the trainer's side of the train / inference
-  mismatch report), check serving's scoring exactly, and with `own_samples` sample and score the champion's own.
+  mismatch report), check serving's scoring exactly, and with `own_samples` sample the champion's own (in process,
+  or on the `sampling_backend` engine) and score them.
 - `optimise`: train (DDP under torchrun) within the step, time and KL limits, and say which samples it left out.
 - `finalise`: round the weights to the stored dtype, measure the KL to the champion, gather the cycle's metrics.
 - `register` (process 0): store the candidate with its lineage and close the MLflow run.
@@ -28,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flywheel.contract import DataWindow, ModelLineage
 from flywheel.lm import Policy, round_parameters_to_bfloat16_
+from flywheel.lm.engine import EngineChoice, Opened, open_engine
 from flywheel.settings import Settings
 from model_registry import ModelRegistry
 from trainer.config import TrainerConfig
@@ -154,7 +156,7 @@ def prepare(ctx: CycleContext) -> Prepared:
         budget = CpuBudget(config.own_cpu_budget_s, cpu_started)
         spent = budget.exhausted if ctx.world == 1 else lambda: any_process(budget.exhausted(), policy.model)
         own = own_samples(policy, logged, reference, config, scorer, budget=budget,
-                          stop=lambda: spent() or ctx.stopping())  # fmt: skip
+                          stop=lambda: spent() or ctx.stopping(), engine=_sampling_engine(ctx))  # fmt: skip
         ctx.stopping.check("while sampling its own samples")
         own_note = own.note
         if own.fresh:
@@ -167,6 +169,19 @@ def prepare(ctx: CycleContext) -> Prepared:
     prepared, prepared_cpu = time.monotonic(), cpu_seconds()
     return Prepared(logged, samples, reference, scorer, mismatch_metrics, own_note, started, cpu_started, prepared,
                     prepared_cpu)  # fmt: skip
+
+
+def _sampling_engine(ctx: CycleContext) -> Callable[[], contextlib.AbstractContextManager[Opened]] | None:
+    """What opens the engine the champion's own samples are drawn on (`Settings.sampling_backend`); None: the
+    in-process loop. A vLLM server started for the cycle is one process's: under torchrun, only an operator's
+    server (`vllm_url`) is shared, and without one every process samples in process."""
+    choice = EngineChoice.from_settings(ctx.settings)
+    if choice.backend == "hf":
+        return None
+    if ctx.world > 1 and not choice.vllm_url:
+        log.warning("sampling_backend=vllm without vllm_url under torchrun: own samples are drawn in process")
+        return None
+    return lambda: open_engine(choice, ctx.champion, ctx.registry.fetch(ctx.champion), ctx.policy)
 
 
 def optimise(

@@ -18,6 +18,7 @@ the cycle trains on the logged samples as before and says why.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from flywheel.lm.engine import Engine, Opened
 from flywheel.lm.policy import Policy
 from trainer.config import TrainerConfig
 from trainer.data import Sample
@@ -181,6 +183,8 @@ class OwnDraw:
     prompts_covered: int
     prompts_total: int  # distinct prompts eligible to be sampled (after `own_max_prompts`)
     prompts_distinct: int  # distinct logged prompts
+    sampling_s: float = 0.0  # wall seconds in the engine's sampling
+    scoring_s: float = 0.0  # wall seconds scoring the samples with the trainer's scorer (the reference)
 
 
 @torch.no_grad()
@@ -196,9 +200,14 @@ def sample_own(
     batch: int = 64,
     max_prompts: int = 0,
     stop: Callable[[], bool] | None = None,
+    engine: Engine | None = None,
 ) -> OwnDraw:
     """`per_prompt` fresh completions of distinct logged prompts (at most `max_prompts` of them, chosen by
     `distinct_prompts`; 0 = all) from `policy`, seeded, rewards unset (0), scored by `scorer` (the reference).
+
+    `engine` samples them (default: `policy` itself, the in-process loop): the same version on another engine
+    (flywheel.lm.engine.open_engine). The prompts, their order, the seeds and the counts are the same whichever
+    samples; the tokens are the engine's (vLLM's RNG is not torch's), and they are always scored here.
 
     Prompts are visited in a seeded random order, about `batch` requests at a time (whole prompt groups), and
     no group of them starts once `stop()` says so (the first always runs): the prompts covered are a uniform
@@ -212,22 +221,28 @@ def sample_own(
     out: list[Sample] = []
     reference: list[list[float]] = []
     covered = 0
+    sampling_s = scoring_s = 0.0
+    sampler = engine or policy
     for start in range(0, len(order), per_chunk):
         if start and stop is not None and stop():
             break
         chunk = [(p, k) for p in order[start : start + per_chunk] for k in range(per_prompt)]
         seeds = [zlib.crc32(repr((seed, p, k)).encode()) for p, k in chunk]
-        gens = policy.sample_token_ids([list(p) for p, _ in chunk], max_tokens, seeds)
+        at = time.monotonic()
+        gens = sampler.sample_token_ids([list(p) for p, _ in chunk], max_tokens, seeds)
+        sampling_s += time.monotonic() - at
         fresh = []
         for (p, k), ids in zip(chunk, gens, strict=True):
             logged = prompts[p]
             fresh.append(replace(logged, generation_id=f"{logged.generation_id}/own{k}", completion_token_ids=ids,
                                  behaviour_logprobs=[], reward=0.0, replay=False))  # fmt: skip
+        at = time.monotonic()
         lps = score_samples(policy.model, fresh, scorer, policy.pad_id, score_batch)
+        scoring_s += time.monotonic() - at
         out.extend(replace(s, behaviour_logprobs=list(lp)) for s, lp in zip(fresh, lps, strict=True))
         reference.extend(lps)
         covered += len(chunk) // per_prompt
-    return OwnDraw(out, reference, covered, len(prompts), distinct)
+    return OwnDraw(out, reference, covered, len(prompts), distinct, sampling_s, scoring_s)
 
 
 def group_advantages(samples: Sequence[Sample], scores: np.ndarray) -> list[float]:
@@ -254,6 +269,10 @@ class OwnSamples:
     prompts_covered: int = 0
     prompts_total: int = 0
     cpu_seconds: float = 0.0  # CPU spent from the budget's start: the logged samples' scoring, the fit, the sampling
+    sampled_on: str = "hf"  # the engine that sampled them (flywheel.lm.engine)
+    engine_start_s: float = 0.0  # seconds until that engine was ready (a vLLM server started for the cycle)
+    sampling_s: float = 0.0  # wall seconds sampling, on that engine
+    scoring_s: float = 0.0  # wall seconds scoring them with the trainer's scorer
 
     def metrics(self) -> dict[str, float]:
         if self.model is None:
@@ -262,7 +281,9 @@ class OwnSamples:
         return {"reward_model_cv_corr": self.model.cv_corr, "reward_model_penalty": self.model.penalty,
                 "reward_model_rows": float(self.model.rows), "own_samples": float(own),
                 "own_prompts_covered": float(self.prompts_covered), "own_prompts_total": float(self.prompts_total),
-                "own_cpu_seconds": self.cpu_seconds}  # fmt: skip
+                "own_cpu_seconds": self.cpu_seconds, "own_engine_start_seconds": self.engine_start_s,
+                "own_sampling_seconds": self.sampling_s, "own_scoring_seconds": self.scoring_s,
+                "own_sampled_on_vllm": float(self.sampled_on.startswith("vllm"))}  # fmt: skip
 
 
 def own_samples(
@@ -274,14 +295,18 @@ def own_samples(
     *,
     budget: CpuBudget | None = None,
     stop: Callable[[], bool] | None = None,
+    engine: Callable[[], contextlib.AbstractContextManager[Opened]] | None = None,
 ) -> OwnSamples:
     """Fit the reward model on `logged` (their champion log-probs `reference`), then sample and score.
 
     `budget` (default: `config.own_cpu_budget_s` from now) bounds the sampling: no group of prompts starts
     once it is spent, counted from its `started` (the cycle passes the start of its preparation, so the logged
     samples' scoring counts too), or once `stop()` says so (a distributed cycle: whether any process has spent
-    it). Falls back to the logged samples, saying why, when the cross-validated correlation is not
-    `config.reward_model_min_z` standard errors above zero, or there are too few rewards to cross-validate.
+    it). `engine` opens the engine that samples (flywheel.lm.engine.open_engine; opened only once the reward model
+    is kept; default: `policy`, the in-process loop); the note says which sampled, and the seconds it spent
+    against those the trainer spent scoring. Falls back to the logged samples, saying why, when
+    the cross-validated correlation is not `config.reward_model_min_z` standard errors above zero, or there are
+    too few rewards to cross-validate.
     """
     budget = budget or CpuBudget(config.own_cpu_budget_s, cpu_seconds())
     rewards = np.array([s.reward for s in logged])
@@ -295,9 +320,10 @@ def own_samples(
                           f"trained on the logged samples: the reward model's cross-validated correlation with"
                           f" their rewards, {model.cv_corr:.3f} on {model.rows}, is {z:.1f} standard errors from"
                           f" zero, not above reward_model_min_z={config.reward_model_min_z:g}")  # fmt: skip
-    draw = sample_own(policy, logged, config.own_samples, config.own_max_tokens, config.seed, scorer=scorer,
-                      score_batch=config.batch_size, max_prompts=config.own_max_prompts,
-                      stop=stop or budget.exhausted)  # fmt: skip
+    with engine() if engine is not None else contextlib.nullcontext(None) as opened:
+        draw = sample_own(policy, logged, config.own_samples, config.own_max_tokens, config.seed, scorer=scorer,
+                          score_batch=config.batch_size, max_prompts=config.own_max_prompts,
+                          stop=stop or budget.exhausted, engine=opened.engine if opened else None)  # fmt: skip
     scores = model.predict(completion_features(policy, draw.samples, draw.reference))
     advantages = group_advantages(draw.samples, scores)
     trained = [replace(s, reward=a) for s, a in zip(draw.samples, advantages, strict=True)]
@@ -310,10 +336,17 @@ def own_samples(
         rules.append(f"all the {config.own_cpu_budget_s:g} CPU-s own_cpu_budget_s allowed")
     if rules:
         covered += f" ({', and '.join(rules)}; a seeded uniform choice)"
+    sampled_on = opened.describe() if opened else "hf"
+    on_vllm = opened is not None and opened.name == "vllm"
+    started = f", {opened.start_s:.1f} s to start it" if opened and on_vllm else ""
+    outside = "; the engine's own CPU is not counted" if on_vllm else ""
     note = (
         f"own samples for {covered}: {len(trained)}, {config.own_samples} a prompt, in {spent:.1f} CPU-s with the"
-        f" logged samples' scoring; scored by a reward model fitted on all {model.rows} logged rewards"
-        f" (cross-validated r {model.cv_corr:.3f})"
+        f" logged samples' scoring{outside}; sampled on {sampled_on} in {draw.sampling_s:.1f} s{started}, their"
+        f" log-probs by the trainer in {draw.scoring_s:.1f} s; scored by a reward model fitted on all {model.rows}"
+        f" logged rewards (cross-validated r {model.cv_corr:.3f})"
     )
     return OwnSamples(trained, draw.reference, model, note, fresh=True, prompts_covered=draw.prompts_covered,
-                      prompts_total=draw.prompts_distinct, cpu_seconds=spent)  # fmt: skip
+                      prompts_total=draw.prompts_distinct, cpu_seconds=spent, sampled_on=sampled_on,
+                      engine_start_s=opened.start_s if opened else 0.0, sampling_s=draw.sampling_s,
+                      scoring_s=draw.scoring_s)  # fmt: skip

@@ -44,6 +44,7 @@ from deploy_gate.offline.config import OfflineGateConfig
 from deploy_gate.offline.logged import LoggedTraffic
 from deploy_gate.offline.measure import Sampled, mean_kl, sample
 from flywheel.lm import CheckpointError, Policy, load_policy
+from flywheel.lm.engine import EngineChoice, open_engine
 from model_registry import OfflineGateResult
 
 GATES = (
@@ -87,6 +88,8 @@ def run_gates(
     logged_texts: Sequence[str] = (),
     reference: Reference = None,
     clock: Callable[[], float] | None = None,
+    engine: EngineChoice | None = None,
+    version: str = "candidate",
 ) -> list[OfflineGateResult]:
     """Every gate's verdict on the checkpoint at `candidate_dir` against the loaded `champion`.
 
@@ -96,7 +99,8 @@ def run_gates(
     `in_sample`: the candidate was trained on `traffic` (its trainer held none out), so the off-policy
     estimate is optimistic: it may still refuse, never pass. `clock`: CPU seconds, for the budgets; by default
     this thread's when torch computes on it alone (the process may run other work: `flywheel up`'s simulated
-    users), else the whole process's."""
+    users), else the whole process's. `engine`: where the candidate (registry `version`) completes the logged
+    prompts of `ope_satisfaction`'s direct-method term (flywheel.lm.engine; default: in process)."""
     threads = config.num_threads
     if threads is None and sum(p.numel() for p in champion.model.parameters()) < config.small_model_params:
         threads = 1
@@ -104,7 +108,7 @@ def run_gates(
         if clock is None:
             clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
         return _run_gates(candidate_dir, champion, prompts, texts, traffic, config, in_sample,
-                          logged_texts, reference, clock)  # fmt: skip
+                          logged_texts, reference, clock, engine or EngineChoice(), version)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,8 @@ def _run_gates(
     logged_texts: Sequence[str],
     reference: Reference,
     clock: Callable[[], float],
+    engine: EngineChoice,
+    version: str,
 ) -> list[OfflineGateResult]:
     try:
         candidate = load_policy(candidate_dir)
@@ -153,7 +159,7 @@ def _run_gates(
         results += [OfflineGateResult(n, "failed", None, "-", f"champion: {champ}") for n in VERSUS_CHAMPION]
     else:
         results += _versus_champion(cand, champ, config)
-    results.append(_ope(candidate, traffic, config, in_sample, clock))
+    results.append(_ope(candidate, traffic, config, in_sample, clock, _Completions(engine, version, candidate_dir)))
     return results
 
 
@@ -280,9 +286,19 @@ def _versus_champion(cand: Sampled, champ: Sampled, config: OfflineGateConfig) -
     return [empty, declined, length]
 
 
+@dataclass(frozen=True)
+class _Completions:
+    """Where the candidate completes the DM term's prompts: `version` at `checkpoint` on `engine`'s choice."""
+
+    engine: EngineChoice
+    version: str
+    checkpoint: Path
+
+
 def _ope(
-    candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, in_sample: bool, clock: Callable[[], float]
-) -> OfflineGateResult:
+    candidate: Policy, traffic: LoggedTraffic, config: OfflineGateConfig, in_sample: bool, clock: Callable[[], float],
+    completions: _Completions,
+) -> OfflineGateResult:  # fmt: skip
     samples = traffic.samples
     name = "ope_satisfaction"
     if len(samples) < max(1, config.ope_min_samples):
@@ -296,16 +312,20 @@ def _ope(
         cpu_budget_s=config.ope_cpu_budget_s, bootstrap_samples=config.bootstrap_samples,
         confidence=config.confidence, seed=config.seed,
     )  # fmt: skip
-    try:
-        covered = offpolicy.estimate_candidate(
-            candidate, [s.record for s in samples], [s.reward for s in samples], settings, clock
-        )
-    except (RuntimeError, IndexError, ValueError) as exc:  # token ids outside its vocabulary, shapes, NaN
-        why = f"cannot score the champion's logged completions: {type(exc).__name__}: {exc}"
-        return OfflineGateResult(name, "failed", None, "scores logged traffic", why)
+    with open_engine(completions.engine, completions.version, completions.checkpoint, candidate) as opened:
+        try:
+            engine = opened.engine if opened.name != "hf" else None
+            covered = offpolicy.estimate_candidate(
+                candidate, [s.record for s in samples], [s.reward for s in samples], settings, clock, engine
+            )
+        except (RuntimeError, IndexError, ValueError) as exc:  # token ids outside its vocabulary, shapes, NaN
+            why = f"cannot score the champion's logged completions: {type(exc).__name__}: {exc}"
+            return OfflineGateResult(name, "failed", None, "scores logged traffic", why)
+    outside = ", its CPU not counted" if opened.name == "vllm" else ""
     coverage = (
         f"covered {covered.covered} of {covered.available} logged samples (a seeded uniform sample, at most "
-        f"{config.ope_dm_prompts}) in {covered.cpu_s:.1f} CPU-s of a {config.ope_cpu_budget_s:g} s budget"
+        f"{config.ope_dm_prompts}) in {covered.cpu_s:.1f} CPU-s of a {config.ope_cpu_budget_s:g} s budget; "
+        f"completed on {opened.describe()} in {covered.completion_s:.1f} s{outside}"
     )
     est = covered.estimate
     if est is None or covered.covered < config.ope_min_samples:

@@ -20,6 +20,8 @@ Three choices, each measured against the simulator's ground truth (`bench/ope_ca
   newest first, so the estimate is about the users of now. Completing every logged prompt costs a
   generation each (2,000 by default): `estimate_candidate` covers a seeded uniform sample of them
   that fits a CPU-seconds budget and estimates on exactly those, so the pairing holds at any budget.
+  The completions may run on an engine (vLLM: `Settings.sampling_backend`); the ratios are always
+  the candidate's log-probs here.
 
 What must hold: the same samples, candidate and seed give the same estimate; a candidate equal to
 the champion has every weight 1, so SNIPS is the logged mean.
@@ -40,7 +42,8 @@ import torch
 from deploy_gate.offline import ope
 from flywheel.contract import GenerationRecord
 from flywheel.lm import Policy, token_logprobs
-from flywheel.lm.policy import GenerationRequest
+from flywheel.lm.engine import Generator
+from flywheel.lm.policy import Generation, GenerationRequest
 
 Ratio = Literal["sequence", "per_token"]
 _TRIGRAM_BUCKETS = 48
@@ -124,11 +127,12 @@ class Covered:
     covered: int
     available: int
     cpu_s: float
+    completion_s: float = 0.0  # wall seconds the candidate's completions took (on `engine`, when one was given)
 
 
 def estimate_candidate(
     candidate: Policy, records: Sequence[GenerationRecord], rewards: Sequence[float], settings: EstimatorSettings,
-    clock: Callable[[], float] = time.process_time,
+    clock: Callable[[], float] = time.process_time, engine: Generator | None = None,
 ) -> Covered:  # fmt: skip
     """SNIPS and DR of `candidate` from the champion's logged `records` and their `rewards`.
 
@@ -136,6 +140,8 @@ def estimate_candidate(
     at a time (the candidate's completion of each prompt for the DM term, and its importance ratio), until
     `cpu_budget_s` of `clock` is spent. The estimate is made on the samples covered, a uniform sample of the
     logged ones, with the DM term paired per prompt; the reward model is fitted on every logged sample (cheap).
+    `engine` completes the prompts (the candidate on another engine: flywheel.lm.engine.open_engine; its CPU is
+    then not on `clock`), else `candidate` in process; the importance ratios are always the candidate's here.
 
     Raises RuntimeError, IndexError or ValueError when the candidate cannot score the records (token
     ids outside its vocabulary); the caller says so in its verdict."""
@@ -148,6 +154,7 @@ def estimate_candidate(
     order = np.random.default_rng(settings.seed).permutation(len(records))[: max(1, settings.dm_prompts)]
     max_tokens = settings.max_tokens or max(len(x.completion_token_ids or []) for x in records)
     covered: list[int] = []
+    completion_s = 0.0
     log_w_parts: list[np.ndarray] = []
     targets: list[tuple[str, str, str]] = []
     for at in range(0, len(order), _BATCH):
@@ -156,12 +163,14 @@ def estimate_candidate(
         batch = [int(i) for i in order[at : at + _BATCH]]
         chosen = [records[i] for i in batch]
         requests = [GenerationRequest(records[i].prompt, max_tokens, 1.0, seed=settings.seed + i) for i in batch]
-        gens = candidate.generate_batch(requests)
+        began = time.monotonic()
+        gens = _complete(candidate, engine, requests)
+        completion_s += time.monotonic() - began
         targets += [(x.prompt, g.completion, g.finish_reason) for x, g in zip(chosen, gens, strict=True)]
         log_w_parts.append(log_ratios(candidate, chosen, settings.ratio))
         covered += batch
     if not covered:
-        return Covered(None, 0, len(records), clock() - start)
+        return Covered(None, 0, len(records), clock() - start, completion_s)
     log_w = np.concatenate(log_w_parts)
     if not np.all(np.isfinite(log_w)):
         raise ValueError("NaN or infinite log-probs on the logged traffic")
@@ -173,7 +182,15 @@ def estimate_candidate(
         r_all[idx], log_w, ope.predict_reward(coef, logged_all[idx]), target,
         bootstrap_samples=settings.bootstrap_samples, confidence=settings.confidence, seed=settings.seed, paired=True,
     )  # fmt: skip
-    return Covered(est, len(covered), len(records), clock() - start)
+    return Covered(est, len(covered), len(records), clock() - start, completion_s)
+
+
+def _complete(candidate: Policy, engine: Generator | None, requests: Sequence[GenerationRequest]) -> list[Generation]:
+    """The DM term's completions: on `engine`, else in process without behaviour log-probs (the term reads the
+    text alone, and their recompute is most of a short completion's cost on a CPU)."""
+    if engine is not None:
+        return engine.generate_batch(requests)
+    return candidate.generate_batch(requests, behaviour_logprobs=False)
 
 
 def target_records(
@@ -184,5 +201,5 @@ def target_records(
     dm = records[: max(1, settings.dm_prompts)]
     max_tokens = settings.max_tokens or max(len(x.completion_token_ids or []) for x in records)
     requests = [GenerationRequest(x.prompt, max_tokens, 1.0, seed=settings.seed + i) for i, x in enumerate(dm)]
-    gens = [g for i in range(0, len(requests), _BATCH) for g in candidate.generate_batch(requests[i : i + _BATCH])]
+    gens = [g for i in range(0, len(requests), _BATCH) for g in _complete(candidate, None, requests[i : i + _BATCH])]
     return [(x.prompt, g.completion, g.finish_reason) for x, g in zip(dm, gens, strict=True)]

@@ -20,6 +20,7 @@ from deploy_gate.offline.logged import LoggedTraffic, champion_traffic, product_
 from flywheel.contract import utcnow
 from flywheel.holdout import in_holdout
 from flywheel.lm import CheckpointError, load_policy
+from flywheel.lm.engine import EngineChoice
 from flywheel.settings import Settings
 from model_registry import ArtifactIntegrityError, ModelRegistry, OfflineGateReport, OfflineGateResult, UnknownVersion
 
@@ -111,7 +112,8 @@ class OfflineGates:
             results = [OfflineGateResult(name, "failed", None, "-", why) for name in GATES]
         else:
             results = run_gates(candidate_dir, champion_policy, prompts, data.texts, traffic, cfg, in_sample=in_sample,
-                                logged_texts=texts, reference=self._reference(champion))  # fmt: skip
+                                logged_texts=texts, reference=self._reference(champion),
+                                engine=EngineChoice.from_settings(self.settings), version=version)  # fmt: skip
         report = OfflineGateReport(
             checked_at=utcnow(), champion=champion, results=results, config=self.recorded_config()
         )

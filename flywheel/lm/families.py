@@ -141,8 +141,11 @@ def train_family_tokenizer(family: str, texts: list[str], vocab_size: int = 512)
     return tokenizer
 
 
-def family_config(family: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    """A tiny config of `family`'s own architecture (110k-140k parameters with a 512-token vocabulary)."""
+def family_config(family: str, tokenizer: PreTrainedTokenizerFast, head_dim: int = 16) -> PretrainedConfig:
+    """A tiny config of `family`'s own architecture (110k-140k parameters with a 512-token vocabulary).
+
+    `head_dim`: the width of an attention head (64 / head_dim heads, half as many key-value heads where the family
+    groups them). 16 by default; vLLM's CPU attention has no kernel that narrow, and runs 32."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     spec = _spec(family)
@@ -152,10 +155,13 @@ def family_config(family: str, tokenizer: PreTrainedTokenizerFast) -> Pretrained
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    heads, rest = divmod(64, head_dim)
+    if rest or not heads:
+        raise ValueError(f"head_dim must divide the hidden size 64, got {head_dim}")
     if family == "gpt2":
-        return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=CONTEXT, **ids)
+        return GPT2Config(n_embd=64, n_layer=2, n_head=heads, n_inner=128, n_positions=CONTEXT, **ids)
     shape: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
                              "max_position_embeddings": CONTEXT}  # fmt: skip
     if family == "llama":
         return LlamaConfig(**shape, **ids)
@@ -166,15 +172,18 @@ def family_config(family: str, tokenizer: PreTrainedTokenizerFast) -> Pretrained
     return Phi3Config(**shape, **ids)
 
 
-def tiny_checkpoint(family: str, out: Path, *, seed: int = 0, vocab_size: int = 512, n_files: int = 30) -> Path:
+def tiny_checkpoint(
+    family: str, out: Path, *, seed: int = 0, vocab_size: int = 512, n_files: int = 30, head_dim: int = 16
+) -> Path:
     """Write a randomly initialised `family` checkpoint and its tokenizer to `out` (save_pretrained); returns
-    `out`. Its tokenizer is trained on `n_files` files of the bootstrap corpus (seeded, so the same each time)."""
+    `out`. Its tokenizer is trained on `n_files` files of the bootstrap corpus (seeded, so the same each time);
+    `head_dim` as `family_config` (32 for vLLM on CPU)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     spec = _spec(family)
     tokenizer = train_family_tokenizer(family, stdlib_corpus(n_files, 4000, seed), vocab_size)
-    config = family_config(family, tokenizer)
+    config = family_config(family, tokenizer, head_dim)
     torch.manual_seed(seed)
     with quiet_transformers():
         model = AutoModelForCausalLM.from_config(config)

@@ -1,4 +1,5 @@
-"""The vLLM serving back end: a `Generator` (serving.generator) answered by a vLLM server over HTTP.
+"""The vLLM back end: a `Generator` (flywheel.lm.engine) answered by a vLLM server over HTTP, for serving, the
+trainer's own samples and the offline gate's completions (`open_engine`).
 
 vLLM brings what the in-process Hugging Face back end lacks: continuous batching, paged attention and
 LoRA adapters loaded at runtime on one base model. Its pins (transformers, fastapi, torch) conflict with
@@ -6,7 +7,7 @@ the project's, so it never runs in serving's process: it runs as its own server,
 starts per model version from `.venv-vllm` (scripts/install_vllm.sh; the *managed* mode) or an operator's
 own server named by `vllm_url`. Routing, signing, logging and the registry see a `Generator` either way.
 
-How the contract is kept (serving.generator):
+How the contract is kept (flywheel.lm.engine):
 - Serving tokenises the prompt itself (the same rules as `flywheel.lm.Policy`) and sends the token ids, so
   `prompt_token_ids` and the context accounting are the HF back end's exactly.
 - One HTTP request per `GenerationRequest`, all sent at once: vLLM batches them itself, and each carries its
@@ -61,7 +62,7 @@ LOGPROB_ATOL = 1e-3
 CPU measured well under it: bench/results/serving_backends.md). The trainer's mismatch report shows the
 measured difference each cycle."""
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 _FALLBACK_CONTEXT = 2048
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -209,8 +210,16 @@ class VLLMGenerator:
         self, prompts: Sequence[Sequence[int]], max_tokens: int, seeds: Sequence[int], temperature: float = 1.0
     ) -> list[list[int]]:
         """As `Policy.sample_token_ids`: the chosen ids of one seeded completion of each tokenised prompt."""
+        return [g.completion_token_ids for g in self.generate_from_ids(prompts, max_tokens, seeds, temperature)]
+
+    def generate_from_ids(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, seeds: Sequence[int], temperature: float = 1.0
+    ) -> list[Generation]:
+        """`sample_token_ids` with the rest of each `Generation`: vLLM's behaviour log-probs of those tokens."""
         requests = [GenerationRequest("", max_tokens, temperature, seed) for seed in seeds]
-        return [g.completion_token_ids for g in self._pool.map(self._one, requests, [list(p) for p in prompts])]
+        if len(requests) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts and {len(seeds)} seeds")
+        return list(self._pool.map(self._one, requests, [list(p) for p in prompts]))
 
     def _one(self, request: GenerationRequest, prompt_ids: list[int]) -> Generation:
         body: dict[str, Any] = {
@@ -223,6 +232,7 @@ class VLLMGenerator:
             "min_p": 0.0,
             "repetition_penalty": 1.0,
             "stop": [*request.stop, "\n"],
+            "stop_token_ids": self._tokens.stop_ids,  # the checkpoint's extra end-of-text ids (an end of turn)
             "logprobs": request.top_logprobs,  # 0: the sampled token's alone
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
@@ -266,6 +276,15 @@ def _token_id(key: str) -> int:
     return int(key.rsplit(":", 1)[1])
 
 
+def served_names(url: str) -> set[str]:
+    """The model names (versions, adapters included) the vLLM server at `url` answers to."""
+    try:
+        data = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=30).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise EngineError(f"vLLM at {url} did not list its models: {exc}") from exc
+    return {m["id"] for m in data}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -275,13 +294,18 @@ def _free_port() -> int:
 @dataclass
 class ServerOptions:
     """How a managed vLLM server is started. `kv_cache_gb`: on CPU vLLM sizes its KV cache from RAM
-    (VLLM_CPU_KVCACHE_SPACE); `max_loras`/`max_lora_rank`: adapters one server holds at once."""
+    (VLLM_CPU_KVCACHE_SPACE); `max_loras`/`max_lora_rank`: adapters one server holds at once; `lora=False` starts
+    one without runtime LoRA (a server for full weights alone; it starts faster); `single_process`: the engine and
+    its worker in the API server's process (one import of vLLM instead of three: 46 s against 98-149 s for the
+    test model on two loaded cores), for a server that does one piece of work and stops, not one serving users."""
 
     python: str = ""
     kv_cache_gb: int = 1
     dtype: str = "float32"
     max_loras: int = 4
     max_lora_rank: int = 16
+    lora: bool = True
+    single_process: bool = False
     start_timeout_s: float = 600.0
     extra_args: tuple[str, ...] = ()
 
@@ -309,9 +333,11 @@ class VLLMServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", o.dtype,
             "--enforce-eager",  # no graph compile: minutes saved at start, on CPU nothing lost
             "--logprobs-mode", "raw_logprobs", "--max-logprobs", "21",
-            "--enable-lora", "--max-loras", str(o.max_loras), "--max-lora-rank", str(o.max_lora_rank),
+            *(("--enable-lora", "--max-loras", str(o.max_loras), "--max-lora-rank", str(o.max_lora_rank))
+              if o.lora else ()),
             "--generation-config", "vllm",  # the request's sampling settings, not the checkpoint's defaults
             "--disable-log-stats", "--uvicorn-log-level", "warning",
+            *(("--distributed-executor-backend", "uni") if o.single_process else ()),
             *o.extra_args,
         ]  # fmt: skip
 
@@ -324,6 +350,8 @@ class VLLMServer:
             "VLLM_DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",
         }
+        if self.options.single_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115  # open while the server runs; closed in stop()
             prefix=f"vllm-{self.served_name}-", suffix=".log", delete=False
         )
@@ -410,7 +438,7 @@ class VLLMBackend:
                 url = self._load_adapter(version, checkpoint) if adapter else self._serve(version, checkpoint)
             except EngineError as exc:
                 raise CheckpointError(f"vLLM could not load version {version}: {exc}") from exc
-            served = self._served_names(url)
+            served = served_names(url)
             if version not in served:  # never routed to a name vLLM would not answer with this version's weights
                 raise CheckpointError(f"vLLM at {url} does not serve {version} (it serves {sorted(served)})")
             # an adapter directory holds no tokenizer: its base's is the one it was trained with
@@ -449,14 +477,6 @@ class VLLMBackend:
         self._servers[base] = server
         return server.url
 
-    @staticmethod
-    def _served_names(url: str) -> set[str]:
-        try:
-            data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            raise EngineError(f"vLLM at {url} did not list its models: {exc}") from exc
-        return {m["id"] for m in data}
-
     def release(self, version: str) -> None:
         """Free what `version` holds after `release_grace_s` (requests routed before the swap finish on it),
         unless it is loaded again meanwhile."""
@@ -491,7 +511,7 @@ class VLLMBackend:
         self._servers.clear()
 
 
-def main() -> None:  # pragma: no cover - a manual check: `python -m serving.vllm_backend CHECKPOINT`
+def main() -> None:  # pragma: no cover - a manual check: `python -m flywheel.lm.vllm CHECKPOINT`
     """Start a managed server on a checkpoint and sample one completion."""
     logging.basicConfig(level=logging.INFO)
     server = VLLMServer(sys.argv[1], "manual").start()
@@ -506,4 +526,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["LOGPROB_ATOL", "EngineError", "ServerOptions", "VLLMBackend", "VLLMGenerator", "VLLMServer",
-           "is_adapter", "vllm_unavailable"]
+           "adapter_base", "is_adapter", "served_names", "vllm_unavailable"]

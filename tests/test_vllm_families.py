@@ -1,0 +1,82 @@
+"""Each model family's tiny config on the vLLM back end: the serving conformance suite at vLLM's LOGPROB_ATOL.
+
+One vLLM server serves one base model, so each family needs a server of its own: they are started one after
+another (never two at once on CI's two cores), each with its LoRA support off and the smallest context and batch
+the checks need, and stopped before the next. Each start is printed; it is most of this file's time.
+
+Which families run is `VLLM_FAMILIES` below, chosen by measurement on CI's two cores (docs/serving.md, "Model
+families on vLLM"): a start costs about a minute there, so running all five would add several minutes to a suite
+near its limit. The families left out are skipped, saying so; `FLYWHEEL_VLLM_FAMILIES=all` (or a comma-separated
+list) runs them, as bench/serving_backends.py's measurement did. vLLM's CPU attention has no kernel for the
+16-wide heads of the families' default tiny configs, so these are the same configs with 32-wide heads
+(`tiny_checkpoint(head_dim=32)`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from flywheel.lm import load_policy, token_logprobs
+from flywheel.lm.families import FAMILIES, tiny_checkpoint
+from flywheel.lm.vllm import LOGPROB_ATOL, ServerOptions, VLLMGenerator, VLLMServer, vllm_unavailable
+from serving.conformance import Harness, generator_checks
+
+VLLM_FAMILIES = ("llama", "qwen2")
+"""Run in CI by default: the families whose quirks differ most (a SentencePiece tokenizer that adds BOS; a
+byte-level one that adds none, with a chat end-of-turn id and tied embeddings)."""
+OPTIONS = ServerOptions(lora=False, single_process=True, extra_args=("--max-model-len", "256", "--max-num-seqs", "16"))
+
+
+def _families() -> tuple[str, ...]:
+    chosen = os.environ.get("FLYWHEEL_VLLM_FAMILIES", "")
+    if chosen == "all":
+        return FAMILIES
+    return tuple(f for f in chosen.split(",") if f) or VLLM_FAMILIES
+
+
+@pytest.fixture(scope="module")
+def vllm_ready() -> None:
+    reason = vllm_unavailable()
+    if reason is not None and os.environ.get("FLYWHEEL_REQUIRE_VLLM") == "1":
+        pytest.fail(f"FLYWHEEL_REQUIRE_VLLM=1 but the vLLM back end cannot run here: {reason}")
+    if reason is not None:
+        pytest.skip(f"the vLLM back end cannot run here: {reason}")
+
+
+@pytest.fixture
+def started() -> Iterator[list[VLLMServer]]:
+    servers: list[VLLMServer] = []
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_conforms_on_vllm(
+    family: str, vllm_ready: None, started: list[VLLMServer], tmp_path: Path
+) -> None:
+    if family not in _families():
+        pytest.skip(f"{family} on vLLM is not in this run (FLYWHEEL_VLLM_FAMILIES=all runs every family: each is a "
+                    "vLLM server start, about a minute on two cores)")  # fmt: skip
+    checkpoint = tiny_checkpoint(family, tmp_path / family, seed=0, head_dim=32)
+    policy = load_policy(checkpoint, dtype="float32")
+
+    def score(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+        logprobs, mask = token_logprobs(policy.model, [prompt_ids], [completion_ids], policy.pad_id)
+        return logprobs[0][mask[0].bool()].tolist()
+
+    began = time.monotonic()
+    server = VLLMServer(checkpoint, family, OPTIONS).start()
+    started.append(server)
+    print(f"\nvLLM server for {family} started in {time.monotonic() - began:.1f} s")
+    harness = Harness(VLLMGenerator(server.url, family, checkpoint), score=score, atol=LOGPROB_ATOL)
+    for check in generator_checks():
+        check(harness)
+    # the family's prompt rules (BOS added or not; an empty prompt is one token) are serving's, not vLLM's
+    for prompt in ("x = 1", ""):
+        assert harness.generator.count_prompt_tokens(prompt) == policy.count_prompt_tokens(prompt)
