@@ -5,9 +5,9 @@ another (never two at once on CI's two cores), each with its LoRA support off an
 the checks need, and stopped before the next. Each start is printed; it is most of this file's time.
 
 Which families run is `VLLM_FAMILIES` below, chosen by measurement on CI's two cores (docs/serving.md, "Model
-families on vLLM"): a start costs about a minute there, so running all five would add several minutes to a suite
+families on vLLM"): a start costs one to two minutes there, so running all five would add ten minutes to a suite
 near its limit. The families left out are skipped, saying so; `FLYWHEEL_VLLM_FAMILIES=all` (or a comma-separated
-list) runs them, as bench/serving_backends.py's measurement did. vLLM's CPU attention has no kernel for the
+list) runs them, as the measurement did. vLLM's CPU attention has no kernel for the
 16-wide heads of the families' default tiny configs, so these are the same configs with 32-wide heads
 (`tiny_checkpoint(head_dim=32)`).
 """
@@ -62,7 +62,7 @@ def test_each_family_conforms_on_vllm(
 ) -> None:
     if family not in _families():
         pytest.skip(f"{family} on vLLM is not in this run (FLYWHEEL_VLLM_FAMILIES=all runs every family: each is a "
-                    "vLLM server start, about a minute on two cores)")  # fmt: skip
+                    "vLLM server start, one to two minutes on two cores)")  # fmt: skip
     checkpoint = tiny_checkpoint(family, tmp_path / family, seed=0, head_dim=32)
     policy = load_policy(checkpoint, dtype="float32")
 

@@ -133,6 +133,7 @@ def open_engine(choice: EngineChoice, version: str, checkpoint: str | Path, poli
         return
     started = time.monotonic()
     backend = VLLMBackend(choice.vllm_url, choice.options, release_grace_s=0.0)
+    borrowed: VLLMGenerator | None = None  # a client of serving's own version on the operator's server
     try:
         try:
             if choice.vllm_url and version in served_names(choice.vllm_url):
@@ -140,7 +141,8 @@ def open_engine(choice: EngineChoice, version: str, checkpoint: str | Path, poli
                 tokens = adapter_base(checkpoint)[1] if is_adapter(checkpoint) else Path(checkpoint)
                 if tokens is None:
                     raise CheckpointError(f"no local copy of the base of adapter {version} to read its tokenizer from")
-                generator: Engine = VLLMGenerator(choice.vllm_url, version, tokens)
+                borrowed = VLLMGenerator(choice.vllm_url, version, tokens)
+                generator: Engine = borrowed
             else:
                 generator = backend.load(version, checkpoint)
         except (CheckpointError, EngineError) as exc:
@@ -150,6 +152,8 @@ def open_engine(choice: EngineChoice, version: str, checkpoint: str | Path, poli
         where = f"at {choice.vllm_url}" if choice.vllm_url else "a server started for it"
         yield Opened(generator, "vllm", where, time.monotonic() - started)
     finally:
+        if borrowed is not None:
+            borrowed.close()
         backend.close()
 
 

@@ -92,13 +92,16 @@ def vllm_python(configured: str = "") -> Path:
 
 
 def vllm_unavailable(configured: str = "") -> str | None:
-    """Why a managed vLLM server cannot start here (None: it can)."""
+    """Why a managed vLLM server cannot start here (None: it can): no interpreter, or no vllm installed in it.
+    Whether it imports is the server's start to find (importing vLLM takes seconds to tens of seconds; a start
+    that fails raises with its log)."""
     python = vllm_python(configured)
     if not python.is_file():
         return f"{python} does not exist: run scripts/install_vllm.sh"
-    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True, timeout=120)
+    installed = "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"
+    probe = subprocess.run([str(python), "-c", installed], capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
-        return f"vllm does not import in {python}: {probe.stderr.strip().splitlines()[-1:]}"
+        return f"vllm is not installed in {python}: run scripts/install_vllm.sh"
     return None
 
 
