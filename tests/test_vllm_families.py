@@ -1,8 +1,9 @@
 """Each model family's tiny config on the vLLM back end: the serving conformance suite at vLLM's LOGPROB_ATOL.
 
 One vLLM server serves one base model, so each family needs a server of its own: they are started one after
-another (never two at once on CI's two cores), each with its LoRA support off and the smallest context and batch
-the checks need, and stopped before the next. Each start is printed; it is most of this file's time.
+another (never two at once on CI's two cores) by `open_engine`, as the trainer and the offline gate start one for
+their work, each in one process with its LoRA support off and the smallest context and batch the checks need,
+and stopped before the next. Each start is printed; it is most of this file's time.
 
 Which families run is `VLLM_FAMILIES` below, chosen by measurement on CI's two cores (docs/serving.md, "Model
 families on vLLM"): a start costs one to two minutes there, so running all five would add ten minutes to a suite
@@ -15,20 +16,20 @@ list) runs them, as the measurement did. vLLM's CPU attention has no kernel for 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from flywheel.lm import load_policy, token_logprobs
+from flywheel.lm.engine import EngineChoice, open_engine
 from flywheel.lm.families import FAMILIES, tiny_checkpoint
-from flywheel.lm.vllm import LOGPROB_ATOL, ServerOptions, VLLMGenerator, VLLMServer, vllm_unavailable
+from flywheel.lm.vllm import LOGPROB_ATOL, ServerOptions, vllm_unavailable
 from serving.conformance import Harness, generator_checks
 
 VLLM_FAMILIES = ("llama", "qwen2")
-"""Run in CI by default: the families whose quirks differ most (a SentencePiece tokenizer that adds BOS; a
-byte-level one that adds none, with a chat end-of-turn id and tied embeddings)."""
+"""Run in CI by default: the two cheapest measured, and the two tokenizer styles (a SentencePiece tokenizer that
+adds BOS; a byte-level one that adds none, with a chat end-of-turn id and tied embeddings)."""
 OPTIONS = ServerOptions(lora=False, single_process=True, extra_args=("--max-model-len", "256", "--max-num-seqs", "16"))
 
 
@@ -48,18 +49,8 @@ def vllm_ready() -> None:
         pytest.skip(f"the vLLM back end cannot run here: {reason}")
 
 
-@pytest.fixture
-def started() -> Iterator[list[VLLMServer]]:
-    servers: list[VLLMServer] = []
-    yield servers
-    for server in servers:
-        server.stop()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_family_conforms_on_vllm(
-    family: str, vllm_ready: None, started: list[VLLMServer], tmp_path: Path
-) -> None:
+def test_each_family_conforms_on_vllm(family: str, vllm_ready: None, tmp_path: Path) -> None:
     if family not in _families():
         pytest.skip(f"{family} on vLLM is not in this run (FLYWHEEL_VLLM_FAMILIES=all runs every family: each is a "
                     "vLLM server start, one to two minutes on two cores)")  # fmt: skip
@@ -70,13 +61,14 @@ def test_each_family_conforms_on_vllm(
         logprobs, mask = token_logprobs(policy.model, [prompt_ids], [completion_ids], policy.pad_id)
         return logprobs[0][mask[0].bool()].tolist()
 
-    began = time.monotonic()
-    server = VLLMServer(checkpoint, family, OPTIONS).start()
-    started.append(server)
-    print(f"\nvLLM server for {family} started in {time.monotonic() - began:.1f} s")
-    harness = Harness(VLLMGenerator(server.url, family, checkpoint), score=score, atol=LOGPROB_ATOL)
-    for check in generator_checks():
-        check(harness)
-    # the family's prompt rules (BOS added or not; an empty prompt is one token) are serving's, not vLLM's
-    for prompt in ("x = 1", ""):
-        assert harness.generator.count_prompt_tokens(prompt) == policy.count_prompt_tokens(prompt)
+    # As the trainer and the offline gate open an engine for their work: a managed server on the checkpoint,
+    # stopped on exit (in process, saying why, if vLLM could not load it: that fails here).
+    with open_engine(EngineChoice("vllm", options=OPTIONS), family, checkpoint, policy) as opened:
+        assert opened.name == "vllm", opened.detail
+        print(f"\nvLLM server for {family} started in {opened.start_s:.1f} s")
+        harness = Harness(opened.engine, score=score, atol=LOGPROB_ATOL)
+        for check in generator_checks():
+            check(harness)
+        # the family's prompt rules (BOS added or not; an empty prompt is one token) are serving's, not vLLM's
+        for prompt in ("x = 1", ""):
+            assert opened.engine.count_prompt_tokens(prompt) == policy.count_prompt_tokens(prompt)
