@@ -73,7 +73,7 @@ def trainer_config(args: argparse.Namespace) -> TrainerConfig:
     flags = {"learning_rate": args.lr, "epochs": args.epochs, "max_samples": args.max_samples,
              "time_budget_s": args.time_budget, "ope_holdout_share": args.ope_holdout, "baseline": args.baseline,
              "abstain_coef": args.abstain_coef, "target_kl": args.target_kl,
-             "own_samples": args.own_samples}  # fmt: skip
+             "own_samples": args.own_samples, "update": args.update}  # fmt: skip
     return demo_trainer_config(seed=args.seed, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -91,7 +91,7 @@ def settings_used(args: argparse.Namespace, pops: list[Population]) -> list[str]
     base = TrainerConfig()
     changed = {k: v for k, v in trainer.to_dict().items() if v != getattr(base, k) and k != "seed"}
     names = ("lr", "epochs", "max_samples", "time_budget", "ope_holdout", "baseline", "abstain_coef",
-             "target_kl", "own_samples", "max_duration", "margin")  # fmt: skip
+             "target_kl", "own_samples", "update", "max_duration", "margin")  # fmt: skip
     overridden = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
     demo_rollout = sorted(DEMO.rollout)
     tuning = {p.name for p in tuning_populations()}
@@ -273,6 +273,8 @@ def main() -> None:
                     help=f"TrainerConfig.abstain_coef (flywheel up: {product.abstain_coef})")
     ap.add_argument("--target-kl", type=float,
                     help=f"TrainerConfig.target_kl, nats (flywheel up: {product.target_kl})")
+    ap.add_argument("--update", choices=["full", "lora"],
+                    help=f"TrainerConfig.update: full weights or a LoRA adapter a cycle (flywheel up: {product.update})")
     ap.add_argument("--own-samples", type=int,
                     help=f"TrainerConfig.own_samples, 0: the logged samples (flywheel up: {product.own_samples})")
     ap.add_argument("--max-duration", type=float,
