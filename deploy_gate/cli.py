@@ -413,4 +413,5 @@ def serve(
     port = port or settings.gate_port
     host = host or settings.bind_host
     console.print(f"Dashboard: http://{host}:{port}/")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, proxy_headers=False)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, proxy_headers=False,
+                timeout_keep_alive=settings.http_keep_alive_s)

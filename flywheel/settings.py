@@ -168,6 +168,12 @@ class Settings(BaseSettings):
         description="Interface every HTTP server binds (collector, serving, gate, trainer API, ingest metrics); "
         "0.0.0.0 serves other hosts (a product's back ends, Prometheus, a Kubernetes Service).",
     )
+    http_keep_alive_s: int = Field(
+        default=75, ge=1,
+        description="Seconds every HTTP server keeps an idle client connection open. Longer than clients' own "
+        "idle expiry (httpx 5 s, load balancers 60 s), so the client always closes first: a server closing a "
+        "kept-alive connection just as a client sends on it resets that request.",
+    )
     serving_port: int = Field(default=8000, description="Serving's HTTP API (OpenAI-compatible completions).")
     collector_port: int = Field(
         default=8001, description="The collector's HTTP doors (native, Segment, OTLP, PostHog)."

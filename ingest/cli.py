@@ -30,7 +30,7 @@ def collector(
         # No access log: a line per tracked batch would drown the process's own (its /metrics counts them).
         # No proxy headers: who the client is behind a proxy is the rate limit's to decide (`Settings.trusted_proxies`).
         uvicorn.run(create_app(settings), host=host, port=port, log_level="info", log_config=None, access_log=False,
-                    proxy_headers=False)
+                    proxy_headers=False, timeout_keep_alive=settings.http_keep_alive_s)
         return
     import os
     import tempfile

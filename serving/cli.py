@@ -28,4 +28,5 @@ def serve(
         port=port or settings.serving_port,
         log_level="warning",
         log_config=None,  # its records go through the process's JSON logging (`flywheel.logs`)
+        timeout_keep_alive=settings.http_keep_alive_s,
     )

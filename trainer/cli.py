@@ -103,7 +103,8 @@ def schedule(
         host = settings.bind_host
         console.print(f"trainer API on http://{host}:{port}/api/status (POST /api/run to train now)")
         # uvicorn handles SIGINT / SIGTERM and returns when asked to stop.
-        uvicorn.run(create_app(settings, scheduler), host=host, port=port, log_level="warning", log_config=None)
+        uvicorn.run(create_app(settings, scheduler), host=host, port=port, log_level="warning", log_config=None,
+                    timeout_keep_alive=settings.http_keep_alive_s)
     else:
         from flywheel.ops import serve_ops, stop_on_signals
 

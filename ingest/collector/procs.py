@@ -39,10 +39,13 @@ def serve_one(host: str, port: int, log_level: str, app: str = COLLECTOR_APP) ->
     """One collector process: its own socket, its own app (and Kafka producer) built from the environment."""
     import uvicorn
 
+    from flywheel.settings import get_settings
+
     sock = listening_socket(host, port)
     # No access log, as with one process (`flywheel ingest collector`): a line per batch drowns the rest, and a
     # client's query string (where one may put its write key) is not ours to keep.
-    config = uvicorn.Config(app, factory=True, log_level=log_level, access_log=False, proxy_headers=False)
+    config = uvicorn.Config(app, factory=True, log_level=log_level, access_log=False, proxy_headers=False,
+                            timeout_keep_alive=get_settings().http_keep_alive_s)
     uvicorn.Server(config).run(sockets=[sock])
 
 
