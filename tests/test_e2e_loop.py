@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from deploy_gate import DeployGate
 from flywheel.bus import ensure_topics, make_consumer
 from flywheel.contract import Event, EventType, ModelLineage
-from flywheel.lake.tables import REWARDS
+from flywheel.lake.tables import EVENTS, REWARDS
 from flywheel.settings import Settings
 from ingest.collector.app import create_app as create_collector
 from ingest.worker.loop import IngestWorker
@@ -55,6 +55,14 @@ def generation_events(settings: Settings, wanted: set[str], timeout_s: float = 6
     finally:
         consumer.close()
     return out
+
+
+def landed_generations(settings: Settings) -> set[str]:
+    """The generation ids whose generation event is in the lake."""
+    events = EVENTS.scan(EVENTS.at(settings.lake_root))
+    if events is None:
+        return set()
+    return set(events.filter(pl.col("type") == "generation").select("generation_id").collect().to_series().to_list())
 
 
 @pytest.mark.slow
@@ -99,12 +107,16 @@ def test_feedback_becomes_a_served_model_version(settings: Settings, tiny_model_
                 ingest.run_once()
                 signals.run_once()
                 rewards = read_rewards(REWARDS.at(settings.lake_root), latest_only=True)
-                if not rewards.is_empty() and set(served) <= set(rewards["generation_id"]):
+                # The trainer joins each reward to its generation event: wait for both (serving's events come
+                # through its own producer, and may land after the feedback's rewards on a busy machine).
+                if (not rewards.is_empty() and set(served) <= set(rewards["generation_id"])
+                        and set(served) <= landed_generations(settings)):
                     break
         finally:
             ingest.close()
             signals.close()
         assert set(served) <= set(rewards["generation_id"].to_list()), "every reacted-to generation gets a reward"
+        assert set(served) <= landed_generations(settings), "every served generation's event lands"
         by_id = dict(zip(rewards["generation_id"], rewards["reward"], strict=True))
         assert min(by_id[g] for g, a in served.items() if a) > max(by_id[g] for g, a in served.items() if not a)
 
