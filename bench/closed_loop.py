@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--target-kl", type=float,
                     help=f"TrainerConfig.target_kl, nats (flywheel up: {product.target_kl})")
     ap.add_argument("--update", choices=["full", "lora"],
-                    help=f"TrainerConfig.update: full weights or a LoRA adapter a cycle (flywheel up: {product.update})")
+                    help=f"TrainerConfig.update: every weight or a LoRA adapter (flywheel up: {product.update})")
     ap.add_argument("--own-samples", type=int,
                     help=f"TrainerConfig.own_samples, 0: the logged samples (flywheel up: {product.own_samples})")
     ap.add_argument("--max-duration", type=float,
