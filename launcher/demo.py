@@ -157,9 +157,15 @@ _DEMO_TRAINER = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline
 # after the components start, so its decision comes within 15; measured on the bench's users (100 experiments a
 # cell, 2026-12-03), 43% of 10%-better and 94% of 30%-better challengers promoted, no 10%-worse one, no A/A
 # wrong decision, where ten minutes at 3 requests a second (1,450 users) gave 28% and 82%.
+# Those eight minutes are now a planned size, not a clock: an experiment ends once its users resolve a 25% change
+# in the accept rate (`planned_change`), which the demo's own traffic reaches in about eight minutes, and runs on
+# to 30 minutes where the traffic is a small product's (outside traffic at 3 requests a second on users who accept
+# 5% of suggestions: eight minutes promoted 27% of 30%-better challengers, 30 minutes 82%, with 10%-worse ones at
+# 1% both ways; simulated users at accept 0.25 and 0.05, `deploy_gate.rollout.calibration`, 2026-12-04).
 _DEMO_ROLLOUT = {
     "ramp": [{"share": 0.25, "min_users": 1, "min_seconds": 60}, {"share": 0.5, "min_users": 2, "min_seconds": 120}],
-    "max_duration_s": 480,
+    "max_duration_s": 1800,
+    "planned_change": 0.25,
     "tuning_n": 100,
     "interval_s": 10,
     "srm_min_users": 50,

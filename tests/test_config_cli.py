@@ -87,7 +87,7 @@ def test_show_with_demo_names_what_flywheel_up_sets(monkeypatch: pytest.MonkeyPa
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ")}
     assert code == 0, out
     assert rows["FLYWHEEL_TRAINER_LEARNING_RATE"] == ["0.0001", "[demo]"]
-    assert rows["FLYWHEEL_ROLLOUT_MAX_DURATION_S"] == ["480.0", "[demo]"]
+    assert rows["FLYWHEEL_ROLLOUT_MAX_DURATION_S"] == ["1800.0", "[demo]"]
     assert rows["FLYWHEEL_ROLLOUT_INTERVAL_S"] == ["12.0", "[environment]"]
     assert rows["FLYWHEEL_TRAINER_KL_COEF"][-1] == "[default]"
     assert rows["FLYWHEEL_REWARD_WINDOW_S"] == ["60.0", "[demo]"]

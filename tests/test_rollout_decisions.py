@@ -34,12 +34,12 @@ from deploy_gate.stats import RatioStats, ratio_difference
 
 DEMO = RolloutConfig(
     ramp=[RampStep(share=0.25, min_users=1, min_seconds=60), RampStep(share=0.5, min_users=2, min_seconds=120)],
-    max_duration_s=480, tuning_n=100, interval_s=10, srm_min_users=50,
+    max_duration_s=1800, planned_change=0.25, tuning_n=100, interval_s=10, srm_min_users=50,
 )  # fmt: skip
 ONE_STEP = RolloutConfig(ramp=[RampStep(share=0.5, min_users=200, min_seconds=600)], decision_rule="sequential")
 CASES = {
-    "demo, 40 users in 10 min": (DEMO, 40, 10.0),
-    "demo, 4,000 users in 10 min": (DEMO, 4000, 10.0),
+    "demo, 40 users in 30 min": (DEMO, 40, 10.0),
+    "demo, 4,000 users in 30 min": (DEMO, 4000, 10.0),
     "defaults, one step, 2,000 users in 14 days": (ONE_STEP, 2000, 4 * 3600.0),
     "defaults, 5/25/50% ramp, 12,000 users in 14 days": (RolloutConfig(), 12000, 6 * 3600.0),
 }
@@ -51,6 +51,7 @@ def test_the_demo_configuration_is_the_launchers() -> None:
     launched = demo.DEMO.rollout
     assert launched["ramp"] == DEMO.ramp and all(isinstance(s, RampStep) for s in launched["ramp"])
     assert launched["max_duration_s"] == DEMO.max_duration_s
+    assert launched["planned_change"] == DEMO.planned_change
     assert launched["tuning_n"] == DEMO.tuning_n
 
 
@@ -73,6 +74,46 @@ def test_a_challenger_10_percent_worse_in_accept_rate_is_promoted_at_most_1_perc
 def test_the_demo_says_not_enough_evidence_instead_of_deciding() -> None:
     out = simulate(Scenario(DEMO, 40, 10.0), 50, seed=23)
     assert set(out.code.tolist()) == {rules.ROLLBACK_NO_EVIDENCE}
+
+
+def test_an_experiment_ends_at_its_planned_size_where_the_traffic_gets_there_and_at_the_clock_where_not() -> None:
+    """A planned size ends a large product's experiment early with the same error bounds; a small product's runs
+    on to the maximum duration, where it resolves more than a fixed short clock would have."""
+    pop = Population(accept=0.25)
+    big = [simulate(Scenario(DEMO, 9000, 20.0, accept_factor=f, population=pop), 200, seed=41) for f in (1.0, 0.9)]
+    clock_only = DEMO.model_copy(update={"planned_change": None})
+    assert np.nanmedian(big[0].at_s) < 0.5 * DEMO.max_duration_s  # ended by size, long before the clock
+    assert big[0].share(*rules.WRONG_ON_AA) <= DEMO.alpha and big[1].share(*rules.PROMOTED) <= 0.01
+    sized = rules.PROMOTE_LOW_RISK, rules.ROLLBACK_INCONCLUSIVE
+    assert big[0].share(*sized) > 0.8  # decided by the end rule, read once at the planned size
+    # The same users without the planned size run to the maximum duration.
+    full = simulate(Scenario(clock_only, 9000, 20.0, population=pop), 200, seed=41)
+    assert np.nanmedian(full.at_s) == pytest.approx(DEMO.max_duration_s, abs=20.0)
+    # Rare accepts at a small product's traffic: the planned size is never reached, so the clock ends it.
+    rare = Population(accept=0.05)
+    small = simulate(Scenario(DEMO, 3600, 20.0, accept_factor=1.3, population=rare), 200, seed=42)
+    assert np.nanmedian(small.at_s) == pytest.approx(DEMO.max_duration_s, abs=20.0)
+    eight = DEMO.model_copy(update={"planned_change": None, "max_duration_s": 480.0})
+    short = simulate(Scenario(eight, 3600 * 480 // 1800, 20.0, accept_factor=1.3, population=rare), 200, seed=42)
+    assert small.share(*rules.PROMOTED) > short.share(*rules.PROMOTED) + 0.3
+
+
+def test_the_planned_size_is_reached_only_when_its_change_is_resolved() -> None:
+    """`planned_size_reached` against the minimum detectable difference stated by `detectable`."""
+    from deploy_gate.rollout.evidence import detectable
+
+    pop = Population(accept=0.3, returning=0.0)
+    cells = _cells(pop, 0.0, 3000, seed=43)
+    primary = rules.Interval.of(cells, rules.alphas(DEMO)[0], DEMO.tuning_n)
+    c = primary.comparison
+    mde = float(detectable(c.variance * c.users, c.users, primary.alpha, DEMO.tuning_n)[0])
+    level = np.array([0.3])
+    at = mde / (0.3 * DEMO.reward_per_accept)  # the change this experiment resolves now
+    reached = [bool(rules.planned_size_reached(primary, level, DEMO.model_copy(update={"planned_change": p}))[0])
+               for p in (at * 1.01, at * 0.99)]  # fmt: skip
+    assert reached == [True, False]
+    assert not rules.planned_size_reached(primary, level, DEMO.model_copy(update={"planned_change": None}))[0]
+    assert not rules.planned_size_reached(primary, np.array([0.0]), DEMO)[0]  # no accepts: no size to reach
 
 
 def test_at_2000_users_no_challenger_harmed_beyond_the_stated_detectable_difference_is_promoted() -> None:

@@ -311,6 +311,14 @@ def no_data_text(challenger_users: int, j: rules.Judgement, config: RolloutConfi
             f"the maximum duration, {config.max_duration_s:g}s)")  # fmt: skip
 
 
+def _planned(config: RolloutConfig) -> str:
+    """How an experiment ends, in a rule's summary."""
+    if config.planned_change is None:
+        return " (the maximum duration)"
+    return (f" (once its users resolve the planned {config.planned_change:.0%} change in the accept rate, or at the "
+            "maximum duration)")  # fmt: skip
+
+
 def rule_view(j: rules.Judgement, power: PowerView, config: RolloutConfig) -> RuleView:
     """The rule in force and the chance it promotes a challenger worse by the margin, now and at the end."""
     from scipy.special import ndtr
@@ -330,7 +338,7 @@ def rule_view(j: rules.Judgement, power: PowerView, config: RolloutConfig) -> Ru
             return _num(p)
 
         now, end = shipped(var, cut), shipped(end_var, end_cut)
-        summary = (f"expected loss: promotes on a significant win at any look; at the maximum duration, when the "
+        summary = (f"expected loss: promotes on a significant win at any look; at the end{_planned(config)}, when the "
                    f"expected loss of shipping (GrowthBook's risk) is below {_g(t)} reward per generation "
                    f"({config.expected_loss_accept_share:.1%} of the champion's accept rate x "
                    f"{config.reward_per_accept:g}) and a challenger {rules.HARM_MARGINS:g} margins worse would ship "
@@ -339,7 +347,7 @@ def rule_view(j: rules.Judgement, power: PowerView, config: RolloutConfig) -> Ru
                 f"{_pct(now)} at today's precision, {_pct(end)} at the maximum duration's")  # fmt: skip
         return RuleView(name="expected_loss", summary=summary, threshold=_num(t), ship_above=_num(cut),
                         margin_worse_promoted=now, margin_worse_promoted_projected=end, note=risk)  # fmt: skip
-    summary = (f"sequential: promotes on a significant win at any look, or at the maximum duration when the "
+    summary = (f"sequential: promotes on a significant win at any look, or at the end{_planned(config)} when the "
                f"always-valid interval's lower end is above -{_g(margin)} (the margin); harm rolls back at any look")
     a = j.primary.alpha / 2
     risk = (f"a challenger worse by the margin is promoted with probability at most {a:.2%} (one side of the "
@@ -576,6 +584,11 @@ def power_view(j: rules.Judgement, config: RolloutConfig, *, running_s: float) -
         if later is not None and projected is not None:
             parts.append(f"at the maximum duration (about {projected} users) {later:.3g}")
         parts.append(margin_text(margin, accept, for_margin, projected, config))
+        if config.planned_change is not None:
+            planned = need(priced(config.planned_change))
+            size = f"{planned} users" if planned is not None else "a size no traffic reaches"
+            parts.append(f"it ends once it resolves the planned {config.planned_change:.0%} change ({size}), or at "
+                         "the maximum duration")  # fmt: skip
         note = "; ".join(parts)
     return PowerView(
         users=int(n), min_arm_users=rules.MIN_ARM_USERS, per_user_sd=math.sqrt(s2) if ok else None,
@@ -622,6 +635,7 @@ def explain(
     """Why the rules took `code`, in words (the controller records it with the action)."""
     lo, hi = float(j.primary.lo[0]), float(j.primary.hi[0])
     seq = f"[{lo:.3f}, {hi:.3f}]"
+    end = end_text(j, power, config)
     arm_users = [int(u) for u in j.primary.comparison.arm_users[0]]
     if code == rules.ROLLBACK_NO_DATA:
         why = ("by the maximum duration" if clock.running_s[0] >= config.max_duration_s
@@ -652,7 +666,7 @@ def explain(
         return (f"inconclusive at the maximum duration: not enough evidence ({why}); the challenger is not kept"
                 f"{scale}")  # fmt: skip
     if code == rules.ROLLBACK_SYCOPHANCY:
-        return (f"sycophantic at the maximum duration: {sycophancy_text(j, config)}; the challenger is not kept and "
+        return (f"sycophantic {end}: {sycophancy_text(j, config)}; the challenger is not kept and "
                 "its served data stays quarantined")  # fmt: skip
     if code == rules.CONTINUE_SYCOPHANCY:
         return (f"significant win {seq}, but not promoted: {sycophancy_text(j, config)}; it keeps running until "
@@ -671,25 +685,37 @@ def explain(
         return f"significant win: sequential interval of the difference {seq}"
     margin = float(j.margin[0])
     if code == rules.PROMOTE_NON_INFERIOR:
-        return (f"non-inferior at the maximum duration: sequential lower bound {lo:.3f} > -{margin:.3g} "
+        return (f"non-inferior {end}: sequential lower bound {lo:.3f} > -{margin:.3g} "
                 f"({config.non_inferiority_accept_share:.0%} of the champion's accept rate "
                 f"{float(j.accept_level[0]):.3g} x {config.reward_per_accept:g} reward per accept)")  # fmt: skip
     if code == rules.PROMOTE_LOW_RISK:
-        return (f"low risk at the maximum duration: shipping's expected loss {float(j.loss_ship[0]):.3g} is below "
+        return (f"low risk {end}: shipping's expected loss {float(j.loss_ship[0]):.3g} is below "
                 f"{float(j.loss_threshold[0]):.3g} reward per generation ({config.expected_loss_accept_share:.1%} of "
                 f"the champion's accept rate x {config.reward_per_accept:g}); estimate "
                 f"{float(j.primary.comparison.adjusted[0]):+.3f}, always-valid interval {seq}, users per arm "
                 f"{arm_users}")  # fmt: skip
     if code == rules.ROLLBACK_INCONCLUSIVE:
         if config.decision_rule == "expected_loss" and math.isfinite(float(j.loss_threshold[0])):
-            return (f"inconclusive at the maximum duration: shipping's expected loss {float(j.loss_ship[0]):.3g} "
+            return (f"inconclusive {end}: shipping's expected loss {float(j.loss_ship[0]):.3g} "
                     f"is not below {float(j.loss_threshold[0]):.3g} reward per generation; {power.note}")  # fmt: skip
         if not math.isfinite(margin):
-            return ("inconclusive at the maximum duration: the champion's users accepted nothing, so no margin "
+            return (f"inconclusive {end}: the champion's users accepted nothing, so no margin "
                     "applies and only a significant win promotes")  # fmt: skip
-        return (f"inconclusive at the maximum duration: not shown within {margin:.3g} of the champion "
+        return (f"inconclusive {end}: not shown within {margin:.3g} of the champion "
                 f"(sequential lower bound {lo:.3f}); {power.note}")  # fmt: skip
-    return f"last step: waiting for a significant result or the maximum duration; {power.note}"
+    planned = " or its planned size" if config.planned_change is not None else ""
+    return f"last step: waiting for a significant result{planned} or the maximum duration; {power.note}"
+
+
+def end_text(j: rules.Judgement, power: PowerView, config: RolloutConfig) -> str:
+    """What ended the experiment: the maximum duration, or its planned size with what its users resolve."""
+    if not bool(j.sized[0]) or config.planned_change is None:
+        return "at the maximum duration"
+    resolves = ""
+    if power.detectable_now is not None and power.champion_accept_rate:
+        share = power.detectable_now / (power.champion_accept_rate * config.reward_per_accept)
+        resolves = f" resolve a {share:.0%} change in the champion's accept rate"
+    return f"at its planned size (its {power.users} users{resolves}, the planned {config.planned_change:.0%})"
 
 
 def _flags(users: pl.DataFrame, diff: DifferenceView | None) -> list[str]:

@@ -71,6 +71,14 @@ class RolloutConfig(BaseSettings):
     srm_alpha: float = Field(default=0.001, gt=0, lt=0.1, description="Sample-ratio mismatch alarm level (sequential).")
     srm_min_users: int = Field(default=100, ge=2, description="Users in a step before SRM is checked.")
     max_duration_s: float = Field(default=14 * 86400, gt=0, description="Then decide on non-inferiority.")
+    # A size chosen before the experiment, in the product's terms: ending once the users resolve it is a stop on
+    # information, not on the estimate, so the end rule is still read once (rules.planned_size_reached).
+    planned_change: float | None = Field(
+        default=None, gt=0, le=1, allow_inf_nan=False,
+        description="End the experiment once its users resolve this change in the champion's accept rate at 80% "
+        "power (0.25: a 25% change), on the last step past its minimums and the evidence floor, and decide as at "
+        "the maximum duration, which still ends it where the traffic never gets there; unset: the clock alone.",
+    )
     # The non-inferiority margin in reward units is accept share x the champion's accept rate x reward per
     # accept (`rules.margin`): a share of a ratio-scale rate, priced through the reward definition. A share
     # of the mean reward, as before, shrank to nothing where the reward averages near 0 (its zero is arbitrary).

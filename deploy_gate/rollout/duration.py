@@ -52,6 +52,8 @@ class DurationPlan:
     changes: dict[str, float]  # "+10%": users needed to resolve that change in the accept rate
     promoted_if_margin_worse: float  # the rule's chance of promoting a challenger worse by the margin
     promoted_if_10pct_worse: float
+    users_for_planned: float | None = None  # users that resolve `config.planned_change` (None: no planned size)
+    planned_day: float | None = None  # when they have arrived, past the ramp's minimums (inf: never in time)
 
     def lines(self, config: RolloutConfig, accept: float) -> list[str]:
         out = [f"decision rule: {config.decision_rule}"]
@@ -72,6 +74,14 @@ class DurationPlan:
             f"{k} {v:,.0f}" if math.isfinite(v) else f"{k} never" for k, v in self.changes.items()))
         out.append(f"promoted at the end if worse by the margin: {self.promoted_if_margin_worse:.2%}; if 10% "
                    f"worse: {self.promoted_if_10pct_worse:.2%}")
+        if self.users_for_planned is not None and self.planned_day is not None:
+            size = f"planned size: a {config.planned_change:.0%} change in the accept rate needs "
+            if math.isfinite(self.users_for_planned) and self.planned_day <= self.max_days:
+                out.append(f"{size}{self.users_for_planned:,.0f} users: the experiment ends about day "
+                           f"{self.planned_day:.1f}, before the maximum duration")  # fmt: skip
+            else:
+                need = f"{self.users_for_planned:,.0f} users" if math.isfinite(self.users_for_planned) else "never"
+                out.append(f"{size}{need}, not reached in time: the maximum duration ends the experiment")
         return out
 
 
@@ -125,9 +135,13 @@ def plan(config: RolloutConfig, users_per_day: float, accept: float, sd: float |
         worse_10 = float(ndtr((-0.1 * accept * config.reward_per_accept - cut) / sd_d))
     else:  # the sequential rule's promotion of a worse challenger is bounded by its alpha, at any traffic
         worse_margin = worse_10 = alpha / 2
+    planned_users = planned_day = None
+    if config.planned_change is not None:
+        planned_users = need(config.planned_change * accept * config.reward_per_accept)
+        planned_day = max(ramp_days, planned_users / users_per_day) if math.isfinite(planned_users) else math.inf
     return DurationPlan(
         steps=steps, ramp_days=ramp_days, max_days=max_days, reachable=ramp_days <= max_days, users=int(total),
         arm_users=(int(n0), int(n1)), per_user_sd=s, sd_assumed=assumed, margin=margin,
         users_for_margin=need(margin), detectable=mde, changes=changes, promoted_if_margin_worse=worse_margin,
-        promoted_if_10pct_worse=worse_10,
+        promoted_if_10pct_worse=worse_10, users_for_planned=planned_users, planned_day=planned_day,
     )  # fmt: skip

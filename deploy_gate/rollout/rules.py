@@ -58,6 +58,11 @@ whatever the configuration (the bench measures each):
   challenger that writes longer answers needs time for its thumbs to show. The three style tests share one
   guardrail's α; each needs `HARM_MIN_ARM_USERS` users with chat replies per arm and `STYLE_MIN_REPLIES`
   replies. Without chat replies (code completion, the calibration bench) its cells are empty and it never acts.
+- **A planned size.** With `planned_change` set, the experiment ends once its users resolve that change in the
+  accept rate at 80% power (`planned_size_reached`), on the last step past its minimums and the evidence floor,
+  and the end rule decides as at the maximum duration. The stop depends on the information gathered (users and
+  their variance), not on the estimate, so the end rule is still read once: a large product's experiment ends
+  when it can say what was planned, and a small one's runs on to the maximum duration.
 - **Honest about the sample.** At the maximum duration, an experiment that has not resolved its
   margin rolls back as inconclusive and says how many users the margin would have needed.
 """
@@ -70,7 +75,7 @@ from typing import Literal
 import numpy as np
 
 from deploy_gate.rollout.config import RolloutConfig
-from deploy_gate.rollout.evidence import Comparison, compare, half_width, sequential_p_value
+from deploy_gate.rollout.evidence import Comparison, compare, detectable, half_width, sequential_p_value
 
 # Users per arm (in comparable steps) before a win, non-inferiority or a low-risk ship may be decided.
 MIN_ARM_USERS = 200
@@ -253,6 +258,7 @@ class Judgement:
     expected_challenger: np.ndarray  # (E,) rewarded challenger users expected from the champion's at the shares
     info: dict[str, np.ndarray]  # information-only metric -> (E, 2) each arm's ratio
     sycophancy: Sycophancy
+    sized: np.ndarray  # (E,) bool: ended at its planned size (`planned_size_reached`) before the maximum duration
 
 
 @dataclass(frozen=True)
@@ -384,6 +390,18 @@ def ship_cutoff(variance: np.ndarray, threshold: np.ndarray, allowed: np.ndarray
         return np.maximum(low_risk_cutoff(variance, threshold), bound)  # NaN (never ships) when either is
 
 
+def planned_size_reached(primary: Interval, accept_level: np.ndarray, config: RolloutConfig) -> np.ndarray:
+    """(E,) bool: the users so far resolve `config.planned_change` of the champion's accept rate at 80% power
+    (the minimum detectable difference of the primary metric's confidence sequence at or below that change
+    priced in reward, as the margin is); all False without a planned change or without accepts."""
+    c = primary.comparison
+    if config.planned_change is None:
+        return np.zeros(c.users.shape, dtype=bool)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mde = detectable(c.variance * c.users, c.users, primary.alpha, config.tuning_n)
+        return np.isfinite(mde) & (mde <= margin(accept_level, config, config.planned_change))
+
+
 def judge(
     cells: dict[str, np.ndarray],
     srm_alarm: np.ndarray,
@@ -407,7 +425,8 @@ def judge(
        win (the sequential interval above 0).
     5. Sycophancy (chat surfaces): a flagged challenger is rolled back at the maximum duration (after SRM, before
        the step minimums) and is not promoted on a win before it (it keeps running).
-    6. At the maximum duration, the rule in force (`rule`, default `config.decision_rule`):
+    6. At the maximum duration, or once the planned size is reached (`planned_size_reached`), the rule in force
+       (`rule`, default `config.decision_rule`):
        "sequential" promotes when non-inferior (the interval's lower end above −margin);
        "expected_loss" promotes when shipping's expected loss is below `loss_threshold` (GrowthBook's risk) and
        a challenger `HARM_MARGINS` margins worse would ship at most `HARM_SHIP_RATE` of the time, decided once,
@@ -435,9 +454,13 @@ def judge(
         odds = np.where(shares < 1, shares / (1 - shares), np.inf)
         expected = np.nansum(rewarded[..., 0] * odds, axis=-1)
     no_data = rewarded[..., 1].sum(axis=-1) == 0
-    over = clock.running_s >= config.max_duration_s
+    few = clock.step_users < clock.step_min_users
     with np.errstate(invalid="ignore"):
         accept_level = rails["accepted_rate"].comparison.level
+        timed_out = clock.running_s >= config.max_duration_s
+        sized = (planned_size_reached(primary, accept_level, config) & clock.last & ~few & enough
+                 & (clock.in_step_s >= clock.step_min_seconds) & ~timed_out)  # fmt: skip
+        over = timed_out | sized
         allowed = margin(accept_level, config)
         threshold = loss_threshold(accept_level, config)
         harm_floor = primary.comparison.arm_users.min(axis=-1) >= HARM_MIN_ARM_USERS
@@ -449,7 +472,6 @@ def judge(
             ship_at_end, ship_code = primary.comparison.adjusted > cutoff, PROMOTE_LOW_RISK
         else:
             ship_at_end, ship_code = primary.lo > -allowed, PROMOTE_NON_INFERIOR
-    few = clock.step_users < clock.step_min_users
     syc = sycophancy(cells, a_guard, config)
     code = np.select(
         [
@@ -479,5 +501,5 @@ def judge(
     info = {m.name: compare(cells[m.name]).arm_ratio for m in INFO}
     return Judgement(
         code, primary, rails, harmed, decidable, enough, allowed, accept_level, loss_ship, loss_keep, threshold,
-        no_data, expected, info, syc,
+        no_data, expected, info, syc, sized,
     )
