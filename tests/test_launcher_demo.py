@@ -27,6 +27,7 @@ def test_the_rendered_environment_reads_back_as_the_demos_values(monkeypatch: py
     assert TrainerConfig().to_dict() == TrainerConfig.model_validate(DEMO.trainer).to_dict()
     rollout = RolloutConfig(metrics_port=0)
     assert rollout.ramp == DEMO.rollout["ramp"] and rollout.max_duration_s == DEMO.rollout["max_duration_s"]
+    assert rollout.planned_change == DEMO.rollout["planned_change"]
 
 
 def test_the_environment_wins_and_a_trainer_file_replaces_the_demos_trainer() -> None:

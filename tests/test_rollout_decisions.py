@@ -116,6 +116,30 @@ def test_the_planned_size_is_reached_only_when_its_change_is_resolved() -> None:
     assert not rules.planned_size_reached(primary, np.array([0.0]), DEMO)[0]  # no accepts: no size to reach
 
 
+def test_the_reason_says_the_planned_size_ended_it_and_what_its_users_resolve() -> None:
+    from deploy_gate.rollout.analysis import StepContext, analyse
+    from deploy_gate.rollout.data import Aggregates
+
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+    pop = Population(accept=0.3)
+    n = 6000
+    cols = users(np.random.default_rng(44), n, pop, np.ones(n), np.ones(n))
+    arm = np.where(np.arange(n) % 2 == 0, "challenger", "champion")
+    agg = Aggregates(_frame(cols, arm, t0), {}, {}, "r", pre_rate(pop))
+    step = StepContext(index=1, share=0.5, min_users=2, min_seconds=120, entered_at=t0, last=True)
+    view = analyse(agg, step, DEMO, started_at=t0, now=t0 + timedelta(seconds=600))  # well before the 1,800 s
+    assert view is not None and view.power is not None and view.decision.action in ("promote", "rollback")
+    assert f"at its planned size (its {view.power.users} users resolve a " in view.decision.reason
+    assert "the planned 25%)" in view.decision.reason
+    resolved = view.power.detectable_now / (view.power.champion_accept_rate * DEMO.reward_per_accept)
+    assert resolved <= 0.25
+    # Before the planned size (a tenth of the users), the same experiment keeps running and says when it ends.
+    few = analyse(Aggregates(_frame({k: v[: n // 10] for k, v in cols.items()}, arm[: n // 10], t0), {}, {}, "r",
+                             pre_rate(pop)), step, DEMO, started_at=t0, now=t0 + timedelta(seconds=600))  # fmt: skip
+    assert few is not None and few.decision.action == "continue", few.decision.reason
+    assert "it ends once it resolves the planned 25% change (" in few.decision.reason
+
+
 def test_at_2000_users_no_challenger_harmed_beyond_the_stated_detectable_difference_is_promoted() -> None:
     cfg, n, look = CASES["defaults, one step, 2,000 users in 14 days"]
     stated = float(np.nanmedian(simulate(Scenario(cfg, n, look), 100, seed=24).mde))

@@ -314,7 +314,7 @@
       el('dt', null, 'expected loss (reward per generation)'), el('dd', { 'data-field': 'diff-loss' },
         `shipping the challenger ${num(d.expected_loss_ship)}, keeping the champion ${num(d.expected_loss_keep)} `,
         el('span', { class: 'muted small' }, rule && rule.name === 'expected_loss'
-          ? `(decides at the maximum duration: ships below ${num(rule.threshold)})`
+          ? `(decides at the end, its planned size or the maximum duration: ships below ${num(rule.threshold)})`
           : '(shown for reference: the always-valid interval decides)')),
       el('dt', null, 'variance removed by adjustment'),
       el('dd', { 'data-field': 'diff-reduction' }, d.variance_reduction === null ? '–' : pct(d.variance_reduction)),
