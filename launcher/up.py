@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from flywheel.settings import Settings
 from flywheel.traffic import TrafficSplitStore
 from launcher.demo import DEMO
 from launcher.embedded import EmbeddedStack, settings_env, start_embedded
+from model_registry import GateChange
 from simulator.populations import populations_named
 from simulator.users import UserSimulator
 from trainer.config import TrainerConfig
@@ -210,15 +212,25 @@ def auto_approve(gate: DeployGate) -> list[str]:
 _DECIDED = {"champion": "promoted", "rolled_back": "rolled back", "quarantined": "rolled back"}
 
 
-def decisions(status: GateStatus, said: set[tuple[str, str]]) -> list[str]:
-    """Lines for the promotions and rollbacks in `status` not yet in `said` (which this updates)."""
+def decisions(
+    status: GateStatus, said: set[tuple[str, str]], history: Callable[[str], list[GateChange]] | None = None
+) -> list[str]:
+    """Lines for the promotions and rollbacks in `status` not yet in `said` (which this updates).
+
+    A rollback is said with the rollout controller's reason, read from the version's gate history (`history`):
+    the registry's latest reason is by then the quarantine, or the note lifting it after an inconclusive end,
+    which says nothing of why the challenger was not kept."""
     lines = []
     for v in reversed(status.versions):  # oldest first
         what = _DECIDED.get(v.gate_state)
         if what is None or (v.version, what) in said:
             continue
         said.add((v.version, what))
-        lines.append(f"{what} v{v.version}: {v.reason}")
+        reason = v.reason
+        if what == "rolled back" and history is not None:
+            rollbacks = [c for c in history(v.version) if c.state == "rolled_back" and c.previous != "quarantined"]
+            reason = rollbacks[-1].reason if rollbacks else reason
+        lines.append(f"{what} v{v.version}: {reason}")
     return lines
 
 
@@ -326,7 +338,7 @@ def run_up(
                             last_refusal = line
                         console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
                 status = gate.status()
-                for line in decisions(status, decided):
+                for line in decisions(status, decided, gate.registry.gate_history):
                     console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
                 live.update(progress_table(sim, status, started, rollout_line(gate)))
                 if duration_s is not None and time.monotonic() - started > duration_s:

@@ -174,6 +174,18 @@ def test_the_console_says_each_promotion_and_rollback_once_with_its_reason() -> 
     # The same state on every later tick, and the quarantine that follows a rollback: nothing new to say.
     quarantined = status(won, ("3", "quarantined", "quarantined on rollback"))
     assert decisions(later, said) == [] and decisions(quarantined, said) == []
+    # An inconclusive end: rolled back, quarantined, then lifted. The registry's latest reason is the lifting
+    # note; the console says the controller's reason, from the gate history.
+    from model_registry import GateChange
+
+    at = datetime(2026, 12, 4, tzinfo=UTC)
+    why = "inconclusive at its planned size: shipping's expected loss 0.004 is not below 0.002"
+    changes = [GateChange("approved", "pending", "demo", at, "demo loop"),
+               GateChange("rolled_back", "approved", "rollout-controller", at, why),
+               GateChange("quarantined", "rolled_back", "rollout-controller", at, f"quarantined on rollback: {why}"),
+               GateChange("rolled_back", "quarantined", "rollout-controller", at, "unquarantine: inconclusive: ...")]
+    lifted = status(won, ("5", "rolled_back", "unquarantine: inconclusive: ..."))
+    assert decisions(lifted, said, history=lambda v: changes if v == "5" else []) == [f"rolled back v5: {why}"]
 
 
 def test_a_new_deployment_forgets_what_an_earlier_run_left_in_redis(settings: Settings, tiny_model_dir: Path) -> None:
