@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import sys
 from pathlib import Path
 
 import typer
@@ -57,7 +58,22 @@ def _join_a_running_embedded_broker() -> None:
     get_settings.cache_clear()
 
 
+def _needed(argv: list[str]) -> set[str] | None:
+    """The sub-commands whose modules the `flywheel` command imports: the one its command line names, {} for one
+    of this module's own (`up`, `init`) or the top-level help; None (all) when imported by anything else (a
+    test's `CliRunner`, `python -m`). Importing every component loads torch, transformers and MLflow, about 25 s
+    on a busy machine, for `flywheel gate plan` as much as for `flywheel trainer run`."""
+    if Path(argv[0]).name != "flywheel":
+        return None
+    words = [a for a in argv[1:] if not a.startswith("-")]
+    return {words[0]} if words else set()
+
+
+_NEEDED = _needed(sys.argv)
 for _name, _module, _help in _COMPONENTS:
+    if _NEEDED is not None and _name not in _NEEDED:
+        app.add_typer(typer.Typer(), name=_name, help=_help)  # listed in the help; never run
+        continue
     try:
         _sub = importlib.import_module(_module).app
     except ModuleNotFoundError as exc:  # a component not written yet must not break the others
