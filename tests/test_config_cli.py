@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,16 @@ def test_show_names_each_values_source_and_hides_secrets(monkeypatch: pytest.Mon
     assert code == 0 and out.splitlines()[0] == "RolloutConfig:" and "TrainerConfig:" not in out
     code, out = _flywheel("show", "--component", "nope")
     assert code == 2 and "nope" in out  # a usage error, naming what was asked for
+
+
+def test_the_flywheel_command_imports_only_the_component_it_runs() -> None:
+    """`flywheel gate plan` needs deploy_gate.cli, not torch through the trainer's and serving's: the command
+    imports the named component alone, and the others are listed in the help but never run."""
+    from launcher.cli import _needed
+
+    assert _needed(["/venv/bin/flywheel", "-v", "gate", "plan", "--users-per-day", "9"]) == {"gate"}
+    assert _needed(["/venv/bin/flywheel", "--help"]) == set() and _needed(["/venv/bin/flywheel", "up"]) == {"up"}
+    assert _needed(["/venv/bin/pytest", "tests"]) is None  # a CliRunner's app mounts every component
+    out = subprocess.run([str(Path(sys.executable).parent / "flywheel"), "ingest", "--help"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "worker" in out.stdout, out.stderr
