@@ -8,8 +8,9 @@ trainer's cycle, the gate's offline gates and approval, the rollout controller. 
 - the ground truth of the A/B traffic per arm (accept rate of shown suggestions, shown rate, Cursor's
   expected reward per request) and the gate's estimate of challenger - champion with its sequential
   interval, and whether the interval holds the truth's difference;
-- the decision and its reason; the wall time of each stage; the turnaround (last feedback trained
-  on -> the candidate serving traffic);
+- the decision and its reason; the wall time of each stage and this process's CPU time in it (on a
+  shared machine the wall time counts everyone's work, the CPU time the loop's own); the turnaround
+  (last feedback trained on -> the candidate serving traffic);
 - the champion after the cycle on fixed held-out contexts (the independent measurement): accept,
   shown, reward, harmful rate (shown and accepted under a quarter of the time), and where the users
   wanted no suggestion, the shown rate there.
@@ -133,8 +134,13 @@ def report_cycle(name: str, r: CycleRecord) -> list[str]:
     else:
         lines[0] += " - |"
     lines[0] += f" {'-' if truth is None else f'{truth:+.3f}'} |"
-    lines[0] += " " + ", ".join(f"{k} {v:.0f}s" for k, v in r.seconds.items()) + " |"
+    stages = [f"{k} {v:.0f}s/{r.cpu_seconds.get(k, 0.0):.0f}" for k, v in r.seconds.items()]
+    lines[0] += f" {', '.join(stages)}; all {sum(r.seconds.values()):.0f}s/{sum(r.cpu_seconds.values()):.0f} |"
     lines[0] += f" {'-' if r.turnaround_s is None else f'{r.turnaround_s:.0f}s'} |"
+    if r.trainer_note:
+        m = r.trainer_metrics
+        lines.append(f"|  | | trainer: {r.trainer_note}; {m.get('steps', 0):.0f} steps, KL to the champion"
+                     f" {m.get('kl_to_champion', float('nan')):.4f} | | | | | |")  # fmt: skip
     for pop, t in r.truth_candidate.items():
         lines.append(f"|  | | candidate, {pop}: {fmt_truth(t)} | | | | | |")
     if r.offline_verdict:
@@ -160,6 +166,8 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
                         max_rounds=args.max_rounds, max_tokens=args.max_tokens, seed=args.seed)  # fmt: skip
         loop = ClosedLoop(stack.settings, model, pops, contexts, evals, plan, trainer_config(args),
                           rollout_config(args), SignalsConfig())  # fmt: skip
+        for pop, t in loop.base_eval.items():
+            print(f"|  | 0 | base model, {pop}: {fmt_truth(t)} | | | | | |", flush=True)
         with loop.running():
             loop.warm_up()
             if harm_seed is not None:
@@ -171,8 +179,11 @@ def run_deployment(name: str, pops: list[Population], model: Path, args: argpars
                     scale = HARM_SCALES[(harm_seed // 2) % len(HARM_SCALES)]
                     rec = loop.cycle(1, harm=lambda src, out: harm_weights(src, out, scale, harm_seed))
                 worse = rec.truth_candidate[pops[0].name].reward - loop.base_eval[pops[0].name].reward
-                print(f"control run {harm_seed} ({pops[0].name}): {kind}, ground-truth reward"
-                      f" {worse:+.3f} against the champion -> {rec.decision}: {rec.reason[:100]}", flush=True)
+                print(
+                    f"control run {harm_seed} ({pops[0].name}): {kind}, ground-truth reward"
+                    f" {worse:+.3f} against the champion -> {rec.decision}: {rec.reason[:100]}",
+                    flush=True,
+                )
                 return loop, [rec]
             records: list[CycleRecord] = []
             deadline = time.monotonic() + args.wall_budget if args.wall_budget else None
@@ -242,16 +253,28 @@ def main() -> None:
     ap.add_argument("--together", action="store_true", help="all populations on one deployment")
     ap.add_argument("--cycles", type=int, default=5, help="cycles at most")
     ap.add_argument("--promotions", type=int, default=5, help="stop after this many promotions (0: run every cycle)")
-    ap.add_argument("--wall-budget", type=float, default=0.0,
-                    help="start no cycle after this many seconds of a deployment (0: none); what ran is reported")
+    ap.add_argument(
+        "--wall-budget",
+        type=float,
+        default=0.0,
+        help="start no cycle after this many seconds of a deployment (0: none); what ran is reported",
+    )
     ap.add_argument("--users", type=int, default=400, help="per population")
     ap.add_argument("--requests", type=int, default=400, help="per population per traffic round")
     ap.add_argument("--warmup", type=int, default=1, help="traffic rounds on the base model first")
-    ap.add_argument("--max-rounds", type=int, default=40,
-                    help="rounds a cycle waits for the controller (it decides by its maximum duration first)")
+    ap.add_argument(
+        "--max-rounds",
+        type=int,
+        default=40,
+        help="rounds a cycle waits for the controller (it decides by its maximum duration first)",
+    )
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--window", type=float, default=2.0,
-                    help="reward window seconds (flywheel up: 60): a clock setting, no reward depends on it here")
+    ap.add_argument(
+        "--window",
+        type=float,
+        default=2.0,
+        help="reward window seconds (flywheel up: 60): a clock setting, no reward depends on it here",
+    )
     ap.add_argument("--eval-contexts", type=int, default=100)
     ap.add_argument("--control-runs", type=int, default=0)
     # Unset, each of these is what `flywheel up` runs with (launcher/up.py); set, it overrides that one field.
@@ -259,29 +282,48 @@ def main() -> None:
     demo = demo_rollout_config(metrics_port=0)
     ap.add_argument("--lr", type=float, help=f"TrainerConfig.learning_rate (flywheel up: {product.learning_rate})")
     ap.add_argument("--epochs", type=int, help=f"TrainerConfig.epochs (flywheel up: {product.epochs})")
-    ap.add_argument("--max-samples", type=int,
-                    help="TrainerConfig.max_samples: at most this many samples a cycle, a seeded uniform (reservoir)"
-                    f" sample of the eligible ones, the rest reported (flywheel up: {product.max_samples}, all)")
-    ap.add_argument("--ope-holdout", type=float,
-                    help="TrainerConfig.ope_holdout_share, traffic held out of training for the offline gate's "
-                    f"estimate (flywheel up: {product.ope_holdout_share})")
-    ap.add_argument("--time-budget", type=float,
-                    help="TrainerConfig.time_budget_s, seconds a cycle's training may take; the samples it did not"
-                    f" reach are reported (flywheel up: {product.time_budget_s})")
+    ap.add_argument(
+        "--max-samples",
+        type=int,
+        help="TrainerConfig.max_samples: at most this many samples a cycle, a seeded uniform (reservoir)"
+        f" sample of the eligible ones, the rest reported (flywheel up: {product.max_samples}, all)",
+    )
+    ap.add_argument(
+        "--ope-holdout",
+        type=float,
+        help="TrainerConfig.ope_holdout_share, traffic held out of training for the offline gate's "
+        f"estimate (flywheel up: {product.ope_holdout_share})",
+    )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        help="TrainerConfig.time_budget_s, seconds a cycle's training may take; the samples it did not"
+        f" reach are reported (flywheel up: {product.time_budget_s})",
+    )
     ap.add_argument("--baseline", type=float, help=f"TrainerConfig.baseline (flywheel up: {product.baseline})")
-    ap.add_argument("--abstain-coef", type=float,
-                    help=f"TrainerConfig.abstain_coef (flywheel up: {product.abstain_coef})")
-    ap.add_argument("--target-kl", type=float,
-                    help=f"TrainerConfig.target_kl, nats (flywheel up: {product.target_kl})")
-    ap.add_argument("--update", choices=["full", "lora"],
-                    help=f"TrainerConfig.update: every weight or a LoRA adapter (flywheel up: {product.update})")
-    ap.add_argument("--own-samples", type=int,
-                    help=f"TrainerConfig.own_samples, 0: the logged samples (flywheel up: {product.own_samples})")
-    ap.add_argument("--max-duration", type=float,
-                    help=f"RolloutConfig.max_duration_s (flywheel up: {demo.max_duration_s:.0f})")
-    ap.add_argument("--margin", type=float,
-                    help="RolloutConfig.non_inferiority_accept_share at the maximum duration, a share of the champion's"
-                    f" accept rate (flywheel up: {demo.non_inferiority_accept_share}; 0: only a significant win)")
+    ap.add_argument(
+        "--abstain-coef", type=float, help=f"TrainerConfig.abstain_coef (flywheel up: {product.abstain_coef})"
+    )
+    ap.add_argument("--target-kl", type=float, help=f"TrainerConfig.target_kl, nats (flywheel up: {product.target_kl})")
+    ap.add_argument(
+        "--update",
+        choices=["full", "lora"],
+        help=f"TrainerConfig.update: every weight or a LoRA adapter (flywheel up: {product.update})",
+    )
+    ap.add_argument(
+        "--own-samples",
+        type=int,
+        help=f"TrainerConfig.own_samples, 0: the logged samples (flywheel up: {product.own_samples})",
+    )
+    ap.add_argument(
+        "--max-duration", type=float, help=f"RolloutConfig.max_duration_s (flywheel up: {demo.max_duration_s:.0f})"
+    )
+    ap.add_argument(
+        "--margin",
+        type=float,
+        help="RolloutConfig.non_inferiority_accept_share at the maximum duration, a share of the champion's"
+        f" accept rate (flywheel up: {demo.non_inferiority_accept_share}; 0: only a significant win)",
+    )
     ap.add_argument("--report", default="closed_loop", help="file name (no suffix) of the table and PNG in --out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -295,10 +337,13 @@ def main() -> None:
         root = Path(tmp)
         model = args.model or bootstrap_model(root / "model", preset=args.preset, seed=0,
                                               max_seconds=args.bootstrap_seconds, progress=False)  # fmt: skip
-        print(f"model {model} ({sum(p.numel() for p in load_policy(model).model.parameters()):,} parameters); "
-              f"{args.cycles} cycles, {args.users} users and {args.requests} requests a round per population")
+        print(
+            f"model {model} ({sum(p.numel() for p in load_policy(model).model.parameters()):,} parameters); "
+            f"{args.cycles} cycles, {args.users} users and {args.requests} requests a round per population"
+        )
         header = ["| deployment | cycle | candidate | decision | gate estimate [sequential interval] | truth A/B "
-                  "difference | stage seconds | turnaround |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "difference | stage seconds, wall/CPU (this process's) | turnaround |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         used = settings_used(args, pops)
         print("\n".join(used))
         print("\n".join(header))
@@ -344,8 +389,10 @@ def main() -> None:
             promoted = [w for d, w in control if d == "promoted"]
             by = {d: sum(c == d for c, _ in control) for d in sorted({c for c, _ in control})}
             worse_total, worse_promoted = sum(w < 0 for _, w in control), sum(w < 0 for w in promoted)
-            line = (f"control runs: {len(control)} harmed challengers, {worse_total} worse than the champion in"
-                    f" ground truth; promoted {len(promoted)}, of them worse {worse_promoted}; decisions {by}")
+            line = (
+                f"control runs: {len(control)} harmed challengers, {worse_total} worse than the champion in"
+                f" ground truth; promoted {len(promoted)}, of them worse {worse_promoted}; decisions {by}"
+            )
             print(line)
             lines += ["", line]
         (args.out / f"{args.report}.md").write_text("\n".join(lines) + "\n")

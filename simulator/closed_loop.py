@@ -117,6 +117,8 @@ class CycleRecord:
     champion: str
     candidate: str | None = None
     trained_on: int = 0
+    trainer_note: str = ""  # the trainer's account of the cycle (what it trained on, left out, own samples)
+    trainer_metrics: dict[str, float] = field(default_factory=dict)  # its metrics (steps, kl_to_champion, ...)
     decision: str = "none"  # promoted, rolled_back, refused (offline gates), undecided, skipped
     reason: str = ""
     estimate: tuple[float, float, float] | None = None  # the gate's difference and its sequential interval
@@ -126,6 +128,10 @@ class CycleRecord:
     offline_estimate: float | None = None  # ope_satisfaction's DR - champion's logged mean reward
     offline_verdict: str = ""  # its status (passed, insufficient_evidence, failed)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
+    # This process's CPU seconds per stage (`time.process_time`, every thread's: serving, the workers, the trainer
+    # and the gate all run here; the broker, a child process, is not counted). Wall time on a shared machine
+    # counts everyone's work; this counts the loop's own.
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
     turnaround_s: float | None = None  # last trained-on feedback -> the candidate serving traffic (training,
     # offline gates, approval, swap; the reward window and the signals before it are the deployment's)
     harmed: bool = False
@@ -220,19 +226,17 @@ class ClosedLoop:
 
     # ---- traffic ---------------------------------------------------------------------------
 
-    def traffic_round(self, seconds: dict[str, float]) -> list[Outcome]:
+    def traffic_round(self, rec: CycleRecord) -> list[Outcome]:
         """Every population sends `plan.requests` requests (populations in parallel), then the lake catches up."""
-        started = time.perf_counter()
-        self._wait_adopted()
-        seeds = [self.rng.randrange(2**31) for _ in self.populations]
-        with ThreadPoolExecutor(len(self.populations)) as pool:
-            batches = list(pool.map(self._population_round, self.populations, seeds))
-        outcomes = [o for batch in batches for o in batch]
-        self.outcomes.extend(outcomes)
-        _add(seconds, "traffic", time.perf_counter() - started)
-        started = time.perf_counter()
-        self.pump({o.generation_id for o in outcomes})
-        _add(seconds, "ingest+signals", time.perf_counter() - started)
+        with _timed(rec, "traffic"):
+            self._wait_adopted()
+            seeds = [self.rng.randrange(2**31) for _ in self.populations]
+            with ThreadPoolExecutor(len(self.populations)) as pool:
+                batches = list(pool.map(self._population_round, self.populations, seeds))
+            outcomes = [o for batch in batches for o in batch]
+            self.outcomes.extend(outcomes)
+        with _timed(rec, "ingest+signals"):
+            self.pump({o.generation_id for o in outcomes})
         return outcomes
 
     def _population_round(self, pop: Population, seed: int) -> list[Outcome]:
@@ -263,38 +267,36 @@ class ClosedLoop:
 
     def warm_up(self) -> None:
         """Traffic on the base model alone: the first cycle's data."""
-        seconds: dict[str, float] = {}
+        untimed = CycleRecord(cycle=0, champion=self.base)
         for _ in range(self.plan.warmup_rounds):
-            self.traffic_round(seconds)
+            self.traffic_round(untimed)
 
     def cycle(self, index: int, harm: Callable[[Path, Path], Path] | None = None) -> CycleRecord:
         """Train, gate and roll out one candidate (a harmed one when `harm` is given); evaluate the champion."""
         champion = self.gate.splits.get().champion_version  # type: ignore[union-attr]
         rec = CycleRecord(cycle=index, champion=champion, harmed=harm is not None)
         last_feedback = time.monotonic()
-        started = time.perf_counter()
-        result = run_cycle(self.settings, self.trainer, progress=False)
-        rec.seconds["train"] = time.perf_counter() - started
+        with _timed(rec, "train"):
+            result = run_cycle(self.settings, self.trainer, progress=False)
         if result.status != "registered":
             rec.decision, rec.reason = "skipped", result.reason
-            self.traffic_round(rec.seconds)
+            self.traffic_round(rec)
             return self._finish(rec)
         candidate = result.version
         assert candidate is not None
         rec.trained_on = result.sample_count
+        rec.trainer_note, rec.trainer_metrics = result.reason, result.metrics
         if harm is not None:
             candidate = self._harmed(candidate, champion, harm)
         rec.candidate = candidate
         if self.plan.evaluate_each_cycle:
-            started = time.perf_counter()
-            rec.truth_candidate = self.evaluate(candidate)
-            rec.seconds["evaluate"] = time.perf_counter() - started
-        started = time.perf_counter()
-        try:
-            self.approve.tick()
-        except Exception as exc:  # noqa: BLE001 - the refusal is the result (the audit log has it too)
-            rec.decision, rec.reason = "refused", str(exc)
-        rec.seconds["offline gates+approve"] = time.perf_counter() - started
+            with _timed(rec, "evaluate"):
+                rec.truth_candidate = self.evaluate(candidate)
+        with _timed(rec, "offline gates+approve"):
+            try:
+                self.approve.tick()
+            except Exception as exc:  # noqa: BLE001 - the refusal is the result (the audit log has it too)
+                rec.decision, rec.reason = "refused", str(exc)
         report = self.registry.offline_gates(candidate)
         ope_result = next((r for r in report.results if r.name == "ope_satisfaction"), None) if report else None
         if ope_result is not None:
@@ -302,19 +304,17 @@ class ClosedLoop:
         if rec.decision == "refused":  # the champion keeps serving; its traffic is the next cycle's new data
             if self.registry.gate_state(candidate) == "pending":  # an offline refusal marks it refused already
                 self.gate.reject(candidate, by="closed-loop", reason=f"refused at approval: {rec.reason[:200]}")
-            self.traffic_round(rec.seconds)
+            self.traffic_round(rec)
             return self._finish(rec)
-        started = time.perf_counter()
-        self._wait_loaded(candidate)
-        rec.seconds["swap"] = time.perf_counter() - started
+        with _timed(rec, "swap"):
+            self._wait_loaded(candidate)
         rec.turnaround_s = time.monotonic() - last_feedback - rec.seconds.get("evaluate", 0.0)  # without measuring
         self.controller.tick()  # the experiment starts: the first ramp step's share
         served: list[Outcome] = []
         for _ in range(self.plan.max_rounds):
-            served.extend(self.traffic_round(rec.seconds))
-            started = time.perf_counter()
-            state = self.controller.tick()
-            _add(rec.seconds, "rollout decision", time.perf_counter() - started)
+            served.extend(self.traffic_round(rec))
+            with _timed(rec, "rollout decision"):
+                state = self.controller.tick()
             if state.analysis is not None and state.analysis.difference is not None:
                 d = state.analysis.difference
                 rec.estimate = (d.estimate, *d.sequential_ci)
@@ -340,10 +340,9 @@ class ClosedLoop:
 
     def _finish(self, rec: CycleRecord) -> CycleRecord:
         if self.plan.evaluate_each_cycle:
-            started = time.perf_counter()
-            champion = self.gate.splits.get().champion_version  # type: ignore[union-attr]
-            rec.truth_eval = self.evaluate(champion)
-            _add(rec.seconds, "evaluate", time.perf_counter() - started)
+            with _timed(rec, "evaluate"):
+                champion = self.gate.splits.get().champion_version  # type: ignore[union-attr]
+                rec.truth_eval = self.evaluate(champion)
         self.records.append(rec)
         return rec
 
@@ -422,6 +421,17 @@ def eval_set(pool: ContextPool, pop: Population) -> list[Context]:
 def _eval_outcome(pop: Population, ctx: Context, text: str, finish: str) -> Outcome:
     truth = pop.truth(ctx, text, finish)
     return Outcome(pop.name, ctx, "eval", "", "", text, finish, truth, Reaction(shown=truth.shown), 0)
+
+
+@contextmanager
+def _timed(rec: CycleRecord, stage: str) -> Iterator[None]:
+    """Add the block's wall seconds and this process's CPU seconds to `rec`'s, under `stage`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        yield
+    finally:
+        _add(rec.seconds, stage, time.perf_counter() - wall)
+        _add(rec.cpu_seconds, stage, time.process_time() - cpu)
 
 
 def _add(seconds: dict[str, float], stage: str, value: float) -> None:
