@@ -59,11 +59,13 @@ def _join_a_running_embedded_broker() -> None:
 
 
 def _needed(argv: list[str]) -> set[str] | None:
-    """The sub-commands whose modules the `flywheel` command imports: the one its command line names, {} for one
-    of this module's own (`up`, `init`) or the top-level help; None (all) when imported by anything else (a
-    test's `CliRunner`, `python -m`). Importing every component loads torch, transformers and MLflow, about 25 s
-    on a busy machine, for `flywheel gate plan` as much as for `flywheel trainer run`."""
-    if Path(argv[0]).name != "flywheel":
+    """The sub-commands whose modules the `flywheel` command (or `python -m launcher`, as `flywheel up` starts
+    each component) imports: the one its command line names (`up`, `init` and the top-level help name none of
+    them); None (all) when this module is imported by anything else (a test's `CliRunner`). Importing every
+    component loads torch, transformers and MLflow, about 20 s on a busy machine, for `flywheel gate plan` as
+    much as for `flywheel trainer run`."""
+    path = Path(argv[0]) if argv else Path()
+    if path.name != "flywheel" and path.parts[-2:] != ("launcher", "__main__.py"):
         return None
     words = [a for a in argv[1:] if not a.startswith("-")]
     return {words[0]} if words else set()

@@ -134,6 +134,7 @@ def test_the_flywheel_command_imports_only_the_component_it_runs() -> None:
 
     assert _needed(["/venv/bin/flywheel", "-v", "gate", "plan", "--users-per-day", "9"]) == {"gate"}
     assert _needed(["/venv/bin/flywheel", "--help"]) == set() and _needed(["/venv/bin/flywheel", "up"]) == {"up"}
+    assert _needed(["/repo/launcher/__main__.py", "ingest", "worker"]) == {"ingest"}  # as `flywheel up` starts it
     assert _needed(["/venv/bin/pytest", "tests"]) is None  # a CliRunner's app mounts every component
     out = subprocess.run([str(Path(sys.executable).parent / "flywheel"), "ingest", "--help"], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
