@@ -64,6 +64,8 @@ def test_the_demo_never_promotes_an_equal_challenger_as_a_win_nor_rolls_it_back_
             ended.append(next(e.event for e in reversed(rec.timeline) if e.event.startswith(("promoted", "rolled"))))
             # Nothing showed it harmful: what it served stays eligible for training.
             assert rec.challenger is not None and registry.gate_state(rec.challenger) == "rolled_back"
+            # and the registry's reason (what `flywheel registry list` shows) still says why it was rolled back
+            assert "(rolled back: inconclusive at " in registry.gate_history(rec.challenger)[-1].reason
             champion = registry.alias("champion")
             ended_challenger = rec.challenger
             gate.approve(register(registry, tmp_path, parent=champion), by="demo", reason="auto-approve")

@@ -316,7 +316,7 @@ class RolloutController:
                 rec.note(now, f"rolled back {split.challenger_version}: {d.reason}")
                 _ENDED.labels("rollback", d.why).inc()
                 if d.inconclusive and split.challenger_version:
-                    self._unquarantine(rec, split.challenger_version, now)
+                    self._unquarantine(rec, split.challenger_version, now, d.reason)
         elif d.action == "ramp":
             nxt = rec.ramp[step.index + 1]
             if self._apply(lambda: self.gate.plan_ramp(nxt.share, by=CONTROLLER_ACTOR, reason=d.reason)):
@@ -348,12 +348,14 @@ class RolloutController:
             rec.note(now, f"rolled back {split.challenger_version}: {reason}")
             _ENDED.labels("rollback", "frozen").inc()
 
-    def _unquarantine(self, rec: ExperimentRecord, version: str, now: datetime) -> None:
+    def _unquarantine(self, rec: ExperimentRecord, version: str, now: datetime, decided: str) -> None:
         """An inconclusive rollback showed no harm: what the version served stays eligible for training
         (a rollback quarantines by default; a flywheel whose candidates all end inconclusive would
-        otherwise stop learning from the traffic they served)."""
+        otherwise stop learning from the traffic they served). The registry's reason, the version's last,
+        keeps the rollback's (`decided`): `flywheel registry list` shows it."""
         why = "inconclusive: nothing showed it harmful, so its served data stays eligible for training"
-        if self._apply(lambda: self.gate.plan_unquarantine(version, by=CONTROLLER_ACTOR, reason=why)):
+        reason = f"{why} (rolled back: {decided})"
+        if self._apply(lambda: self.gate.plan_unquarantine(version, by=CONTROLLER_ACTOR, reason=reason)):
             rec.note(now, f"{version} not quarantined: {why}")
 
     def _apply(self, make: Callable[[], Plan]) -> bool:
