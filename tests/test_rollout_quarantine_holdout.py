@@ -170,7 +170,8 @@ def test_experiment_api_answers_the_contract(
     assert idle["state"] == "idle" and idle["analysis"] is None and idle["holdout"] is None
     candidate = register(registry, tmp_path, parent=champion)
     gate.approve(candidate, by="ana", reason="offline gates pass")
-    clock = [datetime.now(UTC) - timedelta(hours=2)]
+    # Ten minutes past an hour: each user's generations (seconds apart) fall in one hourly bucket of the series.
+    clock = [(datetime.now(UTC) - timedelta(hours=2)).replace(minute=10, second=0, microsecond=0)]
     cfg = RolloutConfig(ramp=[RampStep(share=0.5, min_users=10_000, min_seconds=0)])
     controller = RolloutController(gate, cfg, clock=lambda: clock[0])
     controller.tick()
