@@ -3,8 +3,8 @@
 The controller runs with the configuration `flywheel up` gives it (`launcher.demo.DEMO`, rendered to the
 environment as `flywheel up` renders it, read as the launched process reads it), real Redis, registry and
 lake. An outside client's users (a few a minute, each with a handful of generations) send feedback that never
-changes between arms. The controller's clock is a fake one stepped by the demo's tick (10 s) for 45
-minutes (one and a half maximum durations: this traffic never reaches the planned size), so the test takes
+changes between arms. The controller's clock is a fake one stepped by three of the demo's ticks (30 s) for
+32 minutes (just past one maximum duration: this traffic never reaches the planned size), so the test takes
 seconds; each time an experiment ends a new candidate is approved, as the demo's auto-approval does. Not one
 promotion as a win and not one guardrail rollback. (The seeded "demo, 40 users" case of
 tests/test_rollout_decisions.py runs the same rules over 200 experiments.)
@@ -52,13 +52,14 @@ def test_the_demo_never_promotes_an_equal_challenger_as_a_win_nor_rolls_it_back_
     rng = random.Random(31)
     ended: list[str] = []
     assert cfg.max_duration_s <= 30 * 60
-    for tick in range(int(45 * 60 / cfg.interval_s)):
+    step = 3 * cfg.interval_s
+    for _ in range(int(32 * 60 / step)):
         split = gate.splits.get()
         assert split is not None
-        if tick % 3 == 0:  # about 2 new outside users a minute, 5 generations each
-            write_batch(settings, split, {"champion": SAME, "challenger": SAME, "holdout": SAME}, users=1,
-                        at=clock.now, rng=rng, generations=5)  # fmt: skip
-        clock.now += timedelta(seconds=cfg.interval_s)
+        # about 2 new outside users a minute, 5 generations each
+        write_batch(settings, split, {"champion": SAME, "challenger": SAME, "holdout": SAME}, users=1,
+                    at=clock.now, rng=rng, generations=5)  # fmt: skip
+        clock.now += timedelta(seconds=step)
         rec = controller.tick()
         if rec.state in ("promoted", "rolled_back"):
             ended.append(next(e.event for e in reversed(rec.timeline) if e.event.startswith(("promoted", "rolled"))))
@@ -73,6 +74,6 @@ def test_the_demo_never_promotes_an_equal_challenger_as_a_win_nor_rolls_it_back_
             line = rollout_line(gate)
             assert gate.splits.get().challenger_version != ended_challenger, line
             assert line.startswith(f"v{ended_challenger} {rec.state} at "), line
-    assert ended, f"no experiment ended in 45 minutes: the maximum duration is {cfg.max_duration_s:g} s"
+    assert ended, f"no experiment ended in 32 minutes: the maximum duration is {cfg.max_duration_s:g} s"
     assert not [e for e in ended if "significant win" in e or "guardrail" in e], ended
     assert all("inconclusive" in e for e in ended), ended
