@@ -488,6 +488,23 @@ class DeployGate:
                 f"it is marked refused and cannot be approved (see GET /api/versions/{version})"
             )
 
+    def precheck(self, version: str) -> OfflineGateReport | None:
+        """Run a pending `version`'s offline gates against the current champion before anyone approves it,
+        and mark it refused at once when they fail; the report, or None when nothing was run (no offline
+        gates or champion, not pending, or a report against this champion already exists).
+
+        The auto-approvers do this for the next candidate while an experiment runs, so approval after it ends
+        takes seconds instead of the gates' minutes, and users are not left without a challenger meanwhile.
+        A report checked against a champion that is replaced before approval is run again at approval."""
+        if self.offline is None or self.registry.gate_state(version) != "pending":
+            return None
+        split = self.splits.get()
+        if split is None or self.offline.current(version, split.champion_version) is not None:
+            return None
+        report = self.offline.check(version, split.champion_version)
+        self.refuse_if_failed(version, report)
+        return report
+
     def refuse_if_failed(self, version: str, report: OfflineGateReport) -> bool:
         """Mark a pending `version` refused when its offline `report` failed (approval and `flywheel gate check`
         both do); whether it was marked."""

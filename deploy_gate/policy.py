@@ -3,7 +3,9 @@
 Off by default (`settings.auto_approve`). When on, the oldest pending candidate is approved
 through the same plan-then-apply as a person's approval, so every check still applies
 (artifacts verified, one challenger at a time, and any offline-gate refusal that approval
-enforces); each attempt is in the audit log as the actor "auto-approve policy". A refusal
+enforces); each attempt is in the audit log as the actor "auto-approve policy". While an
+experiment runs, the next candidate's offline gates run ahead of its approval (`DeployGate.precheck`;
+one that fails is marked refused then). A refusal
 is recorded once per candidate and process, not on every tick, so a candidate that waits for
 the running experiment to end does not flood the log.
 """
@@ -33,12 +35,17 @@ class AutoApprove:
         if not self.gate.settings.auto_approve:
             return None
         status = self.gate.status()
-        if status.challenger is not None:
-            return None  # one experiment at a time: wait quietly, nothing was attempted
         candidates = sorted((v for v in status.pending if v.version not in self._refused), key=lambda v: v.created_at)
         if not candidates:
             return None
         version = candidates[0].version
+        if status.challenger is not None:
+            # One experiment at a time: the next candidate's offline gates run now, so it starts when this ends.
+            report = self.gate.precheck(version)
+            if report is not None:
+                log.info("auto-approve checked the next candidate offline", extra={"version": version,
+                         "passed": report.passed, "champion": report.champion})  # fmt: skip
+            return None
         reason = "auto-approve policy is on (settings.auto_approve)"
         with self.gate.audit.attempt(
             "approve", who=POLICY_ACTOR, role=POLICY_ROLE, target=f"version {version}", reason=reason

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -178,7 +179,8 @@ def demo_rollout_config(**overrides: object) -> RolloutConfig:
 
 
 def auto_approve(gate: DeployGate) -> list[str]:
-    """Demo mode only: approve the newest pending candidate when no challenger is running.
+    """Demo mode only: approve the newest pending candidate when no challenger is running; while one runs,
+    run the newest pending candidate's offline gates ahead of approval (`DeployGate.precheck`).
 
     Promotion and rollback are the rollout controller's (`flywheel gate rollout`, one of the
     processes `flywheel up` starts): per-user statistics, minimum users and time per ramp step,
@@ -193,8 +195,15 @@ def auto_approve(gate: DeployGate) -> list[str]:
     actor = "flywheel up --auto-approve"
     status = gate.status()
     pending = [v.version for v in status.pending]  # newest first
-    if not pending or status.challenger:
+    if not pending:
         return []
+    if status.challenger:
+        report = gate.precheck(pending[0])
+        if report is None:
+            return []
+        if not report.passed:
+            return [f"refused v{pending[0]}: {gate.registry.gate_history(pending[0])[-1].reason}"]
+        return [f"v{pending[0]} passed its offline gates while v{status.challenger} runs; it is next"]
     said = []
     try:
         gate.approve(pending[0], by=actor, reason="demo loop: the rollout controller ramps and decides")
@@ -206,6 +215,16 @@ def auto_approve(gate: DeployGate) -> list[str]:
     except GateError as exc:
         said.append(f"gate refused: {exc}")
     return said
+
+
+def _approve_while(gate: DeployGate, stop: threading.Event, said: queue.SimpleQueue[str]) -> None:
+    """`auto_approve` every 2 s until `stop`, its lines put on `said`; a failed tick is said and tried again."""
+    while not stop.wait(2.0):
+        try:
+            for line in auto_approve(gate):
+                said.put(line)
+        except Exception as exc:  # an outage of Redis or MLflow: the next tick tries again
+            said.put(f"gate refused: {type(exc).__name__}: {exc}")
 
 
 # What the rollout controller decides, as the registry records it: each is said once, with its reason.
@@ -325,18 +344,24 @@ def run_up(
         decided: set[tuple[str, str]] = set()
         decisions(gate.status(), decided)
         last_refusal = ""
+        # Approval and the offline gates it runs take minutes on a busy machine: they run beside the console,
+        # with a gate of their own, and their lines come back through `approvals`.
+        approvals: queue.SimpleQueue[str] = queue.SimpleQueue()
+        if auto_approve_candidates:
+            threading.Thread(target=_approve_while, args=(DeployGate.from_settings(s), stop, approvals),
+                             name="demo-auto-approve", daemon=True).start()  # fmt: skip
         with Live(progress_table(sim, gate.status(), started), console=console, refresh_per_second=1) as live:
             while not stop.wait(2.0):
                 for r in running:
                     if r.proc.poll() is not None:
                         raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
-                if auto_approve_candidates:
-                    for line in auto_approve(gate):
-                        if line.startswith("gate refused:"):
-                            if line == last_refusal:
-                                continue
-                            last_refusal = line
-                        console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
+                while not approvals.empty():
+                    line = approvals.get()
+                    if line.startswith("gate refused:"):
+                        if line == last_refusal:
+                            continue
+                        last_refusal = line
+                    console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
                 status = gate.status()
                 for line in decisions(status, decided, gate.registry.gate_history):
                     console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]

@@ -582,6 +582,42 @@ def test_a_candidate_refused_offline_is_marked_refused_and_never_retried_by_the_
     assert "refused" in row and "offline gates failed against champion 1: kl_to_champion" in row
 
 
+def test_while_an_experiment_runs_the_next_candidate_is_checked_once_and_then_approved_without_a_second_check(
+    gate: DeployGate, registry: ModelRegistry, gate_settings: Settings, tiny_model_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from deploy_gate.policy import AutoApprove
+    from launcher.up import auto_approve
+
+    running = registry.register(tiny_model_dir, ModelLineage(base="tiny", parent_version="1"))
+    gate.approve(running, by="ana", reason="start an experiment")
+    assert gate.offline is not None
+    checks: list[str] = []
+    check = gate.offline.check
+    monkeypatch.setattr(gate.offline, "check", lambda v, c: checks.append(v) or check(v, c))
+
+    # The demo's approver: the newest pending candidate is checked while the experiment runs; a failure is final.
+    bad = registry.register(noisy(tiny_model_dir, tmp_path / "n"), ModelLineage(base="tiny", parent_version="1"))
+    [said] = auto_approve(gate)
+    assert said.startswith(f"refused v{bad}: offline gates failed against champion 1") and "kl_to_champion" in said
+    assert registry.gate_state(bad) == "refused" and gate.status().challenger == running
+    nxt = registry.register(tiny_model_dir, ModelLineage(base="tiny", parent_version="1"))
+    assert auto_approve(gate) == [f"v{nxt} passed its offline gates while v{running} runs; it is next"]
+    assert auto_approve(gate) == [] and checks == [bad, nxt]  # said once, checked once
+    assert registry.gate_state(nxt) == "pending" and gate.status().challenger == running
+    gate.rollback(by="ana", reason="the experiment ended")
+    assert auto_approve(gate) == [f"approved v{nxt} as challenger"]
+    assert checks == [bad, nxt]  # approval used the report made while the experiment ran
+
+    # The gate service's auto-approve policy does the same for the candidate it approves next (the oldest).
+    policy = AutoApprove(DeployGate(registry, gate.redis, gate_settings.model_copy(update={"auto_approve": True}),
+                                    offline=gate.offline))  # fmt: skip
+    later = registry.register(tiny_model_dir, ModelLineage(base="tiny", parent_version="1"))
+    assert policy.tick() is None and checks == [bad, nxt, later]
+    assert gate.offline.current(later, "1") is not None and registry.gate_state(later) == "pending"
+    assert policy.tick() is None and checks == [bad, nxt, later]
+
+
 # ---- the language-model gate: a paired interval against a margin, drift against the reference, budgets -------
 
 
