@@ -10,4 +10,6 @@ if ! bash scripts/install_vllm.sh; then
   [ "${FLYWHEEL_REQUIRE_VLLM:-0}" = 1 ] && { echo "could not install .venv-vllm (FLYWHEEL_REQUIRE_VLLM=1)" >&2; exit 1; }
   echo "could not install .venv-vllm: the vLLM back end's tests will be skipped" >&2
 fi
-exec .venv/bin/python -m pytest "$@"
+# Two workers by default (pytest-xdist; FLYWHEEL_TEST_WORKERS=0 runs in this process), each test file on one worker
+# so a module's shared fixtures (a vLLM engine, a trained model) are built once; a later -n in "$@" wins.
+exec .venv/bin/python -m pytest -n "${FLYWHEEL_TEST_WORKERS:-2}" --dist loadfile "$@"
