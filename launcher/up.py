@@ -355,15 +355,18 @@ def run_up(
                 for r in running:
                     if r.proc.poll() is not None:
                         raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {r.log_path}")
-                while not approvals.empty():
+                # The controller's decisions first, then the approvals queued before the status was read: an
+                # approval that follows a rollback is said after it.
+                queued = approvals.qsize()
+                status = gate.status()
+                for line in decisions(status, decided, gate.registry.gate_history):
+                    console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
+                for _ in range(queued):
                     line = approvals.get()
                     if line.startswith("gate refused:"):
                         if line == last_refusal:
                             continue
                         last_refusal = line
-                    console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
-                status = gate.status()
-                for line in decisions(status, decided, gate.registry.gate_history):
                     console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
                 live.update(progress_table(sim, status, started, rollout_line(gate)))
                 if duration_s is not None and time.monotonic() - started > duration_s:
