@@ -188,7 +188,12 @@ def test_cli_lists_kinds_shows_manifests_diffs_and_verifies(
     for key, value in {"FLYWHEEL_DATA_DIR": str(settings.data_dir), "FLYWHEEL_REDIS_URL": settings.redis_url,
                        "FLYWHEEL_MLFLOW_TRACKING_URI": settings.mlflow_tracking_uri}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("COLUMNS", "200")
+    # A wide terminal, whatever width the CLI's console took when another test first imported it.
+    from rich.console import Console
+
+    import model_registry.cli as registry_cli
+
+    monkeypatch.setattr(registry_cli, "console", Console(width=200))
     get_settings.cache_clear()
     registry = ModelRegistry(settings)
     versions, _ = chain(registry, tiny_model_dir, tmp_path, 1)
@@ -198,10 +203,6 @@ def test_cli_lists_kinds_shows_manifests_diffs_and_verifies(
         assert listed.exit_code == 0, listed.output
         assert "delta" in listed.output and "full" in listed.output
         # An 80-column terminal reads whole headers and version names; the detail columns wait for --wide.
-        from rich.console import Console
-
-        import model_registry.cli as registry_cli
-
         with monkeypatch.context() as narrow_terminal:
             narrow_terminal.setattr(registry_cli, "console", Console(width=80))
             narrow = runner.invoke(app, ["list"])
