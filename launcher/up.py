@@ -203,7 +203,8 @@ def auto_approve(gate: DeployGate) -> list[str]:
             return []
         if not report.passed:
             return [f"refused v{pending[0]}: {gate.registry.gate_history(pending[0])[-1].reason}"]
-        return [f"v{pending[0]} passed its offline gates while v{status.challenger} runs; it is next"]
+        return [f"v{pending[0]} passed its offline gates while v{status.challenger} runs; it starts when that ends "
+                "unless a newer one passes first"]
     said = []
     try:
         gate.approve(pending[0], by=actor, reason="demo loop: the rollout controller ramps and decides")

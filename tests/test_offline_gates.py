@@ -602,7 +602,8 @@ def test_while_an_experiment_runs_the_next_candidate_is_checked_once_and_then_ap
     assert said.startswith(f"refused v{bad}: offline gates failed against champion 1") and "kl_to_champion" in said
     assert registry.gate_state(bad) == "refused" and gate.status().challenger == running
     nxt = registry.register(tiny_model_dir, ModelLineage(base="tiny", parent_version="1"))
-    assert auto_approve(gate) == [f"v{nxt} passed its offline gates while v{running} runs; it is next"]
+    assert auto_approve(gate) == [f"v{nxt} passed its offline gates while v{running} runs; it starts when that ends "
+                                  "unless a newer one passes first"]
     assert auto_approve(gate) == [] and checks == [bad, nxt]  # said once, checked once
     assert registry.gate_state(nxt) == "pending" and gate.status().challenger == running
     gate.rollback(by="ana", reason="the experiment ended")

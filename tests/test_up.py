@@ -149,7 +149,8 @@ def test_demo_mode_approves_the_newest_candidate_and_leaves_a_running_one_to_the
     # (which rolled challengers back before any of their rewards existed); the controller decides.
     # Its offline gates run meanwhile, once, so it can start as soon as the experiment ends.
     newest = registry.register(tiny_model_dir, ModelLineage(base="t", parent_version=champion))
-    assert auto_approve(gate) == [f"v{newest} passed its offline gates while v{newer} runs; it is next"]
+    assert auto_approve(gate) == [f"v{newest} passed its offline gates while v{newer} runs; it starts when that "
+                                  "ends unless a newer one passes first"]
     assert auto_approve(gate) == []
     assert gate.status().challenger == newer and registry.gate_state(newest) == "pending"
 
