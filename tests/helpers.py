@@ -4,6 +4,7 @@ a consumer that hands out small polls, loading a benchmark script as a module.""
 from __future__ import annotations
 
 import importlib.util
+import secrets
 import sys
 import time
 import uuid
@@ -36,9 +37,10 @@ def register(registry: ModelRegistry, tmp_path: Path, parent: str | None = None)
     return registry.register(ckpt, ModelLineage(base="fake", parent_version=parent, sample_count=8))
 
 
-def read_events(settings: Settings, n: int, timeout_s: float = 30.0, group: str = "test-reader") -> list[Event]:
-    """At least `n` events from the events topic (fewer if `timeout_s` passes first)."""
-    consumer = make_consumer(settings, [settings.events_topic], group)
+def read_events(settings: Settings, n: int, timeout_s: float = 30.0, group: str | None = None) -> list[Event]:
+    """At least `n` events from the events topic (fewer if `timeout_s` passes first). A group of its own unless
+    given: a reader left in a shared group by an earlier test can hold some of the partitions until it expires."""
+    consumer = make_consumer(settings, [settings.events_topic], group or f"test-reader-{secrets.token_hex(4)}")
     out: list[Event] = []
     deadline = time.monotonic() + timeout_s
     try:

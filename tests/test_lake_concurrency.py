@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from queue import Empty
+from typing import Any
 
 import duckdb
 import pytest
@@ -83,11 +84,14 @@ def offsets(location: str) -> list[int]:
 # ------------------------------------------------------------ racing writers
 
 
-def race(location: str, rounds: int, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def race(location: str, rounds: int, seed: int, out: multiprocessing.Queue, start: Any) -> None:  # type: ignore[type-arg]
     """One worker's rounds: read the partition's offset, wait (the other may commit meanwhile), commit the next
-    few offsets on the snapshot it read. Puts (commits won, commits refused)."""
+    few offsets on the snapshot it read. Puts (commits won, commits refused). Both start their rounds together
+    (`start`, a barrier): on a loaded machine one spawned process can otherwise finish before the other starts."""
     rng = random.Random(seed)
     ledger = PartitionLedger(EVENTS, location, "ingest")
+    ledger.reload([KEY])  # the imports and the first read behind it, before the race
+    start.wait(timeout=240)
     won = lost = 0
     for _ in range(rounds):
         stored = ledger.reload([KEY])[KEY]
@@ -108,7 +112,8 @@ def test_two_processes_committing_for_one_partition_never_write_an_offset_twice(
     EVENTS.create(location)
     context = multiprocessing.get_context("spawn")  # deltalake panics in a forked child
     out = context.Queue()
-    procs = [context.Process(target=race, args=(location, ROUNDS[kind], seed, out)) for seed in (1, 2)]
+    start = context.Barrier(2)
+    procs = [context.Process(target=race, args=(location, ROUNDS[kind], seed, out, start)) for seed in (1, 2)]
     for p in procs:
         p.start()
     results = []
