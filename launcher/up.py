@@ -219,13 +219,21 @@ def auto_approve(gate: DeployGate) -> list[str]:
 
 
 def _approve_while(gate: DeployGate, stop: threading.Event, said: queue.SimpleQueue[str]) -> None:
-    """`auto_approve` every 2 s until `stop`, its lines put on `said`; a failed tick is said and tried again."""
+    """`auto_approve` every 2 s until `stop`, its lines put on `said`; a failed tick is said and tried again.
+
+    A refusal or failure that repeats (an outage, a corrupt artifact) is said again only when its words change."""
+    last_failure = ""
     while not stop.wait(2.0):
         try:
-            for line in auto_approve(gate):
-                said.put(line)
+            lines = auto_approve(gate)
         except Exception as exc:  # an outage of Redis or MLflow: the next tick tries again
-            said.put(f"gate refused: {type(exc).__name__}: {exc}")
+            lines = [f"approval failed: {type(exc).__name__}: {exc}"]
+        for line in lines:
+            if line.startswith(("gate refused:", "approval failed:")):
+                if line == last_failure:
+                    continue
+                last_failure = line
+            said.put(line)
 
 
 # What the rollout controller decides, as the registry records it: each is said once, with its reason.
@@ -340,11 +348,9 @@ def run_up(
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         started = time.monotonic()
         gate = DeployGate.from_settings(s)  # one registry and Redis connection for the whole run
-        # Each decision is printed once: what the registry already held at start is not news, and a
-        # refusal that repeats (an outage, a corrupt artifact) is said again only when its words change.
+        # Each decision is printed once: what the registry already held at start is not news.
         decided: set[tuple[str, str]] = set()
         decisions(gate.status(), decided)
-        last_refusal = ""
         # Approval and the offline gates it runs take minutes on a busy machine: they run beside the console,
         # with a gate of their own, and their lines come back through `approvals`.
         approvals: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -363,12 +369,7 @@ def run_up(
                 for line in decisions(status, decided, gate.registry.gate_history):
                     console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
                 for _ in range(queued):
-                    line = approvals.get()
-                    if line.startswith("gate refused:"):
-                        if line == last_refusal:
-                            continue
-                        last_refusal = line
-                    console.print(f"[gate] {line}", markup=False, highlight=False)  # a reason may hold [brackets]
+                    console.print(f"[gate] {approvals.get()}", markup=False, highlight=False)  # may hold [brackets]
                 live.update(progress_table(sim, status, started, rollout_line(gate)))
                 if duration_s is not None and time.monotonic() - started > duration_s:
                     break

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.synchronize
 import random
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from queue import Empty
-from typing import Any
 
 import duckdb
 import pytest
@@ -84,7 +84,9 @@ def offsets(location: str) -> list[int]:
 # ------------------------------------------------------------ racing writers
 
 
-def race(location: str, rounds: int, seed: int, out: multiprocessing.Queue, start: Any) -> None:  # type: ignore[type-arg]
+def race(
+    location: str, rounds: int, seed: int, out: multiprocessing.Queue, start: multiprocessing.synchronize.Barrier  # type: ignore[type-arg]
+) -> None:
     """One worker's rounds: read the partition's offset, wait (the other may commit meanwhile), commit the next
     few offsets on the snapshot it read. Puts (commits won, commits refused). Both start their rounds together
     (`start`, a barrier): on a loaded machine one spawned process can otherwise finish before the other starts."""
