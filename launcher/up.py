@@ -193,6 +193,10 @@ def auto_approve(gate: DeployGate) -> list[str]:
     from deploy_gate.errors import OfflineGateFailed
 
     actor = "flywheel up --auto-approve"
+
+    def refused(version: str) -> str:  # the refusal as the gate recorded it (the failed gates, each with its bound)
+        return f"refused v{version}: {gate.registry.gate_history(version)[-1].reason}"
+
     status = gate.status()
     pending = [v.version for v in status.pending]  # newest first
     if not pending:
@@ -202,7 +206,7 @@ def auto_approve(gate: DeployGate) -> list[str]:
         if report is None:
             return []
         if not report.passed:
-            return [f"refused v{pending[0]}: {gate.registry.gate_history(pending[0])[-1].reason}"]
+            return [refused(pending[0])]
         return [f"v{pending[0]} passed its offline gates while v{status.challenger} runs; it starts when that ends "
                 "unless a newer one passes first"]
     said = []
@@ -212,7 +216,7 @@ def auto_approve(gate: DeployGate) -> list[str]:
         for older in pending[1:]:
             gate.reject(older, by=actor, reason=f"superseded by v{pending[0]}")
     except OfflineGateFailed:
-        said.append(f"refused v{pending[0]}: {gate.registry.gate_history(pending[0])[-1].reason}")
+        said.append(refused(pending[0]))
     except GateError as exc:
         said.append(f"gate refused: {exc}")
     return said

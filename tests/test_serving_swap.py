@@ -89,7 +89,7 @@ def test_a_swap_under_concurrent_requests_fails_none_and_every_event_names_its_w
     stop.set()
     assert all(code == 200 for code, _ in answers + tail), answers
     assert {m for _, m in tail} == {v2}
-    events = read_events(settings, len(answers) + len(tail), group="swap-test-reader")
+    events = read_events(settings, len(answers) + len(tail))
     assert len(events) == n + 4
     served = {e.generation().model_version for e in events}
     assert served == {v1, v2}, "requests before the swap ran on v1, after on v2"
