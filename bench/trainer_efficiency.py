@@ -19,8 +19,10 @@ asks only its trainer's question, from logged reactions only, as production trai
 2. Train as `trainer.cycle` does: load the base, time from before the reference scoring, the reference is the
    base's log-probs by the training scorer, `train_policy` with the config's deadline (`time_budget_s` from
    the first step, after the scoring and any own-sample sampling),
-   then bfloat16 rounding when `save_dtype` says so. Not done: the exact-scorer mismatch check (64
-   samples; a few seconds of the budget in production) and registering the candidate.
+   then bfloat16 rounding when `save_dtype` says so. `{"update": "lora"}` trains a fresh adapter on the frozen
+   base (`trainer.cycle.prepare_update`), as a LoRA cycle from a full-weights champion does. Not done: the
+   exact-scorer mismatch check (64 samples; a few seconds of the budget in production) and registering the
+   candidate.
 3. Measure on the closed loop's evaluation contexts (`held_out_contexts(100, seed + 10_000)`, the
    population's `eval_set`, `repeats` fixed seeds each: `simulator.closed_loop.eval_generations`, what
    `evaluate_policy` judges): the candidate's accept rate against the base's (the same seeds, so paired;
@@ -148,6 +150,7 @@ class Trained:
     stopped_at: str
     prepare_cpu: float  # CPU-seconds (this process) from the reference scoring to the first step
     own_note: str = ""
+    train_cpu: float = 0.0  # CPU-seconds (this process) from the first step to the last
 
 
 def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
@@ -158,11 +161,13 @@ def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
 
     from flywheel.lm import load_policy
     from flywheel.lm.precision import round_parameters_to_bfloat16_
+    from trainer.cycle import prepare_update
     from trainer.loop import score_samples, train_policy
     from trainer.scoring import scorer_for
 
     torch.manual_seed(config.seed)
     policy = load_policy(model, device=config.device, dtype=config.dtype)
+    prepare_update(policy, config)  # "lora": a fresh adapter on the frozen base, as a cycle from full weights
     scorer = scorer_for(config.exact_logprobs)
     started, cpu_started = time.monotonic(), time.process_time()
     reference = score_samples(policy.model, samples, scorer, policy.pad_id, config.batch_size)
@@ -176,15 +181,17 @@ def train(model: Path, samples: list[Sample], config: TrainerConfig) -> Trained:
         samples, reference, own_note = own.samples, own.reference, own.note
         print(own.note, flush=True)
     prepare_cpu = time.process_time() - cpu_started
+    cpu_training = time.process_time()
     deadline = time.monotonic() + config.time_budget_s if config.time_budget_s else None  # as trainer.cycle
     with progress("training", math.ceil(len(samples) / config.batch_size) * config.epochs) as advance:
         training = train_policy(policy.model, samples, reference, config, scorer, policy.pad_id,
                                 on_step=lambda _: advance(1), stop_ids=policy.stop_ids, deadline=deadline)  # fmt: skip
     seconds = time.monotonic() - started
+    train_cpu = time.process_time() - cpu_training
     if config.save_dtype == "bfloat16":
         round_parameters_to_bfloat16_(policy.model, config.seed)
     return Trained(policy, seconds, len(training.history), len(samples), training.samples_reached, training.stopped_at,
-                   prepare_cpu, own_note)  # fmt: skip
+                   prepare_cpu, own_note, train_cpu)  # fmt: skip
 
 
 def text_log_losses(policy: Policy, texts: Sequence[Sequence[int]], batch: int = 16) -> np.ndarray:
@@ -363,8 +370,8 @@ def main() -> None:
              f"model {args.model}; product config {DEMO.trainer} over TrainerConfig; {args.samples} logged"
              f" requests per population; {args.repeats} seeds per evaluation context; gate bound {args.max_kl}", "",
              "| population | config | trained on (steps, stop) | train s | gate KL | accept (base) | vs base [95%] "
-             "| frontier at that KL | share | share@bound | prep CPU-s (own prompts) | log-loss vs base, text [95%] "
-             "| log-loss vs base, contexts [95%] |", "|---" * 13 + "|"]  # fmt: skip
+             "| frontier at that KL | share | share@bound | prep CPU-s (own prompts) | train CPU-s "
+             "| log-loss vs base, text [95%] | log-loss vs base, contexts [95%] |", "|---" * 14 + "|"]  # fmt: skip
     base_text = text_log_losses(base_policy, general)
     context_ids = [base_policy.encode_prompt(c.prompt, max_tokens=1) for c in (*evals.code, *evals.comment)]
     base_contexts = text_log_losses(base_policy, context_ids)
@@ -415,7 +422,8 @@ def main() -> None:
                     f"| {trained.seconds:.0f} | {kl:.3f}{'' if kl < args.max_kl else ' (over)'} "
                     f"| {cand.accept():.3f} ({base.accept():.3f}) | {gain:+.1%} [{lo:+.1%}, {hi:+.1%}] "
                     f"| {at_kl:+.1%} | {frac(share(gain, at_kl))} | {frac(share(gain, bound_gain))} "
-                    f"| {trained.prepare_cpu:.0f} ({covered}) | {lm_text} | {lm_contexts} |")  # fmt: skip
+                    f"| {trained.prepare_cpu:.0f} ({covered}) | {trained.train_cpu:.0f} | {lm_text} "
+                    f"| {lm_contexts} |")  # fmt: skip
             lines.append(line)
             print(line, flush=True)
     if args.out:
