@@ -386,7 +386,9 @@ def main() -> None:
         else:
             rows = log_requests(base_policy, pop, contexts, args.samples, args.seed, args.max_tokens, args.batch)
             logged_path.write_text(json.dumps(rows))
-        base_path = args.cache / f"{args.model.name}-{pop.name}-eval{args.eval_contexts}-r{args.repeats}.json"
+        # the seed picks the evaluation contexts: a base evaluated on other contexts would not pair with the candidate
+        evaluated = f"eval{args.eval_contexts}-r{args.repeats}-s{args.seed}"
+        base_path = args.cache / f"{args.model.name}-{pop.name}-{evaluated}.json"
         if base_path.exists():
             raw = json.loads(base_path.read_text())
             base = Judged(*(np.array(raw[k]) for k in ("p_accept", "shown", "lengths")))
