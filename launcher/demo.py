@@ -158,10 +158,16 @@ _DEMO_TRAINER = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline
 # cell, 2026-12-03), 43% of 10%-better and 94% of 30%-better challengers promoted, no 10%-worse one, no A/A
 # wrong decision, where ten minutes at 3 requests a second (1,450 users) gave 28% and 82%.
 # Those eight minutes are now a planned size, not a clock: an experiment ends once its users resolve a 25% change
-# in the accept rate (`planned_change`), which the demo's own traffic reaches in about eight minutes, and runs on
-# to 30 minutes where the traffic is a small product's (outside traffic at 3 requests a second on users who accept
-# 5% of suggestions: eight minutes promoted 27% of 30%-better challengers, 30 minutes 82%, with 10%-worse ones at
-# 1% both ways; simulated users at accept 0.25 and 0.05, `deploy_gate.rollout.calibration`, 2026-12-04).
+# in the accept rate (`planned_change`), and runs on to 30 minutes where the traffic is a small product's (outside
+# traffic at 3 requests a second on users who accept 5% of suggestions: eight minutes promoted 27% of 30%-better
+# challengers, 30 minutes 82%, with 10%-worse ones at 1% both ways; simulated users at accept 0.25 and 0.05,
+# `deploy_gate.rollout.calibration`, 2026-12-04).
+# The demo's own users (`flywheel up`'s `--rate` and `--populations`) are 12 requests a second from the three
+# populations the defaults were tuned on. At 6 a second from all five default kinds, the first candidate (about +9% in
+# truth in both runs: `content` and `noisy` users teach it little) was decided at about 12.5 minutes and promoted in
+# one run of two. At 12 a second the planned size comes in about 4.5 minutes, so the first decision comes at about 8
+# minutes; a rollback then leaves time for a second experiment inside 15. The first candidate also trains on about
+# twice the samples (494 against 262). Measured in bench/results/flywheel_up_demo.md.
 _DEMO_ROLLOUT = {
     "ramp": [{"share": 0.25, "min_users": 1, "min_seconds": 60}, {"share": 0.5, "min_users": 2, "min_seconds": 120}],
     "max_duration_s": 1800,

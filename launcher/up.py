@@ -323,6 +323,7 @@ def run_up(
     s = stack.settings.model_copy(update={"train_interval_s": train_interval_s, **DEMO.of("Settings", os.environ)})
     running: list[Running] = []
     user_threads: list[threading.Thread] = []
+    approver: threading.Thread | None = None
     stop = threading.Event()
     try:
         ensure_topics(s)
@@ -359,8 +360,9 @@ def run_up(
         # with a gate of their own, and their lines come back through `approvals`.
         approvals: queue.SimpleQueue[str] = queue.SimpleQueue()
         if auto_approve_candidates:
-            threading.Thread(target=_approve_while, args=(DeployGate.from_settings(s), stop, approvals),
-                             name="demo-auto-approve", daemon=True).start()  # fmt: skip
+            approver = threading.Thread(target=_approve_while, args=(DeployGate.from_settings(s), stop, approvals),
+                                        name="demo-auto-approve", daemon=True)  # fmt: skip
+            approver.start()
         with Live(progress_table(sim, gate.status(), started), console=console, refresh_per_second=1) as live:
             while not stop.wait(2.0):
                 for r in running:
@@ -391,3 +393,20 @@ def run_up(
             except subprocess.TimeoutExpired:
                 r.proc.kill()
         stack.stop()
+    end_unless_still_running(approver)
+
+
+def end_unless_still_running(approver: threading.Thread | None, wait_s: float = 5.0) -> None:
+    """End the process at once, with status 0, when the approval thread is still at work after `wait_s`.
+
+    That thread may be inside the offline gates' torch work, which cannot be interrupted. If the interpreter
+    shut down around it, the process would abort ("terminate called without an active exception", status 134).
+    Everything this process started is stopped by the time this runs, so nothing is lost by not waiting."""
+    if approver is None:
+        return
+    approver.join(wait_s)
+    if approver.is_alive():
+        console.print("stopped; the next candidate's offline gates were still running and were not waited for")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

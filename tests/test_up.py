@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -225,3 +226,27 @@ def test_the_progress_table_shows_no_nan_before_any_simulated_user_is_served() -
     console.print(progress_table(sim, status, started=0.0))
     text = console.export_text()
     assert "nan" not in text and "champion" in text and "challenger" in text
+
+
+def test_the_demo_ends_without_waiting_for_offline_gates_still_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread still inside the offline gates when `flywheel up` stops is not waited for: the process ends at once
+    with status 0 (the interpreter shutting down around torch work in a thread aborts it with status 134). A thread
+    that has finished is joined and nothing more happens."""
+    from launcher import up
+
+    ended: list[int] = []
+
+    def fake_exit(code: int) -> None:  # os._exit would end the test process itself
+        ended.append(code)
+
+    monkeypatch.setattr(up.os, "_exit", fake_exit)
+    release = threading.Event()
+    busy = threading.Thread(target=release.wait, daemon=True)
+    busy.start()
+    up.end_unless_still_running(busy, wait_s=0.05)
+    assert ended == [0]
+    release.set()
+    busy.join()
+    up.end_unless_still_running(busy, wait_s=0.05)
+    up.end_unless_still_running(None)
+    assert ended == [0]
