@@ -165,7 +165,7 @@ _DEMO_TRAINER = {"learning_rate": 1e-4, "epochs": 1, "batch_size": 16, "baseline
 # The demo's own users (`flywheel up`'s `--rate` and `--populations`) are 12 requests a second from the three
 # populations the defaults were tuned on. At 6 a second from all five default kinds, the first candidate (about +9% in
 # truth in both runs: `content` and `noisy` users teach it little) was decided at about 12.5 minutes and promoted in
-# one run of two. At 12 a second the planned size comes in about 4.5 minutes, so the first decision comes at about 8
+# one run of two. At 12 a second the planned size comes in about 4.5 minutes, so the first decision comes at 8-9.5
 # minutes; a rollback then leaves time for a second experiment inside 15. The first candidate also trains on about
 # twice the samples (494 against 262). Measured in bench/results/flywheel_up_demo.md.
 _DEMO_ROLLOUT = {
