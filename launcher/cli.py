@@ -91,10 +91,10 @@ _TRAINER_CONFIG_OPTION = typer.Option(
 
 
 _POPULATIONS_OPTION = typer.Option(
-    "length,style,declining",
-    help="The simulated users' populations, comma-separated (simulator/populations.py). The default is the three the "
-    "defaults were tuned on, so the demo shows the loop on users it was built for; content, noisy, style-mirror and "
-    "brackets were not used for tuning (bench/outside_traffic.py reports on them).",
+    "",
+    help="The simulated users' populations, comma-separated (simulator/populations.py). Default: the three the "
+    "defaults were tuned on (length, style, declining), so the demo shows the loop on users it was built for; content, "
+    "noisy, style-mirror and brackets were not used for tuning (bench/outside_traffic.py reports on them).",
 )
 
 

@@ -35,7 +35,7 @@ from flywheel.traffic import TrafficSplitStore
 from launcher.demo import DEMO
 from launcher.embedded import EmbeddedStack, settings_env, start_embedded
 from model_registry import GateChange
-from simulator.populations import populations_named
+from simulator.populations import populations_named, tuning_populations
 from simulator.users import UserSimulator
 from trainer.config import TrainerConfig
 
@@ -343,9 +343,10 @@ def run_up(
         console.print(f"[bold green]dashboard:[/] {base}:{s.gate_port}/   "
                       f"serving: {base}:{s.serving_port}/v1/completions   collector: {base}:{s.collector_port}")
         console.print(f"logs: {s.data_dir / 'logs'}   approve a candidate: flywheel gate approve VERSION --by YOU")
+        # The demo's users: the populations the defaults were tuned on, unless `--populations` names others.
+        kinds = populations_named(populations) if populations else tuning_populations()
         sim = UserSimulator(f"{base}:{s.serving_port}", f"{base}:{s.collector_port}",
-                            sorted(s.write_key_set)[0], n_users=users, rate_per_s=rate,
-                            populations=populations_named(populations) if populations else None)  # fmt: skip
+                            sorted(s.write_key_set)[0], n_users=users, rate_per_s=rate, populations=kinds)  # fmt: skip
         user_threads = sim.start(stop)
         if users == 0:
             console.print("no simulated users (--users 0): send your own traffic to serving and the collector; "
